@@ -1,0 +1,37 @@
+"""The backend protocol the engine drives: load a model, allocate KV slots, run one batched step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's share of a step: `token_ids` at positions start_pos.. in cache slot `slot`."""
+
+    slot: int
+    token_ids: list[int]
+    start_pos: int
+    needs_logits: bool = True
+
+
+class ModelRunner(Protocol):
+    """What every backend (torch, neuron) provides to the scheduler."""
+
+    vocab_size: int
+    max_model_len: int
+
+    def load(self) -> None:
+        """Load weights (and compile, where the backend compiles)."""
+
+    def allocate_kv(self, num_slots: int) -> None:
+        """Reserve KV storage for `num_slots` concurrent sequences of up to max_model_len tokens."""
+
+    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """Run one forward over all chunks; fp32 logits [num chunks with needs_logits, vocab]."""
+
+    def release_slot(self, slot: int) -> None:
+        """Forget a finished sequence's cache slot (may be a no-op)."""

@@ -1,0 +1,228 @@
+"""A compact Llama-family decoder whose forward runs a flat, mixed prefill/decode batch on a slot KV cache.
+
+Why not transformers' LlamaForCausalLM: continuous batching needs one forward over ragged chunks
+(prefill pieces and single decode tokens of different sequences) against a cache the engine owns;
+doing that through HF's cache classes costs more Python than the model itself at decode sizes.
+Weights, config and rotary tables still come from transformers, so outputs match HF.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+@dataclass
+class FlatBatch:
+    """A forward's inputs: every scheduled token of every sequence, concatenated.
+
+    input_ids, positions: [num_tokens]; per sequence i: cache slot `slots[i]`, first position
+    `starts[i]`, `lengths[i]` new tokens, and whether its last position needs logits.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    token_slots: torch.Tensor
+    slots: list[int]
+    starts: list[int]
+    lengths: list[int]
+    logits_index: torch.Tensor  # flat indices of the tokens whose logits are returned
+
+
+class KVCache:
+    """Per-layer K/V tensors [num_slots, num_kv_heads, max_model_len, head_dim]; one slot per sequence.
+
+    Allocated with torch.empty: the OS commits pages only as positions are written, so the resident
+    size follows the tokens actually cached rather than num_slots x max_model_len.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots = num_slots
+        self.max_len = max_len
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm, computed in fp32 like the reference."""
+
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for every position up to max_len, built by transformers' rope functions."""
+
+    def __init__(self, config: LlamaConfig, max_len: int):
+        super().__init__()
+        params = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            head_dim = config.head_dim
+            base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq.float())
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate x [num_tokens, heads, head_dim] to its positions."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+def _fuse_linears(mods: list[nn.Module]) -> nn.Linear | None:
+    """One Linear stacking the outputs of several bias-free Linears, or None if any is not one."""
+    if not all(type(m) is nn.Linear and m.bias is None for m in mods):
+        return None
+    weight = torch.cat([m.weight.data for m in mods], dim=0)
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype, device=weight.device)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    return fused
+
+
+class Attention(nn.Module):
+    """GQA self-attention over a flat batch, writing new K/V into the slot cache."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.qkv_proj: nn.Linear | None = None
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+
+    def fuse(self) -> None:
+        self.qkv_proj = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if self.qkv_proj is not None:  # drop the parts so weights are held once
+            self.q_proj = self.k_proj = self.v_proj = None
+
+    def _qkv(self, x: torch.Tensor):
+        if self.qkv_proj is not None:
+            q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            return self.qkv_proj(x).split([q_dim, kv_dim, kv_dim], dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def forward(self, x: torch.Tensor, batch: FlatBatch, rotary: Rotary,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self._qkv(x)
+        q = rotary(q.view(num_tokens, self.num_heads, self.head_dim), batch.positions)
+        k = rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), batch.positions)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache[batch.token_slots, :, batch.positions] = k
+        v_cache[batch.token_slots, :, batch.positions] = v
+        out = torch.empty_like(q)
+        offset = 0
+        for slot, start, length in zip(batch.slots, batch.starts, batch.lengths):
+            end = start + length
+            q_seq = q[offset:offset + length].transpose(0, 1).unsqueeze(0)
+            k_seq = k_cache[slot, :, :end].unsqueeze(0)
+            v_seq = v_cache[slot, :, :end].unsqueeze(0)
+            mask = None
+            if 1 < length < end:  # a prefill chunk after cached tokens: causal, shifted by start
+                mask = torch.ones(length, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
+            attn = F.scaled_dot_product_attention(
+                q_seq, k_seq, v_seq, attn_mask=mask, is_causal=(length > 1 and start == 0),
+                scale=self.scale, enable_gqa=True)
+            out[offset:offset + length] = attn[0].transpose(0, 1)
+            offset += length
+        return self.o_proj(out.view(num_tokens, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP; gate/up/down may each be a Linear or a LowRankLinear."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_proj: nn.Module = nn.Linear(hidden, inter, bias=False)
+        self.up_proj: nn.Module = nn.Linear(hidden, inter, bias=False)
+        self.down_proj: nn.Module = nn.Linear(inter, hidden, bias=False)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        self.gate_up_proj = _fuse_linears([self.gate_proj, self.up_proj])
+        if self.gate_up_proj is not None:
+            self.gate_proj = self.up_proj = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, batch, rotary, k_cache, v_cache):
+        x = x + self.self_attn(self.input_layernorm(x), batch, rotary, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head; forward returns logits of selected tokens."""
+
+    def __init__(self, config: LlamaConfig, max_len: int):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = Rotary(config, max_len)
+        self.requires_grad_(False)
+
+    def fuse_projections(self) -> None:
+        """Stack q/k/v and gate/up into single GEMMs where they are plain Linears (after any low-rank swap)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    @torch.inference_mode()
+    def forward(self, batch: FlatBatch, cache: KVCache) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch, self.rotary, cache.k[i], cache.v[i])
+        x = self.norm(x[batch.logits_index])
+        return self.lm_head(x).float()

@@ -1,0 +1,63 @@
+"""Build the serving model from a local HF folder: config, safetensors weights, optional low-rank artifact."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from server.config import ConfigError
+from server.models.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHS = {"LlamaForCausalLM"}
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of every *.safetensors file in a folder."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model.path: no .safetensors files in {model_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(file))
+    return state
+
+
+def load_llama(model_dir: Path, max_len: int, dtype: torch.dtype = torch.float32,
+               compressed: Path | None = None) -> LlamaModel:
+    """A ready-to-serve LlamaModel (weights loaded, low-rank factors applied, projections fused)."""
+    config = AutoConfig.from_pretrained(model_dir)
+    archs = set(getattr(config, "architectures", None) or [])
+    if not archs & SUPPORTED_ARCHS:
+        raise ConfigError(f"model: architecture {sorted(archs)} not supported (need one of {sorted(SUPPORTED_ARCHS)})")
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        raise ConfigError("model: Llama variants with biases are not supported")
+    with torch.device("meta"):
+        model = LlamaModel(config, max_len)
+    state = {k.removeprefix("model."): v for k, v in load_state_dict(model_dir).items()}
+    if "lm_head.weight" not in state:
+        if not config.tie_word_embeddings:
+            raise ConfigError(f"model: {model_dir} has no lm_head.weight and embeddings are not tied")
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    model.rotary = type(model.rotary)(config, max_len)  # buffers computed, not loaded
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not k.startswith("rotary.")]
+    if missing or unexpected:
+        raise ConfigError(f"model: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    if compressed is not None:
+        from server.models.compressed import apply_compressed_artifact
+
+        apply_compressed_artifact(model, compressed, model_dir)
+    model.fuse_projections()
+    model.to(dtype)
+    model.eval()
+    log.info("loaded %s: %d layers, hidden %d, %.1fM parameters", model_dir.name, config.num_hidden_layers,
+             config.hidden_size, sum(p.numel() for p in model.parameters()) / 1e6)
+    return model
