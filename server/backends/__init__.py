@@ -1,0 +1,27 @@
+"""Model runners behind one protocol (see base.py); `create_runner` picks one from the config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from server.config import Config, ConfigError
+
+
+def create_runner(cfg: Config, model_dir: Path):
+    """The configured backend's runner, not yet loaded."""
+    compressed = Path(cfg.model.compressed).expanduser() if cfg.model.compressed else None
+    if cfg.backend == "torch":
+        from server.backends.torch_runner import TorchRunner
+
+        if cfg.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(f"device: {cfg.device!r} requested but torch sees no CUDA device")
+        return TorchRunner(model_dir, cfg.engine.max_model_len, cfg.model.dtype, cfg.device, compressed,
+                           cfg.engine.num_threads)
+    if cfg.backend == "neuron":
+        from server.backends.neuron import create_neuron_runner
+
+        return create_neuron_runner(cfg, model_dir, compressed)
+    raise ConfigError(f"backend: unknown backend {cfg.backend!r}")

@@ -1,0 +1,187 @@
+"""FastAPI app: thin routes over OpenAIServing, the error envelope, auth, body limit, health, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.api.errors import APIError, error_response
+from server.api.metrics import ServerMetrics
+from server.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                 CompletionResponse, ErrorResponse, ModelCard, ModelList)
+from server.api.serving import OpenAIServing
+from server.config import Config
+from server.engine.async_engine import AsyncEngine
+from server.runtime import Runtime, load_runtime
+
+log = logging.getLogger(__name__)
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
+_OPEN_PATHS = {"/health"}
+
+
+class AppState:
+    """What the routes share: readiness, the async engine, the serving layer, metrics."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.metrics = ServerMetrics(cfg.model.name)
+        self.ready = False
+        self.draining = False
+        self.load_error: str | None = None
+        self.runtime: Runtime | None = None
+        self.engine: AsyncEngine | None = None
+        self.serving: OpenAIServing | None = None
+
+    def start(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.engine = AsyncEngine(runtime.engine, self.cfg.engine.max_queue)
+        runtime.engine.observers.append(self.metrics.observe_step)
+        self.metrics.bind_gauges(lambda: self.engine.num_running, lambda: self.engine.num_waiting)
+        self.serving = OpenAIServing(self.engine, runtime.tokenizer, self.cfg.model.name,
+                                     self.cfg.engine.max_model_len, self.metrics)
+        self.engine.start()
+        self.ready = True
+
+
+def _install_middleware(app: FastAPI, cfg: Config) -> None:
+    api_key = cfg.server.api_key
+    max_body = cfg.server.max_body_bytes
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if api_key and request.url.path not in _OPEN_PATHS:
+            supplied = request.headers.get("authorization", "")
+            expected = f"Bearer {api_key}"
+            # constant-time comparison; the key never reaches a log line
+            if not hmac.compare_digest(supplied.encode(), expected.encode()):
+                return error_response(401, "missing or invalid API key", code="invalid_api_key")
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > max_body:
+            return error_response(413, f"request body over {max_body} bytes", code="body_too_large")
+        state: AppState = request.app.state.neuronmm
+        if request.url.path.startswith("/v1/") and request.method == "POST":
+            if state.draining:
+                return error_response(503, "server is shutting down", code="shutting_down")
+            if not state.ready:
+                return error_response(503, "model is loading", code="not_ready", headers={"Retry-After": "5"})
+        return await call_next(request)
+
+    if cfg.server.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=cfg.server.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"])
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError):
+        err = exc.errors()[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        msg = err.get("msg", "invalid request")
+        if err.get("type") == "extra_forbidden":
+            msg = "unrecognized request argument"
+        return error_response(400, f"{param}: {msg}" if param else msg, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception):
+        log.exception("unhandled error")
+        return error_response(500, f"internal error: {exc.__class__.__name__}")
+
+
+def _install_routes(app: FastAPI) -> None:
+    def serving(request: Request) -> OpenAIServing:
+        return request.app.state.neuronmm.serving
+
+    @app.get("/health")
+    async def health(request: Request):
+        state: AppState = request.app.state.neuronmm
+        if state.ready and not state.draining and state.engine.is_alive:
+            return {"status": "ok"}
+        status = "error: " + state.load_error if state.load_error else (
+            "draining" if state.draining else "loading")
+        return JSONResponse({"status": status}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        return Response(request.app.state.neuronmm.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def models(request: Request):
+        cfg = request.app.state.neuronmm.cfg
+        return ModelList(data=[ModelCard(id=cfg.model.name, max_model_len=cfg.engine.max_model_len)])
+
+    async def respond(result):
+        if hasattr(result, "__aiter__"):
+            return StreamingResponse(result, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return result
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request):
+        return await respond(await serving(request).completions(body, request))
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    async def chat(body: ChatCompletionRequest, request: Request):
+        return await respond(await serving(request).chat(body, request))
+
+
+def create_app(cfg: Config, loader: Callable[[Config], Runtime] = load_runtime) -> FastAPI:
+    """The ASGI app; the model loads in the background after start-up (/health is 503 until warm)."""
+    state = AppState(cfg)
+
+    async def load() -> None:
+        try:
+            runtime = await asyncio.to_thread(loader, cfg)
+            state.start(runtime)
+            log.info("ready: serving %s on the %s backend", cfg.model.name, cfg.backend)
+        except Exception as exc:  # keep the server up so /health can say why
+            state.load_error = f"{exc.__class__.__name__}: {exc}"
+            log.error("model failed to load: %s", state.load_error)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        task = asyncio.create_task(load())
+        yield
+        state.draining = True
+        task.cancel()
+        if state.engine:
+            state.engine.stop()
+
+    app = FastAPI(title="neuronmm", version="0.1.0", lifespan=lifespan)
+    app.state.neuronmm = state
+    _install_middleware(app, cfg)
+    _install_error_handlers(app)
+    _install_routes(app)
+    return app
+
+
+def serve(cfg: Config) -> int:
+    """Run the app under uvicorn until interrupted."""
+    import uvicorn
+
+    from server.models.source import resolve_model_dir
+
+    # Resolve (and convert) the model before binding the port, so a bad path is a one-line CLI error.
+    resolve_model_dir(cfg.model, cfg.cache_path)
+    app = create_app(cfg)
+    uvicorn.run(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
+                timeout_graceful_shutdown=cfg.server.shutdown_grace_s)
+    return 0

@@ -1,0 +1,166 @@
+"""Asyncio front of the engine: the engine loop runs in its own thread; each request gets an output queue.
+
+Requests and aborts cross into the engine thread through a lock-protected inbox that is drained
+between steps, so the engine's state is only ever touched by its own thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from dataclasses import dataclass
+
+from server.engine.llm_engine import LLMEngine
+from server.engine.sampling_params import SamplingParams
+from server.engine.sequence import SeqOutput
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at max_queue; the client should retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running."""
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int
+
+
+class AsyncEngine:
+    """Thread-hosted engine loop with per-request asyncio queues and abort on cancellation."""
+
+    def __init__(self, engine: LLMEngine, max_queue: int):
+        self.engine = engine
+        self.max_queue = max_queue
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: list[_Pending] = []
+        self._aborts: list[str] = []
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.num_waiting = 0  # engine waiting + inbox, read by metrics and admission
+        self.num_running = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="neuronmm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return bool(self._thread and self._thread.is_alive())
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    # ---- requests --------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, n: int = 1,
+               request_id: str | None = None) -> "RequestStream":
+        """Admit a request now (QueueFullError if the queue is full); iterate the result for outputs."""
+        if not self.is_alive:
+            raise EngineDeadError("engine is not running")
+        request_id = request_id or uuid.uuid4().hex
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if self.num_waiting + len(self._inbox) >= self.max_queue:
+                raise QueueFullError(f"queue full ({self.max_queue} waiting requests)")
+            self._queues[request_id] = (asyncio.get_running_loop(), queue)
+            self._inbox.append(_Pending(request_id, prompt_ids, params, n))
+        self._wake.set()
+        return RequestStream(self, request_id, queue, n)
+
+    def release(self, request_id: str, abort: bool) -> None:
+        """Stop routing outputs to a request; abort it in the engine if it has not finished."""
+        with self._lock:
+            self._queues.pop(request_id, None)
+            if abort:
+                self._aborts.append(request_id)
+        self._wake.set()
+
+    # ---- engine thread ---------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for rid in aborts:
+            self.engine.abort(rid)
+        for p in inbox:
+            if p.request_id in self._queues:  # not cancelled before it reached us
+                self.engine.add_request(p.request_id, p.prompt_ids, p.params, p.n)
+
+    def _publish(self, outputs: list[SeqOutput]) -> None:
+        with self._lock:
+            targets = [(self._queues.get(o.request_id), o) for o in outputs]
+        for target, out in targets:
+            if target is not None:
+                loop, queue = target
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def _update_counts(self) -> None:
+        sched = self.engine.scheduler
+        self.num_waiting, self.num_running = sched.num_waiting, sched.num_running
+
+    def _loop(self) -> None:
+        log.info("engine loop started")
+        while not self._stop:
+            self._drain_inbox()
+            self._update_counts()
+            if not self.engine.has_work():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:  # a bug outside the forward: fail everything running, keep going
+                log.exception("engine step failed")
+                outputs = self.engine.fail_all("engine step failed")
+            self._publish(outputs)
+        log.info("engine loop stopped")
+
+
+class RequestStream:
+    """Async iterator over one request's outputs; `aclose()` (always call it) aborts unfinished work."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue, n: int):
+        self.engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self._remaining = n
+        self._closed = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> SeqOutput:
+        if self._remaining == 0 or self._closed:
+            await self.aclose()
+            raise StopAsyncIteration
+        out: SeqOutput = await self._queue.get()
+        if out.finish_reason is not None:
+            self._remaining -= 1
+        if out.error:  # one failed choice fails the request
+            self._remaining = 0
+        return out
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.engine.release(self.request_id, abort=self._remaining > 0)

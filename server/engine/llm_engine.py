@@ -1,0 +1,137 @@
+"""The synchronous engine: add requests, run scheduler steps through a backend, emit per-sequence deltas."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from server.backends.base import ModelRunner, SeqChunk
+from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.sampler import sample
+from server.engine.sampling_params import SamplingParams
+from server.engine.scheduler import ScheduledChunk, Scheduler
+from server.engine.sequence import Sequence, SeqOutput
+
+log = logging.getLogger(__name__)
+
+# Called once per step with (sequences that produced a token, prompt tokens computed this step,
+# number of sequences in the forward).
+StepObserver = Callable[[list[Sequence], int, int], None]
+
+
+class LLMEngine:
+    """Owns the scheduler and the backend; `step()` runs one batched forward."""
+
+    def __init__(self, runner: ModelRunner, tokenizer, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: set[int] | None = None):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)
+        self.eos_token_ids = frozenset(eos_token_ids or ())
+        self.seqs: dict[str, list[Sequence]] = {}
+        self.observers: list[StepObserver] = []
+        self.last_batch_size = 0
+        self.max_batch_size_seen = 0
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> None:
+        """Queue n sequences for one prompt (the caller has checked lengths)."""
+        if request_id in self.seqs:
+            raise ValueError(f"duplicate request id {request_id}")
+        seqs = []
+        for index in range(n):
+            generator = None
+            if not params.is_greedy:
+                generator = torch.Generator()
+                generator.manual_seed(params.seed + index if params.seed is not None else
+                                      int(torch.randint(0, 2**62, (1,))))
+            seq = Sequence(request_id, index, list(prompt_ids), params,
+                           IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens),
+                           self.eos_token_ids, generator)
+            self.scheduler.add(seq)
+            seqs.append(seq)
+        self.seqs[request_id] = seqs
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is; its KV slots are free for the next step."""
+        for seq in self.seqs.pop(request_id, []):
+            self.scheduler.finish(seq, "abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[SeqOutput]:
+        """Schedule, run one forward, sample, detokenize; outputs for sequences that advanced."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        self.last_batch_size = len(chunks)
+        self.max_batch_size_seen = max(self.max_batch_size_seen, len(chunks))
+        try:
+            logits = self.runner.execute([
+                SeqChunk(c.seq.slot, c.seq.token_slice(c.start, c.start + c.num_tokens), c.start, c.completes_seq)
+                for c in chunks])
+        except Exception as exc:  # fail this step's sequences, keep the engine alive
+            log.exception("forward failed for %d sequences", len(chunks))
+            return [self.fail(c.seq, f"engine error: {exc.__class__.__name__}: {exc}") for c in chunks]
+        sampled = [c for c in chunks if c.completes_seq]
+        num_prompt_tokens = sum(c.num_tokens for c in chunks if c.start < len(c.seq.prompt_ids))
+        for c in chunks:
+            c.seq.num_computed += c.num_tokens
+        tokens, logprobs = sample(logits, [c.seq for c in sampled])
+        now = time.monotonic()
+        outputs = [self._advance(c, tok, lp, now) for c, tok, lp in zip(sampled, tokens, logprobs)]
+        for observer in self.observers:
+            observer([c.seq for c in sampled], num_prompt_tokens, len(chunks))
+        return outputs
+
+    def _advance(self, chunk: ScheduledChunk, token: int, logprob, now: float) -> SeqOutput:
+        seq = chunk.seq
+        seq.output_ids.append(token)
+        seq.first_token_time = seq.first_token_time or now
+        seq.last_itl = None if seq.last_token_time is None else now - seq.last_token_time
+        seq.last_token_time = now
+        if logprob is not None:
+            seq.pending_logprobs.append(logprob)
+        reason = self._finish_reason(seq, token)
+        if reason:
+            self.scheduler.finish(seq, reason)
+        return self._output(seq)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if not params.ignore_eos and token in seq.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if seq.detok.append(seq.output_ids):
+            return "stop"
+        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence, error: str | None = None) -> SeqOutput:
+        finished = seq.is_finished
+        token_ids = seq.output_ids[-1:] if seq.output_ids else []
+        lps = seq.pending_logprobs or None
+        seq.pending_logprobs = []
+        out = SeqOutput(seq.request_id, seq.index, seq.detok.take_delta(finished), token_ids, lps,
+                        seq.finish_reason if finished else None, len(seq.prompt_ids), len(seq.output_ids), error)
+        if finished and all(s.is_finished for s in self.seqs.get(seq.request_id, [])):
+            self.seqs.pop(seq.request_id, None)
+        return out
+
+    def fail(self, seq: Sequence, message: str) -> SeqOutput:
+        """End one sequence with an error its client will see."""
+        self.scheduler.finish(seq, "error")
+        return self._output(seq, error=message)
+
+    def fail_all(self, message: str) -> list[SeqOutput]:
+        """End every unfinished sequence with an error (after a step failed outside the forward)."""
+        outputs = [self.fail(seq, message) for seqs in list(self.seqs.values()) for seq in seqs
+                   if not seq.is_finished]
+        self.seqs.clear()
+        return outputs

@@ -1,0 +1,79 @@
+"""A sequence's state as it moves waiting -> running -> finished, and what one step emits for it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of a chosen token and its top alternatives (token id -> logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SeqOutput:
+    """What one engine step produced for one sequence (deltas since the last output)."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class Sequence:
+    """One generated choice of a request; `index` is its position among the request's n choices."""
+
+    request_id: str
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    eos_token_ids: frozenset[int] = frozenset()
+    generator: torch.Generator | None = None
+    status: SeqStatus = SeqStatus.WAITING
+    slot: int = -1
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    last_itl: float | None = None  # seconds between the two newest tokens
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n_prompt = len(self.prompt_ids)
+        if end <= n_prompt:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

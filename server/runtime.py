@@ -1,0 +1,74 @@
+"""Assemble a serving runtime from a config: model folder, tokenizer, backend runner, engine."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from server.backends import create_runner
+from server.config import Config, ConfigError
+from server.engine.llm_engine import LLMEngine
+from server.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    """Everything the server needs: tokenizer, loaded runner, synchronous engine."""
+
+    tokenizer: object
+    runner: object
+    engine: LLMEngine
+
+
+def load_tokenizer(model_dir: Path):
+    """The model's tokenizer (with its chat template), offline."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def eos_token_ids(model_dir: Path, tokenizer) -> set[int]:
+    """EOS ids from generation_config.json and the tokenizer."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen_cfg = model_dir / "generation_config.json"
+    if gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids
+
+
+def build_engine(cfg: Config, runner, tokenizer, eos_ids: set[int]) -> LLMEngine:
+    """Allocate KV for max_num_seqs and wrap the runner in an engine; logs the effective limits."""
+    e = cfg.engine
+    if e.max_num_batched_tokens < e.max_num_seqs:
+        raise ConfigError("engine.max_num_batched_tokens must be >= engine.max_num_seqs")
+    runner.allocate_kv(e.max_num_seqs)
+    log.info("engine limits: max_num_seqs=%d max_num_batched_tokens=%d max_model_len=%d max_queue=%d",
+             e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len, e.max_queue)
+    return LLMEngine(runner, tokenizer, e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len, eos_ids)
+
+
+def warm_up(engine: LLMEngine, prompt_ids: list[int]) -> None:
+    """Run one short greedy request through the whole engine path before serving."""
+    engine.add_request("warmup", prompt_ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+
+
+def load_runtime(cfg: Config) -> Runtime:
+    """Resolve, load and warm the configured model."""
+    from server.models.source import resolve_model_dir
+
+    model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
+    tokenizer = load_tokenizer(model_dir)
+    runner = create_runner(cfg, model_dir)
+    runner.load()
+    engine = build_engine(cfg, runner, tokenizer, eos_token_ids(model_dir, tokenizer))
+    warm_up(engine, tokenizer.encode("Hello")[:8] or [0])
+    return Runtime(tokenizer, runner, engine)
