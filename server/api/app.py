@@ -44,7 +44,8 @@ class AppState:
 
     def start(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self.engine = AsyncEngine(runtime.engine, self.cfg.engine.max_queue)
+        self.engine = AsyncEngine(runtime.engine, self.cfg.engine.max_queue,
+                                  on_abort=lambda: self.metrics.finished("abort"))
         runtime.engine.observers.append(self.metrics.observe_step)
         self.metrics.bind_gauges(lambda: self.engine.num_running, lambda: self.engine.num_waiting)
         self.serving = OpenAIServing(self.engine, runtime.tokenizer, self.cfg.model.name,
@@ -53,32 +54,63 @@ class AppState:
         self.ready = True
 
 
-def _install_middleware(app: FastAPI, cfg: Config) -> None:
-    api_key = cfg.server.api_key
-    max_body = cfg.server.max_body_bytes
+class GuardMiddleware:
+    """Pure ASGI guard (streams pass through untouched): API key, body size limit, readiness, draining."""
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if api_key and request.url.path not in _OPEN_PATHS:
-            supplied = request.headers.get("authorization", "")
-            expected = f"Bearer {api_key}"
+    def __init__(self, app, state: "AppState"):
+        self.app = app
+        self.state = state
+        self.api_key = state.cfg.server.api_key
+        self.max_body = state.cfg.server.max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rejection = self._check(scope)
+        if rejection is not None:
+            return await rejection(scope, receive, send)
+        await self.app(scope, self._limited(receive, send), send)
+
+    def _check(self, scope) -> JSONResponse | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        path = scope["path"]
+        if self.api_key and path not in _OPEN_PATHS:
+            supplied = headers.get("authorization", "").encode()
             # constant-time comparison; the key never reaches a log line
-            if not hmac.compare_digest(supplied.encode(), expected.encode()):
+            if not hmac.compare_digest(supplied, f"Bearer {self.api_key}".encode()):
                 return error_response(401, "missing or invalid API key", code="invalid_api_key")
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > max_body:
-            return error_response(413, f"request body over {max_body} bytes", code="body_too_large")
-        state: AppState = request.app.state.neuronmm
-        if request.url.path.startswith("/v1/") and request.method == "POST":
-            if state.draining:
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body:
+            return error_response(413, f"request body over {self.max_body} bytes", code="body_too_large")
+        if path.startswith("/v1/") and scope["method"] == "POST":
+            if self.state.draining:
                 return error_response(503, "server is shutting down", code="shutting_down")
-            if not state.ready:
+            if not self.state.ready:
                 return error_response(503, "model is loading", code="not_ready", headers={"Retry-After": "5"})
-        return await call_next(request)
+        return None
 
-    if cfg.server.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=cfg.server.cors_origins, allow_methods=["*"],
+    def _limited(self, receive, send):
+        """A receive that stops a chunked body at max_body bytes with a 413."""
+        seen = 0
+        max_body = self.max_body
+
+        async def receive_limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > max_body:
+                    raise APIError(413, f"request body over {max_body} bytes", code="body_too_large")
+            return message
+
+        return receive_limited
+
+
+def _install_middleware(app: FastAPI, state: "AppState") -> None:
+    if state.cfg.server.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=state.cfg.server.cors_origins, allow_methods=["*"],
                            allow_headers=["*"])
+    app.add_middleware(GuardMiddleware, state=state)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -167,7 +199,7 @@ def create_app(cfg: Config, loader: Callable[[Config], Runtime] = load_runtime) 
 
     app = FastAPI(title="neuronmm", version="0.1.0", lifespan=lifespan)
     app.state.neuronmm = state
-    _install_middleware(app, cfg)
+    _install_middleware(app, state)
     _install_error_handlers(app)
     _install_routes(app)
     return app
@@ -177,9 +209,12 @@ def serve(cfg: Config) -> int:
     """Run the app under uvicorn until interrupted."""
     import uvicorn
 
+    from server.backends import check_backend_available
     from server.models.source import resolve_model_dir
 
-    # Resolve (and convert) the model before binding the port, so a bad path is a one-line CLI error.
+    # Check the backend and resolve (convert) the model before binding the port, so a bad path or a
+    # missing SDK is a one-line CLI error rather than a server that never gets healthy.
+    check_backend_available(cfg)
     resolve_model_dir(cfg.model, cfg.cache_path)
     app = create_app(cfg)
     uvicorn.run(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,

@@ -122,7 +122,6 @@ class OpenAIServing:
             done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if watcher in done:
                 work.cancel()
-                self.metrics.finished("abort")
                 raise APIError(499, "client disconnected")
             work.result()
             return choices

@@ -25,3 +25,16 @@ def create_runner(cfg: Config, model_dir: Path):
 
         return create_neuron_runner(cfg, model_dir, compressed)
     raise ConfigError(f"backend: unknown backend {cfg.backend!r}")
+
+
+def check_backend_available(cfg: Config) -> None:
+    """Fail fast (ConfigError, one line) when the configured backend cannot run on this machine."""
+    if cfg.backend == "neuron":
+        from server.backends.neuron import require_neuron_sdk
+
+        require_neuron_sdk()
+    elif cfg.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device: {cfg.device!r} requested but torch sees no CUDA device")

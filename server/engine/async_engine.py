@@ -38,8 +38,9 @@ class _Pending:
 class AsyncEngine:
     """Thread-hosted engine loop with per-request asyncio queues and abort on cancellation."""
 
-    def __init__(self, engine: LLMEngine, max_queue: int):
+    def __init__(self, engine: LLMEngine, max_queue: int, on_abort=None):
         self.engine = engine
+        self.on_abort = on_abort  # called (in the event loop) when a client abandons a request
         self.max_queue = max_queue
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -93,6 +94,8 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if abort:
                 self._aborts.append(request_id)
+        if abort and self.on_abort:
+            self.on_abort()
         self._wake.set()
 
     # ---- engine thread ---------------------------------------------------------------------

@@ -1,0 +1,162 @@
+"""Engine units on a tiny random Llama: batching, chunked prefill, stops, aborts, faults."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.backends.base import SeqChunk
+from server.engine.sampling_params import SamplingParams
+from server.runtime import build_engine, eos_token_ids, load_tokenizer
+from support import tiny_config
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_model_dir):
+    from server.backends import create_runner
+
+    cfg = tiny_config(tiny_model_dir)
+    runner = create_runner(cfg, tiny_model_dir)
+    runner.load()
+    tok = load_tokenizer(tiny_model_dir)
+    return cfg, runner, tok
+
+
+def make_engine(parts, **limits):
+    cfg, runner, tok = parts
+    cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update=limits)})
+    return build_engine(cfg, runner, tok, eos_token_ids(runner.model_dir, tok))
+
+
+def run_all(engine) -> dict[str, list]:
+    outs: dict[str, list] = {}
+    for _ in range(10_000):
+        if not engine.has_work():
+            break
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    return outs
+
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def test_batched_greedy_equals_single_runs(parts):
+    """Sequences decoded together in one forward give the same tokens as each decoded alone."""
+    prompts = [[5, 17, 300, 9], [42] * 11, list(range(100, 123))]
+    alone = []
+    for p in prompts:
+        engine = make_engine(parts)
+        engine.add_request("r", p, SamplingParams(max_tokens=12, **GREEDY))
+        alone.append([t for o in run_all(engine)["r"] for t in o.token_ids])
+    engine = make_engine(parts)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=12, **GREEDY))
+    outs = run_all(engine)
+    assert engine.max_batch_size_seen == 3
+    assert [[t for o in outs[f"r{i}"] for t in o.token_ids] for i in range(3)] == alone
+
+
+def test_chunked_prefill_matches_whole_prefill(parts):
+    """A prompt longer than the token budget is prefilled in chunks with identical results."""
+    prompt = [(7 * i) % 4000 + 3 for i in range(150)]
+    results = []
+    for budget in (512, 16):
+        engine = make_engine(parts, max_num_batched_tokens=budget)
+        engine.add_request("r", prompt, SamplingParams(max_tokens=8, **GREEDY))
+        outs = run_all(engine)["r"]
+        results.append([t for o in outs for t in o.token_ids])
+    assert results[0] == results[1]
+
+
+def test_prefill_and_decode_share_a_forward(parts):
+    """A new prompt is admitted into a running batch: one step carries a prefill chunk and a decode."""
+    engine = make_engine(parts)
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=20, **GREEDY))
+    engine.step()  # a: prefill
+    engine.add_request("b", list(range(10, 40)), SamplingParams(max_tokens=5, **GREEDY))
+    chunks = engine.scheduler.schedule()
+    kinds = sorted((c.seq.request_id, c.num_tokens) for c in chunks)
+    assert kinds == [("a", 1), ("b", 30)]
+
+
+def test_max_num_seqs_limits_running_and_queue_drains(parts):
+    engine = make_engine(parts, max_num_seqs=2)
+    for i in range(5):
+        engine.add_request(f"r{i}", [3, 4, 5 + i], SamplingParams(max_tokens=4, **GREEDY))
+    engine.step()
+    assert engine.scheduler.num_running == 2 and engine.scheduler.num_waiting == 3
+    outs = run_all(engine)
+    assert sorted(outs) == [f"r{i}" for i in range(5)]
+    assert all(o[-1].finish_reason == "length" and o[-1].num_output_tokens == 4 for o in outs.values())
+    assert engine.scheduler.slots.num_free == 2
+
+
+def test_abort_frees_slot_in_any_state(parts):
+    engine = make_engine(parts, max_num_seqs=1)
+    engine.add_request("running", [3, 4, 5], SamplingParams(max_tokens=50, **GREEDY))
+    engine.add_request("queued", [3, 4, 6], SamplingParams(max_tokens=50, **GREEDY))
+    engine.step()
+    engine.abort("queued")
+    engine.abort("running")
+    assert engine.scheduler.slots.num_free == 1
+    assert not engine.has_work()
+
+
+def test_stop_string_is_not_emitted(parts):
+    engine = make_engine(parts)
+    engine.add_request("free", [11, 12, 13], SamplingParams(max_tokens=30, **GREEDY))
+    text = "".join(o.text for o in run_all(engine)["free"])
+    stop = text[len(text) // 3: len(text) // 3 + 3]
+    assert len(stop) == 3
+    engine.add_request("stopped", [11, 12, 13], SamplingParams(max_tokens=30, stop=[stop], **GREEDY))
+    outs = run_all(engine)["stopped"]
+    stopped = "".join(o.text for o in outs)
+    assert stop not in stopped and text.startswith(stopped) and outs[-1].finish_reason == "stop"
+
+
+def test_eos_ends_sequence(parts):
+    cfg, runner, tok = parts
+    engine = make_engine(parts)
+    engine.add_request("free", [11, 12, 13], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    first = run_all(engine)["free"][0].token_ids[0]
+    engine.eos_token_ids = frozenset({first})
+    engine.add_request("eos", [11, 12, 13], SamplingParams(max_tokens=6, temperature=0.0))
+    outs = run_all(engine)["eos"]
+    assert len(outs) == 1 and outs[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_reproducible_and_n_choices_differ(parts):
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        engine = make_engine(parts)
+        engine.add_request("r", [20, 21, 22], params, n=2)
+        outs = run_all(engine)["r"]
+        runs.append([[t for o in outs if o.index == i for t in o.token_ids] for i in range(2)])
+    assert runs[0] == runs[1]
+    assert runs[0][0] != runs[0][1]  # seed + index per choice
+
+
+def test_forward_failure_fails_only_that_step(parts):
+    class Faulty:
+        def __init__(self, inner):
+            self.inner, self.armed = inner, True
+
+        def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+            if self.armed and any(c.start_pos > 0 for c in chunks):
+                self.armed = False
+                raise RuntimeError("injected")
+            return self.inner.execute(chunks)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    engine = make_engine(parts)
+    engine.runner = Faulty(engine.runner)
+    engine.add_request("victim", [3, 4, 5], SamplingParams(max_tokens=5, **GREEDY))
+    outs = run_all(engine)["victim"]
+    assert outs[-1].finish_reason == "error" and "injected" in outs[-1].error
+    assert engine.scheduler.slots.num_free == engine.scheduler.slots.num_slots
+    engine.add_request("after", [3, 4, 5], SamplingParams(max_tokens=5, **GREEDY))
+    assert run_all(engine)["after"][-1].finish_reason == "length"
