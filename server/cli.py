@@ -10,7 +10,7 @@ import sys
 from server.config import ConfigError
 
 # Subcommands that live in other packages register themselves through `register(subparsers)`.
-_PLUGIN_MODULES = ("compression.cli", "bench.cli")
+_PLUGIN_MODULES = ("compression.cli", "compression.evaluation.cli", "compression.recovery.cli", "bench.cli")
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
