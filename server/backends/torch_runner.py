@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from server.backends.base import SeqChunk
-from server.models.llama import FlatBatch, KVCache, LlamaModel
+from server.models.llama import FlatBatch, KVCache, LlamaModel, make_decode_group
+from server.models.packed_linear import pack_linears, packing_available
 
 log = logging.getLogger(__name__)
 
@@ -19,13 +20,14 @@ class TorchRunner:
     """Runs flat mixed prefill/decode batches through `LlamaModel` on one device."""
 
     def __init__(self, model_dir: Path, max_model_len: int, dtype: str = "float32", device: str = "cpu",
-                 compressed: Path | None = None, num_threads: int | None = None):
+                 compressed: Path | None = None, num_threads: int | None = None, pack_weights: bool = True):
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.dtype = _DTYPES[dtype]
         self.device = torch.device(device)
         self.compressed = compressed
         self.num_threads = num_threads
+        self.pack_weights = pack_weights
         self.model: LlamaModel | None = None
         self.cache: KVCache | None = None
         self.vocab_size = 0
@@ -37,6 +39,8 @@ class TorchRunner:
             torch.set_num_threads(self.num_threads)
         self.model = load_llama(self.model_dir, self.max_model_len, self.dtype, self.compressed).to(self.device)
         self.vocab_size = self.model.config.vocab_size
+        if self.pack_weights and packing_available(self.device, self.dtype):
+            pack_linears(self.model)
 
     def allocate_kv(self, num_slots: int) -> None:
         cfg = self.model.config
@@ -58,13 +62,21 @@ class TorchRunner:
             if chunk.needs_logits:
                 logits_index.append(len(ids) - 1)
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        slots, starts = [c.slot for c in chunks], [c.start_pos for c in chunks]
+        lengths = [len(c.token_ids) for c in chunks]
         return FlatBatch(
             input_ids=as_long(ids), positions=as_long(positions), token_slots=as_long(token_slots),
-            slots=[c.slot for c in chunks], starts=[c.start_pos for c in chunks],
-            lengths=[len(c.token_ids) for c in chunks], logits_index=as_long(logits_index))
+            slots=slots, starts=starts, lengths=lengths, logits_index=as_long(logits_index),
+            decode=make_decode_group(slots, starts, lengths, self.device))
 
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        return self.model(self.build_batch(chunks), self.cache)
+        batch = self.build_batch(chunks)
+        # Zero-fill ahead of every write (never behind it), then cover the decode group's padding rows.
+        for chunk in chunks:
+            self.cache.ensure_finite(chunk.slot, 1, chunk.start_pos + len(chunk.token_ids))
+        if batch.decode is not None:
+            self.cache.ensure_finite(batch.decode.slot_lo, batch.decode.num_rows, batch.decode.max_len)
+        return self.model(batch, self.cache)
 
     def release_slot(self, slot: int) -> None:
         """Slots are overwritten position by position; nothing to clear."""

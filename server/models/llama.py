@@ -33,6 +33,44 @@ class FlatBatch:
     starts: list[int]
     lengths: list[int]
     logits_index: torch.Tensor  # flat indices of the tokens whose logits are returned
+    decode: "DecodeGroup | None" = None
+
+
+@dataclass
+class DecodeGroup:
+    """Single-token (decode) sequences attended together over the slot range [slot_lo, slot_lo + num_rows).
+
+    Slots are handed out lowest-first, so running sequences occupy a dense range and the cache view
+    needs no copy; rows of the range that are not decoding this step are computed and discarded.
+    """
+
+    token_index: torch.Tensor  # [num_decode] flat positions of the decode tokens
+    rows: torch.Tensor  # [num_decode] slot - slot_lo
+    slot_lo: int
+    num_rows: int
+    max_len: int  # longest context among the decode sequences
+    mask: torch.Tensor  # [num_rows, 1, 1, max_len] bool, True where a key is attended
+
+
+def make_decode_group(slots: list[int], starts: list[int], lengths: list[int],
+                      device: torch.device | str = "cpu") -> DecodeGroup | None:
+    """Group the decode sequences of a batch (None when fewer than two: the per-sequence path is as fast)."""
+    offsets, offset = [], 0
+    for n in lengths:
+        offsets.append(offset)
+        offset += n
+    dec = [(slots[i], starts[i], offsets[i]) for i in range(len(slots)) if lengths[i] == 1]
+    if len(dec) < 2:
+        return None
+    lo, hi = min(d[0] for d in dec), max(d[0] for d in dec)
+    max_len = max(d[1] for d in dec) + 1
+    ctx = torch.ones(hi - lo + 1, dtype=torch.long)  # idle rows attend one key: no all-masked NaN rows
+    for slot, start, _ in dec:
+        ctx[slot - lo] = start + 1
+    mask = (torch.arange(max_len).unsqueeze(0) < ctx.unsqueeze(1)).view(hi - lo + 1, 1, 1, max_len)
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    return DecodeGroup(as_long([d[2] for d in dec]), as_long([d[0] - lo for d in dec]), lo, hi - lo + 1,
+                       max_len, mask.to(device))
 
 
 class KVCache:
@@ -49,6 +87,26 @@ class KVCache:
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_slots = num_slots
         self.max_len = max_len
+        self._finite_len = [0] * num_slots  # per slot: positions [0, n) hold finite values
+
+    # Batched decode attends over padded rows; masked keys get weight 0, but 0 * NaN is NaN, so the
+    # padding must never be uninitialised memory. Zero it lazily, a stride ahead, not all up front.
+    _ZERO_STRIDE = 256
+
+    def ensure_finite(self, slot_lo: int, num_rows: int, length: int) -> None:
+        """Make positions [0, length) of slots [slot_lo, slot_lo + num_rows) safe to read.
+
+        Zeroes only positions never made finite before, so it must run before the forward that writes
+        them: positions already written always lie below the slot's finite length.
+        """
+        for slot in range(slot_lo, slot_lo + num_rows):
+            done = self._finite_len[slot]
+            if done >= length:
+                continue
+            end = min(self.max_len, max(length, done + self._ZERO_STRIDE))
+            for t in self.k + self.v:
+                t[slot, :, done:end].zero_()
+            self._finite_len[slot] = end
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
@@ -144,21 +202,40 @@ class Attention(nn.Module):
         k_cache[batch.token_slots, :, batch.positions] = k
         v_cache[batch.token_slots, :, batch.positions] = v
         out = torch.empty_like(q)
+        group = batch.decode
+        if group is not None:
+            self._attend_decode(q, out, group, k_cache, v_cache)
         offset = 0
         for slot, start, length in zip(batch.slots, batch.starts, batch.lengths):
-            end = start + length
-            q_seq = q[offset:offset + length].transpose(0, 1).unsqueeze(0)
-            k_seq = k_cache[slot, :, :end].unsqueeze(0)
-            v_seq = v_cache[slot, :, :end].unsqueeze(0)
-            mask = None
-            if 1 < length < end:  # a prefill chunk after cached tokens: causal, shifted by start
-                mask = torch.ones(length, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
-            attn = F.scaled_dot_product_attention(
-                q_seq, k_seq, v_seq, attn_mask=mask, is_causal=(length > 1 and start == 0),
-                scale=self.scale, enable_gqa=True)
-            out[offset:offset + length] = attn[0].transpose(0, 1)
+            if group is None or length > 1:
+                out[offset:offset + length] = self._attend_one(q[offset:offset + length], slot, start, length,
+                                                               k_cache, v_cache)
             offset += length
         return self.o_proj(out.view(num_tokens, -1))
+
+
+    def _attend_one(self, q: torch.Tensor, slot: int, start: int, length: int,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Attention of one sequence's new tokens q [length, heads, head_dim] over its cached prefix."""
+        end = start + length
+        mask = None
+        if 1 < length < end:  # a prefill chunk after cached tokens: causal, shifted by start
+            mask = torch.ones(length, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        attn = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k_cache[slot, :, :end].unsqueeze(0), v_cache[slot, :, :end].unsqueeze(0),
+            attn_mask=mask, is_causal=(length > 1 and start == 0), scale=self.scale, enable_gqa=True)
+        return attn[0].transpose(0, 1)
+
+    def _attend_decode(self, q: torch.Tensor, out: torch.Tensor, group: DecodeGroup,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """One SDPA for all decode tokens, over a no-copy view of their slot range."""
+        rows = q.new_zeros(group.num_rows, self.num_heads, 1, self.head_dim)
+        rows[group.rows] = q[group.token_index].unsqueeze(2)
+        span = slice(group.slot_lo, group.slot_lo + group.num_rows)
+        attn = F.scaled_dot_product_attention(
+            rows, k_cache[span, :, :group.max_len], v_cache[span, :, :group.max_len],
+            attn_mask=group.mask, scale=self.scale, enable_gqa=True)
+        out[group.token_index] = attn[group.rows].squeeze(2)
 
 
 class MLP(nn.Module):

@@ -41,6 +41,24 @@ def run_all(engine) -> dict[str, list]:
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
+def test_batched_decode_ignores_uninitialised_cache(parts):
+    """Padding rows of the batched decode read never-written cache memory; NaN there must not leak."""
+    prompts = [[5, 17, 300, 9], [42] * 11]
+    alone = []
+    for p in prompts:
+        engine = make_engine(parts)
+        engine.add_request("r", p, SamplingParams(max_tokens=8, **GREEDY))
+        alone.append([t for o in run_all(engine)["r"] for t in o.token_ids])
+    engine = make_engine(parts)
+    for t in parts[1].cache.k + parts[1].cache.v:  # what torch.empty may hand back
+        t.fill_(float("nan"))
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=8, **GREEDY))
+    outs = run_all(engine)
+    assert engine.max_batch_size_seen == 2
+    assert [[t for o in outs[f"r{i}"] for t in o.token_ids] for i in range(2)] == alone
+
+
 def test_batched_greedy_equals_single_runs(parts):
     """Sequences decoded together in one forward give the same tokens as each decoded alone."""
     prompts = [[5, 17, 300, 9], [42] * 11, list(range(100, 123))]
