@@ -70,18 +70,20 @@ class LLMEngine:
             return []
         self.last_batch_size = len(chunks)
         self.max_batch_size_seen = max(self.max_batch_size_seen, len(chunks))
+        sampled = [c for c in chunks if c.completes_seq]
         try:
             logits = self.runner.execute([
                 SeqChunk(c.seq.slot, c.seq.token_slice(c.start, c.start + c.num_tokens), c.start, c.completes_seq)
                 for c in chunks])
+            # the runner may hand back inference-mode tensors, which penalties edit in place
+            with torch.inference_mode():
+                tokens, logprobs = sample(logits, [c.seq for c in sampled])
         except Exception as exc:  # fail this step's sequences, keep the engine alive
-            log.exception("forward failed for %d sequences", len(chunks))
+            log.exception("forward or sampling failed for %d sequences", len(chunks))
             return [self.fail(c.seq, f"engine error: {exc.__class__.__name__}: {exc}") for c in chunks]
-        sampled = [c for c in chunks if c.completes_seq]
         num_prompt_tokens = sum(c.num_tokens for c in chunks if c.start < len(c.seq.prompt_ids))
         for c in chunks:
             c.seq.num_computed += c.num_tokens
-        tokens, logprobs = sample(logits, [c.seq for c in sampled])
         now = time.monotonic()
         outputs = [self._advance(c, tok, lp, now) for c, tok, lp in zip(sampled, tokens, logprobs)]
         for observer in self.observers:
