@@ -1,0 +1,30 @@
+"""`neuronmm bench NAME [args]`: run the benchmark script bench/NAME.py (serve, kernels, load, ...)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+from pathlib import Path
+
+from server.config import ConfigError
+
+
+def _available() -> list[str]:
+    here = Path(__file__).parent
+    return sorted(m.name for m in pkgutil.iter_modules([str(here)]) if m.name not in {"cli", "__init__"})
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `bench` subcommand."""
+    p = sub.add_parser("bench", help="run a benchmark script (results go to bench/results)")
+    p.add_argument("name", help=f"one of: {', '.join(_available())}")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script (see its --help)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.name not in _available():
+        raise ConfigError(f"bench: unknown benchmark {args.name!r} (available: {', '.join(_available())})")
+    module = importlib.import_module(f"bench.{args.name}")
+    return int(module.main(args.args) or 0)
