@@ -25,6 +25,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     if args.name not in _available():
-        raise ConfigError(f"bench: unknown benchmark {args.name!r} (available: {', '.join(_available())})")
+        raise ConfigError(f"unknown benchmark {args.name!r} (available: {', '.join(_available())})")
     module = importlib.import_module(f"bench.{args.name}")
     return int(module.main(args.args) or 0)
