@@ -121,6 +121,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op instead of five on the hot path
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -146,13 +148,20 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate x [num_tokens, heads, head_dim] to its positions."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [num_tokens, 1, head_dim] for the batch's positions (looked up once per forward)."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [num_tokens, heads, head_dim] by the tables of its positions."""
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate x [num_tokens, heads, head_dim] to its positions."""
+        return self.rotate(x, *self.tables(positions, x.dtype))
 
 
 def _fuse_linears(mods: list[nn.Module]) -> nn.Linear | None:
@@ -192,12 +201,13 @@ class Attention(nn.Module):
             return self.qkv_proj(x).split([q_dim, kv_dim, kv_dim], dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, x: torch.Tensor, batch: FlatBatch, rotary: Rotary,
+    def forward(self, x: torch.Tensor, batch: FlatBatch, rope: tuple[torch.Tensor, torch.Tensor],
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self._qkv(x)
-        q = rotary(q.view(num_tokens, self.num_heads, self.head_dim), batch.positions)
-        k = rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), batch.positions)
+        # q and k heads side by side: one rotation instead of two
+        qk = Rotary.rotate(torch.cat([q, k], dim=-1).view(num_tokens, -1, self.head_dim), *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache[batch.token_slots, :, batch.positions] = k
         v_cache[batch.token_slots, :, batch.positions] = v
@@ -272,8 +282,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, batch, rotary, k_cache, v_cache):
-        x = x + self.self_attn(self.input_layernorm(x), batch, rotary, k_cache, v_cache)
+    def forward(self, x, batch, rope, k_cache, v_cache):
+        x = x + self.self_attn(self.input_layernorm(x), batch, rope, k_cache, v_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -299,7 +309,8 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: FlatBatch, cache: KVCache) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
+        rope = self.rotary.tables(batch.positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, self.rotary, cache.k[i], cache.v[i])
+            x = layer(x, batch, rope, cache.k[i], cache.v[i])
         x = self.norm(x[batch.logits_index])
         return self.lm_head(x).float()
