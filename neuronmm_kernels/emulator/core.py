@@ -1,0 +1,414 @@
+"""Emulator state: buffers, tensors and views, loop indices, scopes, the hardware rules, the trace.
+
+A tensor is a Storage (buffer, shape, dtype, NumPy backing array or None in trace-only mode)
+seen through a View (per storage dim either an int or a [start, stop) range). SBUF/PSUM storages
+keep the partition on axis 0, so a view is a tile when it keeps axis 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import numpy as np
+
+PMAX = 128  # partitions
+GEMM_STATIONARY_FMAX = 128
+GEMM_MOVING_FMAX = 512
+PSUM_FMAX = 512
+PSUM_BANK_BYTES = 2048
+PSUM_BANKS = 8
+SBUF_BYTES_PER_PARTITION = 176 * 1024  # usable on NC-v2 (192 KiB minus 16 KiB compiler reserve)
+
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+float32 = np.dtype(np.float32)
+float16 = np.dtype(np.float16)
+int32 = np.dtype(np.int32)
+int8 = np.dtype(np.int8)
+uint8 = np.dtype(np.uint8)
+
+
+class NKIRuleError(Exception):
+    """A kernel broke a hardware or language rule; `rule` names it (NKI error names where they exist)."""
+
+    def __init__(self, rule: str, message: str):
+        super().__init__(f"[{rule}] {message}")
+        self.rule = rule
+
+
+class Buffer:
+    """A memory space: HBM (linear), SBUF or PSUM (128 partitions)."""
+
+    def __init__(self, name: str, on_chip: bool):
+        self.name, self.on_chip = name, on_chip
+
+    def __repr__(self) -> str:
+        return f"nl.{self.name}"
+
+
+SHARED_HBM = Buffer("shared_hbm", False)
+PRIVATE_HBM = Buffer("private_hbm", False)
+SBUF = Buffer("sbuf", True)
+PSUM = Buffer("psum", True)
+
+
+@dataclass
+class Instr:
+    """One traced instruction: engine ('pe', 'act', 'dve', 'pool', 'dma'), op and its cost inputs."""
+
+    engine: str
+    op: str
+    parts: int = 0          # partitions touched
+    free: int = 0           # elements per partition (moving free size N for matmul)
+    stat_free: int = 0      # matmul stationary free size M
+    nbytes: int = 0         # DMA bytes
+    contig: int = 0         # DMA contiguous bytes per partition (HBM side)
+    psum: bool = False      # reads or writes PSUM (Vector/Scalar share the PSUM port)
+    fp32: bool = False      # matmul with fp32 operands (4x slower)
+    flops: int = 0          # useful matmul flops (transposes count none)
+
+
+@dataclass
+class Trace:
+    """Everything a kernel run did: instructions, HBM traffic, peak on-chip footprint."""
+
+    instrs: list = field(default_factory=list)
+    peak_sbuf_bytes: int = 0  # per partition
+    peak_psum_banks: int = 0
+
+    def count(self, op: str) -> int:
+        """Number of instructions with this op name."""
+        return sum(1 for i in self.instrs if i.op == op)
+
+    @property
+    def hbm_bytes(self) -> int:
+        """Bytes moved between HBM and on-chip memory by DMA."""
+        return sum(i.nbytes for i in self.instrs if i.engine == "dma")
+
+    @property
+    def matmul_flops(self) -> int:
+        """Useful matmul flops (2*K*M*N per nc_matmul, transposes excluded)."""
+        return sum(i.flops for i in self.instrs)
+
+
+class Context:
+    """State of one kernel run (set while the kernel body executes)."""
+
+    def __init__(self, compute: bool):
+        self.compute = compute
+        self.trace = Trace()
+        self.scopes: list[list[Storage]] = [[]]
+        self.sbuf_live = 0
+        self.psum_banks_live = 0
+
+    def record(self, instr: Instr) -> Instr:
+        self.trace.instrs.append(instr)
+        return instr
+
+    def allocate(self, st: "Storage") -> None:
+        self.scopes[-1].append(st)
+        if st.buffer is SBUF:
+            self.sbuf_live += st.bytes_per_partition
+            if self.sbuf_live > SBUF_BYTES_PER_PARTITION:
+                raise NKIRuleError("sbuf_capacity", f"live SBUF {self.sbuf_live} B per partition exceeds "
+                                   f"{SBUF_BYTES_PER_PARTITION} B (allocating {st.name or 'tensor'} {st.shape})")
+            self.trace.peak_sbuf_bytes = max(self.trace.peak_sbuf_bytes, self.sbuf_live)
+        elif st.buffer is PSUM:
+            self.psum_banks_live += st.banks
+            if self.psum_banks_live > PSUM_BANKS:
+                raise NKIRuleError("psum_capacity", f"{self.psum_banks_live} live PSUM banks exceed "
+                                   f"{PSUM_BANKS} x {PSUM_BANK_BYTES} B per partition (allocating {st.shape})")
+            self.trace.peak_psum_banks = max(self.trace.peak_psum_banks, self.psum_banks_live)
+
+    def push_scope(self) -> None:
+        self.scopes.append([])
+
+    def pop_scope(self) -> None:
+        for st in self.scopes.pop():
+            st.alive = False
+            if st.buffer is SBUF:
+                self.sbuf_live -= st.bytes_per_partition
+            elif st.buffer is PSUM:
+                self.psum_banks_live -= st.banks
+
+
+_CTX: Context | None = None
+
+
+def ctx() -> Context:
+    """The running kernel's context; NKI calls outside a kernel are an error."""
+    if _CTX is None:
+        raise NKIRuleError("err_nki_api_outside_of_nki_kernel", "NKI API called outside an nki.jit kernel")
+    return _CTX
+
+
+def set_ctx(c: Context | None) -> None:
+    global _CTX
+    _CTX = c
+
+
+# ---------------------------------------------------------------- loop indices
+
+class LoopIndex:
+    """An affine loop-index value: supports + - * with ints, refuses Python `if`, % and //."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int):
+        self.value = value
+
+    def __bool__(self):
+        raise NKIRuleError("err_control_flow_condition_depending_on_loop_index",
+                           "Python `if`/bool on a loop index is undefined in NKI; use masks or static Python ints")
+
+    def __index__(self) -> int:
+        return self.value
+
+    def _bin(self, other, fn):
+        if isinstance(other, LoopIndex):
+            return LoopIndex(fn(self.value, other.value))
+        if isinstance(other, (int, np.integer)) and not isinstance(other, bool):
+            return LoopIndex(fn(self.value, int(other)))
+        return NotImplemented
+
+    def __add__(self, o): return self._bin(o, lambda a, b: a + b)
+    def __radd__(self, o): return self._bin(o, lambda a, b: b + a)
+    def __sub__(self, o): return self._bin(o, lambda a, b: a - b)
+    def __rsub__(self, o): return self._bin(o, lambda a, b: b - a)
+
+    def __mul__(self, o):
+        if isinstance(o, LoopIndex):
+            raise NKIRuleError("err_non_affine_index", "product of two loop indices is not affine")
+        return self._bin(o, lambda a, b: a * b)
+
+    __rmul__ = __mul__
+
+    def _non_affine(self, *_):
+        raise NKIRuleError("err_unsupported_expression_in_mask", "% and // of a loop index are not affine")
+
+    __mod__ = __rmod__ = __floordiv__ = __rfloordiv__ = _non_affine
+
+    def _cmp(self, *_):
+        raise NKIRuleError("err_control_flow_condition_depending_on_loop_index",
+                           "comparing a loop index in Python control flow is undefined in NKI")
+
+    __lt__ = __le__ = __gt__ = __ge__ = _cmp
+
+    def __repr__(self) -> str:
+        return f"LoopIndex({self.value})"
+
+
+def as_int(v) -> int:
+    """A static int or loop-index value as a Python int (for address arithmetic)."""
+    return v.value if isinstance(v, LoopIndex) else int(v)
+
+
+class DynSlice:
+    """nl.ds(start, size): the range [start, start + size)."""
+
+    def __init__(self, start, size: int):
+        self.start, self.size = start, size
+
+
+# ---------------------------------------------------------------- storage and views
+
+def _nan_fill(shape, dtype: np.dtype) -> np.ndarray:
+    if dtype.kind in "fV" or dtype == bfloat16:
+        return np.full(shape, np.nan, dtype=dtype)
+    return np.full(shape, np.iinfo(dtype).min if dtype.kind == "i" else np.iinfo(dtype).max, dtype=dtype)
+
+
+class Storage:
+    """A tensor allocation in one buffer; data is None in trace-only mode."""
+
+    def __init__(self, shape, dtype, buffer: Buffer, name: str = "", data=None, fill=None):
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.buffer, self.name = buffer, name
+        self.alive = True
+        self.is_param = False
+        self.written: np.ndarray | None = None
+        c = ctx()
+        if data is not None:
+            self.data = data
+        elif not c.compute:
+            self.data = None
+        elif fill is None:
+            self.data = _nan_fill(self.shape, self.dtype)
+        else:
+            self.data = np.full(self.shape, fill, dtype=self.dtype)
+
+    @property
+    def bytes_per_partition(self) -> int:
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
+
+    @property
+    def banks(self) -> int:
+        return -(-self.bytes_per_partition // PSUM_BANK_BYTES)
+
+
+def _norm_key(key, ndim: int) -> list:
+    key = key if isinstance(key, tuple) else (key,)
+    if any(k is Ellipsis for k in key):
+        i = next(j for j, k in enumerate(key) if k is Ellipsis)
+        key = key[:i] + (slice(None),) * (ndim - len(key) + 1) + key[i + 1:]
+    if len(key) > ndim:
+        raise NKIRuleError("err_index_rank", f"{len(key)} indices for a {ndim}-d tensor")
+    return list(key) + [slice(None)] * (ndim - len(key))
+
+
+class Tensor:
+    """A view of a Storage: the object kernels index, load, store and compute on."""
+
+    __array_priority__ = 100  # keep numpy from hijacking operators
+
+    def __init__(self, storage: Storage, index: list | None = None):
+        self.st = storage
+        self.index = index if index is not None else [(0, s) for s in storage.shape]
+        self.fresh: Instr | None = None  # set on an op's result until it is first assigned
+
+    # --- shape
+    @property
+    def shape(self) -> tuple:
+        return tuple(e - s for ix in self.index if isinstance(ix, tuple) for s, e in [ix])
+
+    @property
+    def dtype(self):
+        return self.st.dtype
+
+    @property
+    def buffer(self) -> Buffer:
+        return self.st.buffer
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def is_tile(self) -> bool:
+        return self.st.buffer.on_chip and isinstance(self.index[0], tuple)
+
+    def np_index(self) -> tuple:
+        return tuple(slice(ix[0], ix[1]) if isinstance(ix, tuple) else ix for ix in self.index)
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.st.name or '?'}, {self.buffer}, shape={self.shape}, {self.dtype})"
+
+    # --- indexing
+    def __getitem__(self, key) -> "Tensor":
+        self.check_alive()
+        kept = [d for d, ix in enumerate(self.index) if isinstance(ix, tuple)]
+        key = _norm_key(key, len(kept))
+        new = list(self.index)
+        for d, k in zip(kept, key):
+            lo, hi = self.index[d]
+            n = hi - lo
+            if isinstance(k, (int, np.integer, LoopIndex)) and not isinstance(k, bool):
+                v = as_int(k)
+                if not 0 <= v < n:
+                    raise NKIRuleError("err_tensor_access_out_of_bound", f"index {v} out of [0, {n}) on {self}")
+                new[d] = lo + v
+                continue
+            if isinstance(k, DynSlice):
+                start, stop = as_int(k.start), as_int(k.start) + int(k.size)
+            elif isinstance(k, slice):
+                if k.step not in (None, 1):
+                    raise NKIRuleError("emulator_unsupported", "strided slices are not emulated")
+                start = 0 if k.start is None else as_int(k.start)
+                stop = n if k.stop is None else as_int(k.stop)
+            else:
+                raise NKIRuleError("emulator_unsupported",
+                                   f"index {k!r}: the emulator implements basic indexing (ints, loop indices, "
+                                   "slices, nl.ds) only")
+            if not 0 <= start < stop <= n:
+                raise NKIRuleError("err_tensor_access_out_of_bound",
+                                   f"range [{start}, {stop}) out of [0, {n}) on {self}")
+            new[d] = (lo + start, lo + stop)
+        return Tensor(self.st, new)
+
+    def __setitem__(self, key, value) -> None:
+        from .language import assign  # local import: language builds on core
+
+        dst = self[key]
+        if isinstance(value, Tensor) and value.st is dst.st and value.index == dst.index:
+            return  # `a[...] += b` writes back the same view it already updated
+        assign(dst, value)
+
+    # --- data access
+    def check_alive(self) -> None:
+        if not self.st.alive:
+            raise NKIRuleError("err_local_variable_used_out_of_scope",
+                               f"{self} was created inside a loop body that has ended")
+
+    def read(self) -> np.ndarray | None:
+        """The view's values as float32 (None in trace-only mode)."""
+        self.check_alive()
+        if self.st.data is None:
+            return None
+        return np.asarray(self.st.data[self.np_index()], dtype=np.float32)
+
+    def write(self, values) -> None:
+        """Store values into the view with the storage dtype's rounding (RNE for bf16)."""
+        self.check_alive()
+        if self.st.is_param:
+            raise NKIRuleError("err_cannot_update_immutable_parameter", f"kernel parameter {self} is immutable")
+        if self.st.data is None or values is None:
+            return
+        self.st.data[self.np_index()] = np.broadcast_to(np.asarray(values), self.shape).astype(self.st.dtype)
+        if self.st.written is not None:
+            self.st.written[self.np_index()] = True
+
+    def partition_start(self) -> int:
+        return self.index[0][0]
+
+    def free_size(self) -> int:
+        return math.prod(self.shape[1:])
+
+    # --- operators map to nl calls
+    def __add__(self, o): from .language import add; return add(self, o)
+    def __radd__(self, o): from .language import add; return add(o, self)
+    def __sub__(self, o): from .language import subtract; return subtract(self, o)
+    def __mul__(self, o): from .language import multiply; return multiply(self, o)
+    def __rmul__(self, o): from .language import multiply; return multiply(o, self)
+
+    def __iadd__(self, o):
+        from .language import accumulate
+
+        accumulate(self, o)
+        return self
+
+    def __bool__(self):
+        raise NKIRuleError("err_ambiguous_tensor_truth_value", f"truth value of {self} is undefined")
+
+
+def hbm_contiguous_bytes(t: Tensor) -> int:
+    """Longest contiguous HBM run of a view, in bytes (row-major storage)."""
+    run = t.dtype.itemsize
+    for d in range(len(t.st.shape) - 1, -1, -1):
+        ix = t.index[d]
+        ext = ix[1] - ix[0] if isinstance(ix, tuple) else 1
+        run *= ext
+        if ext != t.st.shape[d]:
+            break
+    return run
+
+
+def check_tile(t: Tensor, what: str) -> None:
+    """Compute operands are SBUF/PSUM tiles (partition on axis 0, P <= 128, legal start partition)."""
+    if not isinstance(t, Tensor):
+        raise NKIRuleError("err_type", f"{what}: expected a tile, got {type(t).__name__}")
+    t.check_alive()
+    if not t.buffer.on_chip:
+        raise NKIRuleError("err_unsupported_memory", f"{what}: {t} is in HBM; compute reads SBUF/PSUM tiles")
+    if not t.is_tile:
+        raise NKIRuleError("err_failed_to_infer_tile_from_local_tensor",
+                           f"{what}: {t} has no partition axis first")
+    if t.ndim < 2:
+        raise NKIRuleError("err_insufficient_rank", f"{what}: tiles need at least 2 dims, got {t.shape}")
+    p, start = t.shape[0], t.partition_start()
+    if p > PMAX:
+        raise NKIRuleError("err_num_partition_exceed_arch_limit", f"{what}: {p} partitions > {PMAX}")
+    ok = start == 0 if p > 64 else (start in (0, 64) if p > 32 else start % 32 == 0)
+    if not ok:
+        raise NKIRuleError("err_start_partition", f"{what}: {p} partitions cannot start at partition {start}")

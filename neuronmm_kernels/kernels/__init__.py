@@ -1,0 +1,1 @@
+"""NKI kernel sources (@nki.jit from compat: the real compiler or the emulator)."""

@@ -1,0 +1,109 @@
+"""NKI building blocks shared by the kernels (plain Python helpers, traced inline into each kernel).
+
+Layouts: an SBUF "T" tensor holds a transposed activation as (128, K // 128, tokens): partition
+p of slice k is feature k*128 + p, so slice k is directly a matmul operand with the contraction
+dim on partitions. All PSUM accumulators are fp32 and live one accumulation group per 2 KiB bank.
+"""
+
+from ..compat import nisa, nl
+
+P = 128            # partitions = contraction tile
+MOVING_FMAX = 512  # moving free size = one fp32 PSUM bank
+
+
+def split(total: int, size: int):
+    """Yield (block_index, start, block_size) over [0, total): affine loop over full blocks, then the tail.
+
+    The tail runs in a one-trip loop so its tensors are scoped like a loop body's.
+    """
+    num_full, tail = divmod(total, size)
+    for i in nl.affine_range(num_full):
+        yield i, i * size, size
+    if tail:
+        for _ in nl.affine_range(1):
+            yield num_full, num_full * size, tail
+
+
+def load_transposed(x, t0, tsz: int, xT):
+    """xT[:, k, 0:tsz] = x[t0:t0+tsz, k*128:(k+1)*128]ᵀ: contiguous row loads, then PE transposes."""
+    num_k = x.shape[1] // P
+    for _, s0, ssz in split(tsz, P):
+        rows = nl.load(x[nl.ds(t0 + s0, ssz), :])  # [ssz tokens, in]: whole rows, one contiguous run
+        for k in nl.affine_range(num_k):
+            tp = nl.ndarray((P, ssz), nl.float32, buffer=nl.psum)
+            tp[...] = nisa.nc_transpose(rows[:, nl.ds(k * P, P)])
+            xT[:, k, nl.ds(s0, ssz)] = nisa.tensor_copy(tp, dtype=xT.dtype)
+
+
+def project_transposed(w, srcT, zT, tsz: int, group: int):
+    """zT[:, j, 0:tsz] = (src · w)ᵀ for w [K, R] in HBM and srcT (128, K/128, >=tsz) in SBUF.
+
+    w tiles are stationary (free = 128 rank columns), srcT is moving (free = tsz <= 512), so the
+    result comes out already transposed, rank on partitions, ready to be the next matmul's operand.
+    `group` rank tiles accumulate at once (one PSUM bank each); w rows load group*128 wide.
+    """
+    num_k, num_r = w.shape[0] // P, w.shape[1] // P
+    for g, g0, gsz in split(num_r, group):
+        acc = nl.zeros((P, gsz, MOVING_FMAX), nl.float32, buffer=nl.psum)
+        for k in nl.affine_range(num_k):
+            wt = nl.load(w[nl.ds(k * P, P), nl.ds(g0 * P, gsz * P)])
+            for j in nl.affine_range(gsz):
+                acc[:, j, 0:tsz] += nisa.nc_matmul(wt[:, nl.ds(j * P, P)], srcT[:, k, 0:tsz])
+        for j in nl.affine_range(gsz):
+            zT[:, g0 + j, 0:tsz] = nisa.activation(nl.copy, acc[:, j, 0:tsz], dtype=zT.dtype)
+
+
+def _load_columns(v, n0, nsz: int):
+    """v[:, n0:n0+nsz] as (128, R/128, nsz): rank on partitions."""
+    num_r = v.shape[0] // P
+    vb = nl.ndarray((P, num_r, nsz), v.dtype, buffer=nl.sbuf)
+    for r in nl.affine_range(num_r):
+        vb[:, r, :] = nl.load(v[nl.ds(r * P, P), nl.ds(n0, nsz)])
+    return vb
+
+
+def store_natural(zT, v, y, t0, tsz: int, out_block: int):
+    """y[t0:t0+tsz, :] = z · v, token-major: zT tiles stationary (128 tokens), v tiles moving (512 cols)."""
+    num_r = v.shape[0] // P
+    for _, n0, nsz in split(v.shape[1], out_block):
+        vb = _load_columns(v, n0, nsz)
+        for _, s0, ssz in split(tsz, P):
+            yb = nl.ndarray((ssz, nsz), y.dtype, buffer=nl.sbuf)
+            for _, c0, csz in split(nsz, MOVING_FMAX):
+                acc = nl.zeros((ssz, csz), nl.float32, buffer=nl.psum)
+                for r in nl.affine_range(num_r):
+                    acc += nisa.nc_matmul(zT[:, r, nl.ds(s0, ssz)], vb[:, r, nl.ds(c0, csz)])
+                yb[:, nl.ds(c0, csz)] = nisa.tensor_copy(acc, dtype=y.dtype)
+            nl.store(y[nl.ds(t0 + s0, ssz), nl.ds(n0, nsz)], yb)
+
+
+def store_transposed(zT, v, yT, t0, tsz: int, out_block: int):
+    """yT[:, t0:t0+tsz] = (z · v)ᵀ, feature-major: v tiles stationary (128 cols), zT moving (tsz tokens)."""
+    num_r = v.shape[0] // P
+    for _, n0, nsz in split(v.shape[1], out_block):
+        vb = _load_columns(v, n0, nsz)
+        for _, c0, csz in split(nsz, P):
+            acc = nl.zeros((csz, tsz), nl.float32, buffer=nl.psum)
+            for r in nl.affine_range(num_r):
+                acc += nisa.nc_matmul(vb[:, r, nl.ds(c0, csz)], zT[:, r, 0:tsz])
+            yt = nisa.tensor_copy(acc, dtype=yT.dtype)
+            nl.store(yT[nl.ds(n0 + c0, csz), nl.ds(t0, tsz)], yt)
+
+
+def swiglu_transposed(zgT, zuT, gate_v, up_v, hT, tsz: int, block: int):
+    """hT[:, i, 0:tsz] = (silu(zg · gate_v) ⊙ (zu · up_v))ᵀ: SiLU evicts gate PSUM on ScalarE,
+    the product reads up straight from PSUM on VectorE; the result is already the down
+    projection's moving operand (intermediate on partitions)."""
+    num_rg, num_ru = gate_v.shape[0] // P, up_v.shape[0] // P
+    for b, n0, nsz in split(gate_v.shape[1], block):
+        gb = _load_columns(gate_v, n0, nsz)
+        ub = _load_columns(up_v, n0, nsz)
+        for c in nl.affine_range(nsz // P):
+            acc_g = nl.zeros((P, tsz), nl.float32, buffer=nl.psum)
+            acc_u = nl.zeros((P, tsz), nl.float32, buffer=nl.psum)
+            for r in nl.affine_range(num_rg):
+                acc_g += nisa.nc_matmul(gb[:, r, nl.ds(c * P, P)], zgT[:, r, 0:tsz])
+            for r in nl.affine_range(num_ru):
+                acc_u += nisa.nc_matmul(ub[:, r, nl.ds(c * P, P)], zuT[:, r, 0:tsz])
+            g = nisa.activation(nl.silu, acc_g, dtype=hT.dtype)
+            hT[:, b * (block // P) + c, 0:tsz] = nl.multiply(g, acc_u, dtype=hT.dtype)

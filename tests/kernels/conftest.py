@@ -1,0 +1,30 @@
+"""Kernel-test helpers: seeded bf16 inputs and a bf16-aware comparison."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from neuronmm_kernels.reference import BF16
+
+
+@pytest.fixture
+def make():
+    """make(*shape) -> bf16 array with unit-scale matmul outputs (entries ~ N(0, 1/shape[0]) for weights)."""
+    rng = np.random.default_rng(1234)
+
+    def _make(*shape, scale=None):
+        s = 1.0 / np.sqrt(shape[0]) if scale is None else scale
+        return (rng.standard_normal(shape) * s).astype(BF16)
+
+    return _make
+
+
+def assert_bf16_close(got: np.ndarray, want: np.ndarray) -> None:
+    """Equal up to bf16 rounding: |got - want| <= 2**-7 * (|want| + rms(want)) elementwise (a few ulp)."""
+    assert got.shape == want.shape and got.dtype == BF16
+    g, w = got.astype(np.float32), want.astype(np.float32)
+    assert np.isfinite(g).all(), "NaN/inf in kernel output (unwritten or uninitialised data read)"
+    tol = 2.0 ** -7 * (np.abs(w) + np.sqrt(np.mean(w * w)))
+    bad = np.abs(g - w) > tol
+    assert not bad.any(), f"{bad.sum()} of {bad.size} elements differ; max err {np.abs(g - w).max():.3g}"

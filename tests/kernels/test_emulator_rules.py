@@ -1,0 +1,199 @@
+"""Every hardware/language rule the emulator enforces raises, naming the rule, on a kernel that breaks it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from neuronmm_kernels.emulator import NKIRuleError, TensorSpec, nisa, nki, nl, run
+from neuronmm_kernels.reference import BF16
+
+F32 = nl.float32
+
+
+def _raises(rule: str, kernel, *args, **kwargs):
+    with pytest.raises(NKIRuleError) as err:
+        run(nki.jit(kernel), *args, **kwargs)
+    assert err.value.rule == rule, str(err.value)
+    assert rule in str(err.value)
+
+
+def _x(*shape):
+    return np.ones(shape, dtype=BF16)
+
+
+def test_partition_limit_on_allocation_and_load():
+    _raises("err_num_partition_exceed_arch_limit", lambda x: nl.ndarray((256, 4), BF16, buffer=nl.sbuf), _x(1, 1))
+    _raises("err_num_partition_exceed_arch_limit", lambda x: nl.exp(nl.load(x)), _x(256, 4))
+
+
+def _mm(s_shape, m_shape, s_buf=None, dtype=BF16):
+    def k(x):
+        s = nl.zeros(s_shape, dtype, buffer=s_buf or nl.sbuf)
+        m = nl.zeros(m_shape, dtype, buffer=nl.sbuf)
+        acc = nl.zeros((128, 512), F32, buffer=nl.psum)  # the matmul is checked first
+        acc += nisa.nc_matmul(s, m)
+    return k
+
+
+def test_matmul_tile_limits():
+    _raises("matmul_stationary_free_le_128", _mm((128, 256), (128, 512)), _x(1, 1))
+    _raises("matmul_moving_free_le_512", _mm((128, 128), (128, 1024)), _x(1, 1))
+    _raises("matmul_contraction_partitions", _mm((128, 128), (64, 512)), _x(1, 1))
+
+
+def test_matmul_memory_spaces():
+    _raises("matmul_operands_in_sbuf", _mm((128, 128), (128, 512), s_buf=nl.psum, dtype=F32), _x(1, 1))
+
+    def into_sbuf(x):
+        a = nl.load(x)
+        out = nl.ndarray((128, 128), F32, buffer=nl.sbuf)
+        out[...] = nisa.nc_matmul(a, a)
+
+    _raises("matmul_dst_in_psum", into_sbuf, _x(128, 128))
+
+    def accumulate_in_sbuf(x):
+        a = nl.load(x)
+        out = nl.zeros((128, 128), F32, buffer=nl.sbuf)
+        out += nisa.nc_matmul(a, a)
+
+    _raises("matmul_dst_in_psum", accumulate_in_sbuf, _x(128, 128))
+
+
+def test_matmul_dtypes():
+    def mixed(x):
+        a = nl.load(x)
+        b = nl.load(x, dtype=F32)
+        acc = nl.zeros((128, 128), F32, buffer=nl.psum)
+        acc += nisa.nc_matmul(a, b)
+
+    _raises("matmul_dtype_mix", mixed, _x(128, 128))
+
+    def bf16_psum(x):
+        a = nl.load(x)
+        acc = nl.zeros((128, 128), BF16, buffer=nl.psum)
+        acc += nisa.nc_matmul(a, a)
+
+    _raises("matmul_psum_fp32", bf16_psum, _x(128, 128))
+
+
+def test_psum_capacity_and_banks():
+    def nine_banks(x):
+        for _ in range(9):
+            nl.zeros((128, 512), F32, buffer=nl.psum)
+
+    _raises("psum_capacity", nine_banks, _x(1, 1))
+
+    def crossing(x):
+        a = nl.load(x)
+        acc = nl.zeros((128, 1024), F32, buffer=nl.psum)
+        acc[:, 256:768] += nisa.nc_matmul(a[:, 0:128], a)
+
+    _raises("psum_tile_bank", crossing, _x(128, 512))
+
+    def eight_banks_ok(x):
+        for _ in range(8):
+            nl.zeros((128, 512), F32, buffer=nl.psum)
+        out = nl.ndarray((1, 1), BF16, buffer=nl.shared_hbm)
+        nl.store(out, 1.0)
+        return out
+
+    run(nki.jit(eight_banks_ok), _x(1, 1))
+
+
+def test_sbuf_capacity_counts_live_tensors_only():
+    def too_big(x):
+        a = nl.ndarray((128, 100 * 1024 // 2), BF16, buffer=nl.sbuf)
+        b = nl.ndarray((128, 80 * 1024 // 2), BF16, buffer=nl.sbuf)
+
+    _raises("sbuf_capacity", too_big, _x(1, 1))
+
+    def loop_reuse(x):  # a buffer allocated per iteration dies with the iteration
+        out = nl.ndarray((1, 1), BF16, buffer=nl.shared_hbm)
+        for i in nl.affine_range(4):
+            nl.ndarray((128, 100 * 1024 // 2), BF16, buffer=nl.sbuf)
+        nl.store(out, 1.0)
+        return out
+
+    _, trace = run(nki.jit(loop_reuse), _x(1, 1))
+    assert trace.peak_sbuf_bytes == 100 * 1024
+
+
+def test_shapes_of_ops():
+    _raises("err_num_partition_mismatch", lambda x: nl.multiply(nl.load(x[0:64, :]), nl.load(x)), _x(128, 8))
+
+    def bad_store(x):
+        out = nl.ndarray((128, 8), BF16, buffer=nl.shared_hbm)
+        nl.store(out, nl.load(x[:, 0:16]))
+
+    _raises("err_store_dst_shape_smaller_than_other_shape", bad_store, _x(128, 16))
+    _raises("err_tensor_access_out_of_bound", lambda x: nl.load(x[0:200, :]), _x(128, 8))
+    _raises("err_insufficient_rank", lambda x: nl.ndarray((128,), BF16, buffer=nl.sbuf), _x(1, 1))
+    _raises("err_start_partition", lambda x: nl.exp(nl.load(x)[16:80, :]), _x(128, 8))
+
+
+def test_python_if_on_loop_index_is_refused():
+    def branchy(x):
+        for i in nl.affine_range(2):
+            if i:
+                pass
+
+    _raises("err_control_flow_condition_depending_on_loop_index", branchy, _x(1, 1))
+
+    def modulo(x):
+        for i in nl.affine_range(2):
+            i % 2  # noqa: B018
+
+    _raises("err_unsupported_expression_in_mask", modulo, _x(1, 1))
+
+
+def test_scopes_memory_and_outputs():
+    def out_of_scope(x):
+        for _ in nl.affine_range(1):
+            t = nl.load(x)
+        nl.exp(t)
+
+    _raises("err_local_variable_used_out_of_scope", out_of_scope, _x(4, 4))
+    _raises("err_store_from_psum", lambda x: nl.store(nl.ndarray((4, 4), BF16, buffer=nl.shared_hbm),
+                                                       nl.zeros((4, 4), F32, buffer=nl.psum)), _x(4, 4))
+    _raises("err_unsupported_memory", lambda x: nl.load(nl.load(x)), _x(4, 4))
+    _raises("err_cannot_update_immutable_parameter", lambda x: nl.store(x, nl.load(x)), _x(4, 4))
+
+    def partial_output(x):
+        out = nl.ndarray((8, 4), BF16, buffer=nl.shared_hbm)
+        nl.store(out[0:4, :], nl.load(x))
+        return out
+
+    _raises("err_tensor_output_not_written_to", partial_output, _x(4, 4))
+
+    def hbm_in_loop(x):
+        for _ in nl.affine_range(1):
+            nl.ndarray((4, 4), BF16, buffer=nl.shared_hbm)
+
+    _raises("err_shared_hbm_scope", hbm_in_loop, _x(4, 4))
+    _raises("err_leading_dimension_of_tensor_must_be_partition",
+            lambda x: nl.ndarray((2, nl.par_dim(128), 4), BF16, buffer=nl.sbuf), _x(4, 4))
+    with pytest.raises(NKIRuleError, match="outside"):
+        nl.ndarray((4, 4), BF16)
+
+
+def test_bf16_rounding_nan_fill_and_trace_only():
+    def roundtrip(x):
+        out = nl.ndarray(x.shape, BF16, buffer=nl.shared_hbm)
+        nl.store(out, nl.load(x))
+        return out
+
+    x = np.array([[1.0 + 2 ** -9, 1.0 + 3 * 2 ** -9]], dtype=np.float32)  # ties round to even
+    y, trace = run(nki.jit(roundtrip), x)
+    assert y.dtype == BF16 and y.astype(np.float32).tolist() == [[1.0, 1.0 + 2 ** -7]]
+    assert trace.hbm_bytes == 2 * 4 + 2 * 2 and trace.count("load") == 1
+
+    def reads_garbage(x):
+        out = nl.ndarray(x.shape, BF16, buffer=nl.shared_hbm)
+        nl.store(out, nl.exp(nl.ndarray(x.shape, BF16, buffer=nl.sbuf)))
+        return out
+
+    assert np.isnan(run(nki.jit(reads_garbage), _x(4, 4))[0].astype(np.float32)).all()
+    out, trace = run(nki.jit(roundtrip), TensorSpec((128, 4096), BF16), trace_only=True)
+    assert out is None and trace.hbm_bytes == 2 * 128 * 4096 * 2
+    assert trace.instrs[0].contig == 4096 * 2
