@@ -1,0 +1,147 @@
+"""`neuronmm eval`: perplexity and zero-shot accuracy of the dense model or a compressed artifact."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import platform
+import time
+from pathlib import Path
+
+from server.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `eval` subcommand."""
+    p = subparsers.add_parser("eval", help="perplexity (WikiText-2, PTB, C4) and zero-shot accuracy (7 tasks)")
+    p.add_argument("--config", help="YAML config (default: configs/smollm2-135m.yaml)")
+    p.add_argument("--compressed", help="a compressed artifact directory (manifest.json + factors)")
+    p.add_argument("--tasks", default="all",
+                   help="comma list of arc_easy,arc_challenge,piqa,hellaswag,winogrande,boolq,openbookqa; "
+                        "'all' or 'none' (default all)")
+    p.add_argument("--ppl", default="wikitext2,ptb,c4", help="comma list of wikitext2,ptb,c4, or 'none'")
+    p.add_argument("--seqlen", default="2048", help="perplexity window length (2048 as in the papers; 512 for speed)")
+    p.add_argument("--limit", help="at most N perplexity windows per corpus and N items per task")
+    p.add_argument("--ppl-limit", help="at most N windows per corpus (overrides --limit for perplexity)")
+    p.add_argument("--task-limit", help="at most N items per task (overrides --limit for zero-shot)")
+    p.add_argument("--batch-size", default="4", help="windows per forward pass for perplexity")
+    p.add_argument("--num-threads", default="2", help="torch threads (at most 2: the CPU is shared)")
+    p.add_argument("--label", help="row label in the table (default: 'dense' or the artifact folder name)")
+    p.add_argument("--out", help="write results JSON here (and the markdown table beside it, .md)")
+    p.set_defaults(func=run_eval)
+
+
+def positive_int(flag: str, value: str | None) -> int | None:
+    """A CLI integer that must be >= 1; anything else is a one-line ConfigError naming the flag."""
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(f"{flag}: expected a positive integer, got {value!r}") from None
+    if number < 1:
+        raise ConfigError(f"{flag}: expected a positive integer, got {value!r}")
+    return number
+
+
+def parse_list(flag: str, value: str, allowed: tuple[str, ...], all_word: str | None = None) -> list[str]:
+    """Comma-separated names checked against `allowed`; 'none' is empty, `all_word` is everything."""
+    value = value.strip()
+    if value == "none":
+        return []
+    if all_word and value == all_word:
+        return list(allowed)
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        raise ConfigError(f"{flag}: empty list (use 'none' to skip)")
+    for name in names:
+        if name not in allowed:
+            raise ConfigError(f"{flag}: unknown name {name!r} (choose from {', '.join(allowed)})")
+    return list(dict.fromkeys(names))
+
+
+def _manifest_summary(compressed: str | None) -> dict | None:
+    if not compressed:
+        return None
+    try:
+        manifest = json.loads((Path(compressed).expanduser() / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--compressed: cannot read manifest.json ({exc.__class__.__name__})") from None
+    return manifest
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Evaluate and print the markdown table; JSON to --out."""
+    from compression.evaluation.corpora import CORPORA
+    from compression.evaluation.tasks import TASKS
+
+    tasks = parse_list("--tasks", args.tasks, tuple(TASKS), all_word="all")
+    corpora = parse_list("--ppl", args.ppl, CORPORA)
+    seqlen = positive_int("--seqlen", args.seqlen)
+    if seqlen < 16:
+        raise ConfigError(f"--seqlen: at least 16 tokens, got {seqlen}")
+    limit = positive_int("--limit", args.limit)
+    ppl_limit = positive_int("--ppl-limit", args.ppl_limit) or limit
+    task_limit = positive_int("--task-limit", args.task_limit) or limit
+    batch_size = positive_int("--batch-size", args.batch_size)
+    threads = positive_int("--num-threads", args.num_threads)
+    if not tasks and not corpora:
+        raise ConfigError("nothing to evaluate: --tasks none and --ppl none")
+    if args.compressed and not Path(args.compressed).expanduser().is_dir():
+        raise ConfigError(f"--compressed: not a directory: {args.compressed}")
+
+    from server.config import load_config
+
+    cfg = load_config(args.config)
+    manifest = _manifest_summary(args.compressed)
+    result = evaluate(cfg, args.compressed, tasks, corpora, seqlen, ppl_limit, task_limit, batch_size, threads)
+    result["label"] = args.label or (Path(args.compressed).name if args.compressed else "dense")
+    result["manifest"] = manifest
+    from compression.evaluation.report import markdown_table, table_legend, write_json
+
+    table = markdown_table([result]) + "\n\n" + table_legend([result]) + "\n"
+    print(table)
+    if args.out:
+        out = write_json(args.out, result)
+        out.with_suffix(".md").write_text(table)
+        log.info("results written to %s", out)
+    return 0
+
+
+def evaluate(cfg, compressed: str | None, tasks: list[str], corpora: list[str], seqlen: int,
+             ppl_limit: int | None, task_limit: int | None, batch_size: int = 4, num_threads: int = 2) -> dict:
+    """The result dict of one evaluation (perplexities, task accuracies, timings)."""
+    import torch
+
+    from compression.evaluation.corpora import corpus_text
+    from compression.evaluation.model import count_parameters, load_eval_model
+    from compression.evaluation.perplexity import perplexity
+    from compression.evaluation.report import mean_accuracy
+    from compression.evaluation.tasks import get_task
+    from compression.evaluation.zeroshot import evaluate_task
+
+    model, tokenizer, model_dir = load_eval_model(cfg, compressed, num_threads)
+    if seqlen > model.config.max_position_embeddings:
+        raise ConfigError(f"--seqlen: {seqlen} exceeds the model's {model.config.max_position_embeddings} positions")
+    result = {"model": cfg.model.name, "model_dir": str(model_dir), "compressed": compressed,
+              "num_parameters": count_parameters(model), "date": datetime.datetime.now(datetime.UTC).isoformat(
+                  timespec="seconds"), "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+              "torch_threads": torch.get_num_threads(), "perplexity": {}, "zeroshot": {}, "seconds": {}}
+    for name in corpora:
+        start = time.perf_counter()
+        res = perplexity(model, tokenizer, name, corpus_text(name), seqlen, ppl_limit, batch_size)
+        result["perplexity"][name] = res.to_dict()
+        result["seconds"][f"ppl_{name}"] = round(time.perf_counter() - start, 1)
+        log.info("%s perplexity %.3f over %d windows of %d", name, res.perplexity, res.num_windows, seqlen)
+    for name in tasks:
+        start = time.perf_counter()
+        res = evaluate_task(model, tokenizer, get_task(name), task_limit)
+        result["zeroshot"][name] = res.to_dict()
+        result["seconds"][name] = round(time.perf_counter() - start, 1)
+        log.info("%s acc %.3f (n=%d)", name, res.acc, res.num_items)
+    result["zeroshot_mean_acc"] = mean_accuracy(result["zeroshot"])
+    return result

@@ -1,0 +1,53 @@
+"""Perplexity corpora as one string each, joined the way SVD-LLM's `get_test_data` joins them.
+
+- wikitext2: rows of `wiki.test.raw` as the HF `wikitext-2-raw-v1` test split holds them (each line
+  with its newline; whitespace-only lines become ""), joined with "\\n\\n" (GPTQ and SVD-LLM).
+- ptb: `ptb.test.txt` lines stripped (the HF `ptb_text_only` `sentence` field), joined with
+  "\\n\\n" (SVD-LLM's test loader; GPTQ's `ptb-new` variant joins with " " instead).
+- c4: the `text` of every document of the local validation sample, joined with "\\n\\n" (SVD-LLM
+  takes the first 2000 documents of its own validation file; ours holds 1500 of unknown selection,
+  so C4 numbers are not comparable digit-for-digit with papers).
+"""
+
+from __future__ import annotations
+
+import json
+
+from compression.evaluation.datadir import data_file
+from server.config import ConfigError
+
+CORPORA = ("wikitext2", "ptb", "c4")
+
+
+def wikitext2_text() -> str:
+    """WikiText-2 raw test split, "\\n\\n"-joined."""
+    lines = data_file("wikitext2", "wiki.test.raw").read_text(encoding="utf-8").splitlines(keepends=True)
+    return "\n\n".join(line if line.strip() else "" for line in lines)
+
+
+def ptb_text() -> str:
+    """Penn Treebank test split (Mikolov's preprocessing), one sentence a row, "\\n\\n"-joined."""
+    lines = data_file("ptb", "ptb.test.txt").read_text(encoding="utf-8").splitlines()
+    return "\n\n".join(line.strip() for line in lines)
+
+
+def c4_text() -> str:
+    """The local C4 validation sample, documents "\\n\\n"-joined."""
+    path = data_file("c4", "c4-validation-sample.jsonl")
+    docs = []
+    with open(path, encoding="utf-8") as fh:
+        for num, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    docs.append(json.loads(line)["text"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ConfigError(f"{path}:{num}: not a JSON object with a `text` field") from None
+    return "\n\n".join(docs)
+
+
+def corpus_text(name: str) -> str:
+    """The evaluation text of a corpus by name (wikitext2, ptb, c4)."""
+    loaders = {"wikitext2": wikitext2_text, "ptb": ptb_text, "c4": c4_text}
+    if name not in loaders:
+        raise ConfigError(f"--ppl: unknown corpus {name!r} (choose from {', '.join(CORPORA)})")
+    return loaders[name]()

@@ -1,0 +1,43 @@
+"""Load the model under evaluation: transformers LlamaForCausalLM in fp32, optionally with a compressed artifact."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from server.config import Config, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def load_eval_model(cfg: Config, compressed: str | Path | None = None, num_threads: int = 2):
+    """(model, tokenizer, model_dir): the config's model as fp32 HF Llama, low-rank factors swapped in if given."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from server.models.source import resolve_model_dir
+
+    # The CPU is shared; more threads than this only adds contention.
+    torch.set_num_threads(max(1, min(num_threads, 2)))
+    model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if compressed:
+        path = Path(compressed).expanduser()
+        if not (path / "manifest.json").is_file():
+            raise ConfigError(f"--compressed: no manifest.json in {path}")
+        try:
+            from compression.artifacts import apply_artifact_to_hf
+        except ImportError:
+            raise ConfigError("--compressed: compression.artifacts is not available in this build") from None
+        apply_artifact_to_hf(model, path)
+        log.info("applied compressed artifact %s", path)
+    return model, tokenizer, model_dir
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Parameters the model holds (tied embeddings counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

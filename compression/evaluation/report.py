@@ -1,0 +1,84 @@
+"""Evaluation results as JSON (written atomically) and as a markdown table."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+_CORPUS_TITLES = {"wikitext2": "WikiText-2", "ptb": "PTB", "c4": "C4"}
+_TASK_TITLES = {"arc_easy": "ARC-E", "arc_challenge": "ARC-C", "piqa": "PIQA", "hellaswag": "HellaSwag",
+                "winogrande": "WinoGrande", "boolq": "BoolQ", "openbookqa": "OBQA"}
+
+
+def mean_accuracy(zeroshot: dict[str, dict]) -> float | None:
+    """Unweighted mean of `acc` over the tasks run (None when none ran)."""
+    accs = [r["acc"] for r in zeroshot.values()]
+    return sum(accs) / len(accs) if accs else None
+
+
+def write_json(path: str | Path, data: dict) -> Path:
+    """Write JSON via a temp file in the same folder and a rename: never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=2, sort_keys=False)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _fmt_ppl(value: float | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value:,.0f}" if value >= 1000 else f"{value:.2f}"
+
+
+def _fmt_task(result: dict | None) -> str:
+    if result is None:
+        return "–"
+    cell = f"{100 * result['acc']:.1f}"
+    if result.get("acc_norm") is not None:
+        cell += f" / {100 * result['acc_norm']:.1f}"
+    return cell
+
+
+def markdown_table(runs: list[dict]) -> str:
+    """One row per run (each a `neuronmm eval` result dict with a `label`); columns for what any run has."""
+    corpora = [c for c in _CORPUS_TITLES if any(c in r.get("perplexity", {}) for r in runs)]
+    tasks = [t for t in _TASK_TITLES if any(t in r.get("zeroshot", {}) for r in runs)]
+    head = ["model", "params"] + [f"{_CORPUS_TITLES[c]} ppl" for c in corpora] + [_TASK_TITLES[t] for t in tasks]
+    if tasks:
+        head.append("mean acc")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for run in runs:
+        ppl, zs = run.get("perplexity", {}), run.get("zeroshot", {})
+        row = [run.get("label", "?"), f"{run.get('num_parameters', 0) / 1e6:.1f} M"]
+        row += [_fmt_ppl(ppl.get(c, {}).get("perplexity")) for c in corpora]
+        row += [_fmt_task(zs.get(t)) for t in tasks]
+        if tasks:
+            mean = mean_accuracy(zs)
+            row.append("–" if mean is None else f"{100 * mean:.1f}")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def table_legend(runs: list[dict]) -> str:
+    """The line under a table: windows, items and what the accuracy cells hold."""
+    run = runs[0] if runs else {}
+    ppl = next(iter(run.get("perplexity", {}).values()), None)
+    zs = next(iter(run.get("zeroshot", {}).values()), None)
+    parts = []
+    if ppl:
+        parts.append(f"perplexity over {ppl['num_windows']} windows of {ppl['seqlen']} tokens per corpus")
+    if zs:
+        parts.append(f"zero-shot on the first {zs['num_items']} items per task (fewer where a task has fewer), "
+                     "cells are acc % / acc_norm % (acc only where the harness reports only acc); "
+                     "mean acc is the unweighted mean of acc")
+    return "; ".join(parts) + "." if parts else ""
