@@ -118,15 +118,15 @@ def evaluate(cfg, compressed: str | None, tasks: list[str], corpora: list[str], 
     import torch
 
     from compression.evaluation.corpora import corpus_text
-    from compression.evaluation.model import count_parameters, load_eval_model
+    from compression.evaluation.model import count_parameters, load_eval_model, max_positions
     from compression.evaluation.perplexity import perplexity
     from compression.evaluation.report import mean_accuracy
     from compression.evaluation.tasks import get_task
     from compression.evaluation.zeroshot import evaluate_task
 
+    if corpora and seqlen > (limit := max_positions(cfg)):
+        raise ConfigError(f"--seqlen: {seqlen} exceeds the model's {limit} positions")
     model, tokenizer, model_dir = load_eval_model(cfg, compressed, num_threads)
-    if seqlen > model.config.max_position_embeddings:
-        raise ConfigError(f"--seqlen: {seqlen} exceeds the model's {model.config.max_position_embeddings} positions")
     result = {"model": cfg.model.name, "model_dir": str(model_dir), "compressed": compressed,
               "num_parameters": count_parameters(model), "date": datetime.datetime.now(datetime.UTC).isoformat(
                   timespec="seconds"), "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),

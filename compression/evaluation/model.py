@@ -38,6 +38,16 @@ def load_eval_model(cfg: Config, compressed: str | Path | None = None, num_threa
     return model, tokenizer, model_dir
 
 
+def max_positions(cfg: Config) -> int:
+    """The model's position limit, read from its config.json without loading weights."""
+    import json
+
+    from server.models.source import resolve_model_dir
+
+    config = json.loads((resolve_model_dir(cfg.model, cfg.cache_path) / "config.json").read_text())
+    return int(config.get("max_position_embeddings", 2048))
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     """Parameters the model holds (tied embeddings counted once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -1,0 +1,58 @@
+"""`neuronmm eval` end to end on a tiny model (finite numbers, JSON + markdown) and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from server.cli import main
+
+
+@pytest.fixture()
+def tiny_yaml(tmp_path, tiny_model_dir):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(f"model: {{name: tiny, source: safetensors, path: {tiny_model_dir}}}\n")
+    return path
+
+
+def test_eval_small_slice_gives_finite_numbers(tiny_yaml, tmp_path, capsys):
+    out = tmp_path / "res" / "results.json"
+    rc = main(["eval", "--config", str(tiny_yaml), "--seqlen", "32", "--limit", "2", "--num-threads", "1",
+               "--out", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert set(result["perplexity"]) == {"wikitext2", "ptb", "c4"}
+    assert len(result["zeroshot"]) == 7 and result["label"] == "dense" and result["compressed"] is None
+    for ppl in result["perplexity"].values():
+        assert ppl["num_windows"] == 2 and ppl["seqlen"] == 32 and math.isfinite(ppl["perplexity"])
+        # A random model is near-uniform over the vocabulary, far from a trained one.
+        assert ppl["perplexity"] > 1000
+    for task in result["zeroshot"].values():
+        assert task["num_items"] == 2 and 0.0 <= task["acc"] <= 1.0
+        assert (task["acc_norm"] is None) == (task["task"] in ("winogrande", "boolq"))
+    table = out.with_suffix(".md").read_text()
+    assert table.startswith("| model | params | WikiText-2 ppl | PTB ppl | C4 ppl | ARC-E |")
+    assert "| dense |" in table and table in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--tasks", "mmlu"], "--tasks: unknown name 'mmlu'"),
+    (["--ppl", "wiki103"], "--ppl: unknown name 'wiki103'"),
+    (["--limit", "0"], "--limit: expected a positive integer"),
+    (["--seqlen", "2k"], "--seqlen: expected a positive integer"),
+    (["--seqlen", "100000", "--tasks", "none", "--ppl", "ptb"], "exceeds the model's"),
+    (["--compressed", "/nonexistent/artifact"], "--compressed: not a directory"),
+    (["--tasks", "none", "--ppl", "none"], "nothing to evaluate"),
+])
+def test_bad_args_are_one_line_errors(tiny_yaml, capsys, argv, fragment):
+    assert main(["eval", "--config", str(tiny_yaml), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("neuronmm eval: error:") and fragment in err[0]
+
+
+def test_compressed_dir_without_manifest_is_rejected(tiny_yaml, tmp_path, capsys):
+    assert main(["eval", "--config", str(tiny_yaml), "--compressed", str(tmp_path), "--tasks", "none",
+                 "--ppl", "ptb"]) == 2
+    assert "manifest.json" in capsys.readouterr().err
