@@ -75,7 +75,8 @@ def _as_param(arg, compute: bool) -> Tensor:
     return Tensor(st)
 
 
-def run(kernel, *args, trace_only: bool = False, **kwargs) -> tuple[object, Trace]:
+def run(kernel, *args, trace_only: bool = False, sample_loops: bool | None = None,
+        **kwargs) -> tuple[object, Trace]:
     """Execute an emulator kernel on NumPy arrays (or TensorSpecs when trace_only) -> (outputs, trace).
 
     outputs mirrors the kernel's return value (an array or a tuple of arrays; None in trace-only
@@ -85,7 +86,9 @@ def run(kernel, *args, trace_only: bool = False, **kwargs) -> tuple[object, Trac
     func = getattr(kernel, "func", kernel)
     if not isinstance(kernel, Kernel) and hasattr(kernel, "func"):
         raise TypeError("run() needs a kernel built with the emulator's nki.jit (neuronxcc is installed?)")
-    c = Context(compute=not trace_only)
+    if sample_loops and not trace_only:
+        raise ValueError("sample_loops needs trace_only=True (sampled runs compute no outputs)")
+    c = Context(compute=not trace_only, sample_loops=trace_only if sample_loops is None else sample_loops)
     core.set_ctx(c)
     try:
         params = [_as_param(a, c.compute) if isinstance(a, (np.ndarray, TensorSpec)) else a for a in args]

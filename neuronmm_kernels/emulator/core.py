@@ -67,6 +67,7 @@ class Instr:
     psum: bool = False      # reads or writes PSUM (Vector/Scalar share the PSUM port)
     fp32: bool = False      # matmul with fp32 operands (4x slower)
     flops: int = 0          # useful matmul flops (transposes count none)
+    count: int = 1          # how many times it ran (loop sampling records one iteration for many)
 
 
 @dataclass
@@ -78,31 +79,34 @@ class Trace:
     peak_psum_banks: int = 0
 
     def count(self, op: str) -> int:
-        """Number of instructions with this op name."""
-        return sum(1 for i in self.instrs if i.op == op)
+        """Number of executed instructions with this op name."""
+        return sum(i.count for i in self.instrs if i.op == op)
 
     @property
     def hbm_bytes(self) -> int:
         """Bytes moved between HBM and on-chip memory by DMA."""
-        return sum(i.nbytes for i in self.instrs if i.engine == "dma")
+        return sum(i.nbytes * i.count for i in self.instrs if i.engine == "dma")
 
     @property
     def matmul_flops(self) -> int:
         """Useful matmul flops (2*K*M*N per nc_matmul, transposes excluded)."""
-        return sum(i.flops for i in self.instrs)
+        return sum(i.flops * i.count for i in self.instrs)
 
 
 class Context:
     """State of one kernel run (set while the kernel body executes)."""
 
-    def __init__(self, compute: bool):
+    def __init__(self, compute: bool, sample_loops: bool = False):
         self.compute = compute
+        self.sample_loops = sample_loops
+        self.weight = 1  # product of the sampled loops' trip weights around the current instruction
         self.trace = Trace()
         self.scopes: list[list[Storage]] = [[]]
         self.sbuf_live = 0
         self.psum_banks_live = 0
 
     def record(self, instr: Instr) -> Instr:
+        instr.count = self.weight
         self.trace.instrs.append(instr)
         return instr
 

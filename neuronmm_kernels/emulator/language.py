@@ -42,11 +42,20 @@ def ds(start, size: int) -> DynSlice:
 
 def _loop(kind: str, args, static: bool = False):
     c = ctx()
-    for v in range(*(core.as_int(a) for a in args)):
+    trips = range(*(core.as_int(a) for a in args))
+    if c.sample_loops and not static and len(trips) > 2:
+        # trace-only sampling: iterations differ only in addresses, so run the first one standing for
+        # all but one, and the last one (bounds checks at both ends)
+        plan = [(trips[0], len(trips) - 1), (trips[-1], 1)]
+    else:
+        plan = [(v, 1) for v in trips]
+    for v, weight in plan:
         c.push_scope()
+        c.weight *= weight
         try:
             yield v if static else LoopIndex(v)
         finally:
+            c.weight //= weight
             c.pop_scope()
 
 

@@ -53,6 +53,36 @@ def project_transposed(w, srcT, zT, tsz: int, group: int):
             zT[:, g0 + j, 0:tsz] = nisa.activation(nl.copy, acc[:, j, 0:tsz], dtype=zT.dtype)
 
 
+def project_transposed_small(w, srcT, zT, tsz: int):
+    """Same result as project_transposed for tsz <= 128 tokens, with w moving instead of stationary.
+
+    srcT tiles are stationary (free = tsz), w streams as moving operands 512 columns at a time, so
+    each w tile loads as whole rows (rank * 2 contiguous bytes per partition: full DMA speed at
+    decode sizes). z = src · w lands token-major in PSUM; rank/128 PE transposes of [tsz, 128]
+    turn it into zT on-chip. Needs rank <= 8 * 512 (one PSUM bank per 512 rank columns).
+    """
+    num_k, rank = w.shape[0] // P, w.shape[1]
+    acc = nl.zeros((tsz, -(-rank // MOVING_FMAX), MOVING_FMAX), nl.float32, buffer=nl.psum)
+    for k in nl.affine_range(num_k):
+        wt = nl.load(w[nl.ds(k * P, P), :])
+        for c, c0, csz in split(rank, MOVING_FMAX):
+            acc[:, c, 0:csz] += nisa.nc_matmul(srcT[:, k, 0:tsz], wt[:, nl.ds(c0, csz)])
+    for c, c0, csz in split(rank, MOVING_FMAX):
+        z = nisa.activation(nl.copy, acc[:, c, 0:csz], dtype=zT.dtype)  # [tsz, csz] token-major
+        for j in nl.affine_range(csz // P):
+            tp = nl.ndarray((P, tsz), nl.float32, buffer=nl.psum)
+            tp[...] = nisa.nc_transpose(z[:, nl.ds(j * P, P)])
+            zT[:, c * (MOVING_FMAX // P) + j, 0:tsz] = nisa.tensor_copy(tp, dtype=zT.dtype)
+
+
+def project(w, srcT, zT, tsz: int, group: int, u_moving: bool):
+    """zT = (src · w)ᵀ with w stationary (any tsz) or, when u_moving, w moving (tsz <= 128)."""
+    if u_moving:
+        project_transposed_small(w, srcT, zT, tsz)
+    else:
+        project_transposed(w, srcT, zT, tsz, group)
+
+
 def _load_columns(v, n0, nsz: int):
     """v[:, n0:n0+nsz] as (128, R/128, nsz): rank on partitions."""
     num_r = v.shape[0] // P

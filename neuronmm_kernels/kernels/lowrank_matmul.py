@@ -1,11 +1,11 @@
 """Fused low-rank matmul Y = X·U·V: (XU)ᵀ stays in SBUF and feeds the second matmul in place."""
 
 from ..compat import nki, nl
-from ._blocks import P, load_transposed, project_transposed, split, store_natural, store_transposed
+from ._blocks import P, load_transposed, project, split, store_natural, store_transposed
 
 
 @nki.jit
-def lowrank_matmul(x, u, v, transpose_out=False, token_block=512, group=8, out_block=512):
+def lowrank_matmul(x, u, v, transpose_out=False, token_block=512, group=8, out_block=512, u_moving=False):
     """y = x · u · v (or yᵀ with transpose_out=True).
 
     Layouts (HBM, row-major): x [num_tokens, in_features], u [in_features, rank] (= Aᵀ of
@@ -13,7 +13,9 @@ def lowrank_matmul(x, u, v, transpose_out=False, token_block=512, group=8, out_b
     [out_features, num_tokens] when transpose_out. dtypes: bf16 in/out; both matmuls accumulate in
     fp32 PSUM over their whole contraction (NeuronMM accumulates in bf16); (XU)ᵀ is rounded to bf16
     once, as a TensorE operand. Limits: num_tokens >= 1 (any tail), in_features, rank and
-    out_features multiples of 128; token_block <= 512; group <= 8 (PSUM banks); out_block a
+    out_features multiples of 128; token_block <= 512; group <= 8 (PSUM banks); u_moving (U tiles
+    as moving operands, whole-row U loads: the decode schedule) needs token_block <= 128 and
+    rank <= 4096; out_block a
     multiple of 512 (natural) or 128 (transposed).
     Schedule per token block: Xᵀ by PE transposes; (XU)ᵀ = Uᵀ Xᵀ with U tiles stationary, kept in
     SBUF as (128, rank/128, tokens); then Y = (XU)·V with (XU)ᵀ stationary (token-major output) or
@@ -23,6 +25,8 @@ def lowrank_matmul(x, u, v, transpose_out=False, token_block=512, group=8, out_b
     rank, d_out = v.shape
     assert u.shape == (d_in, rank) and d_in % P == 0 and rank % P == 0 and d_out % P == 0, (x.shape, u.shape,
                                                                                             v.shape)
+    token_block = min(token_block, num_tokens)
+    assert not u_moving or (token_block <= 128 and rank <= 4096), "u_moving: <= 128 tokens, rank <= 4096"
     assert 1 <= token_block <= 512 and 1 <= group <= 8
     shape = (d_out, num_tokens) if transpose_out else (num_tokens, d_out)
     y = nl.ndarray(shape, dtype=x.dtype, buffer=nl.shared_hbm)
@@ -31,7 +35,7 @@ def lowrank_matmul(x, u, v, transpose_out=False, token_block=512, group=8, out_b
         for _ in nl.affine_range(1):  # scope: Xᵀ is dead once (XU)ᵀ exists
             xT = nl.ndarray((P, d_in // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
             load_transposed(x, t0, tsz, xT)
-            project_transposed(u, xT, zT, tsz, group)
+            project(u, xT, zT, tsz, group, u_moving)
         if transpose_out:
             store_transposed(zT, v, y, t0, tsz, out_block)
         else:

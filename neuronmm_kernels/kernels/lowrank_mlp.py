@@ -1,12 +1,12 @@
 """Fused low-rank SwiGLU MLP: gate/up share Xᵀ, SiLU(gate)·up stays on-chip (transposed) for down."""
 
 from ..compat import nki, nl
-from ._blocks import P, load_transposed, project_transposed, split, store_natural, swiglu_transposed
+from ._blocks import P, load_transposed, project, split, store_natural, swiglu_transposed
 
 
 @nki.jit
 def lowrank_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, token_block=512, group=8, gate_block=512,
-                out_block=512):
+                out_block=512, u_moving=False):
     """y = (silu(x·gate_u·gate_v) ⊙ (x·up_u·up_v)) · down_u · down_v.
 
     Layouts (HBM, row-major): x [num_tokens, hidden]; gate_u [hidden, r_gate], gate_v [r_gate,
@@ -15,8 +15,9 @@ def lowrank_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, token_block=512, 
     dtypes: bf16 in/out; every matmul accumulates in fp32 PSUM; the rank-space strips and the
     activation hᵀ are bf16 TensorE operands. Limits: num_tokens >= 1 (any tail); hidden,
     intermediate and ranks multiples of 128; token_block <= 512; group <= 8; gate_block a multiple
-    of 128; out_block a multiple of 512 (or the tail). SBUF must hold hᵀ (intermediate * 2 *
-    token_block / 128 bytes per partition): the tile selector shrinks token_block until it fits.
+    of 128; out_block a multiple of 512 (or the tail); u_moving as in lowrank_matmul. SBUF must
+    hold hᵀ (intermediate * 2 * token_block / 128 bytes per partition): the tile selector shrinks
+    token_block until it fits.
     Schedule per token block: Xᵀ (PE transposes, once for gate and up); (X·gate_u)ᵀ and (X·up_u)ᵀ
     kept in SBUF; hᵀ = silu(gate)ᵀ ⊙ upᵀ computed with gate_v/up_v stationary, SiLU applied while
     evicting PSUM; (h·down_u)ᵀ with down_u stationary reads hᵀ in place; y token-major.
@@ -28,6 +29,8 @@ def lowrank_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, token_block=512, 
     assert gate_u.shape == (hidden, r_gate) and up_u.shape == (hidden, r_up) and up_v.shape == (r_up, inter)
     assert down_u.shape == (inter, r_down) and down_v.shape == (r_down, hidden)
     assert all(d % P == 0 for d in (hidden, inter, r_gate, r_up, r_down)), "dims must be multiples of 128"
+    token_block = min(token_block, num_tokens)
+    assert not u_moving or (token_block <= 128 and max(r_gate, r_up, r_down) <= 4096), "u_moving: <= 128 tokens, rank <= 4096"
     assert 1 <= token_block <= 512 and 1 <= group <= 8 and gate_block % P == 0
     y = nl.ndarray((num_tokens, hidden), dtype=x.dtype, buffer=nl.shared_hbm)
     for _, t0, tsz in split(num_tokens, token_block):
@@ -36,11 +39,11 @@ def lowrank_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, token_block=512, 
             xT = nl.ndarray((P, hidden // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
             load_transposed(x, t0, tsz, xT)
             zgT = nl.ndarray((P, r_gate // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
-            project_transposed(gate_u, xT, zgT, tsz, group)
+            project(gate_u, xT, zgT, tsz, group, u_moving)
             zuT = nl.ndarray((P, r_up // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
-            project_transposed(up_u, xT, zuT, tsz, group)
+            project(up_u, xT, zuT, tsz, group, u_moving)
             swiglu_transposed(zgT, zuT, gate_v, up_v, hT, tsz, gate_block)
         zdT = nl.ndarray((P, r_down // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
-        project_transposed(down_u, hT, zdT, tsz, group)
+        project(down_u, hT, zdT, tsz, group, u_moving)
         store_natural(zdT, down_v, y, t0, tsz, out_block)
     return y

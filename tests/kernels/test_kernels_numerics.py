@@ -19,6 +19,8 @@ from neuronmm_kernels.kernels.swiglu import swiglu
     (77, 128, 256, 640, {}),                        # token tail < 128, out tail < 512
     (300, 384, 384, 1024, {"token_block": 256, "group": 2}),  # token-block tail, rank-group tail
     (513, 256, 128, 384, {"out_block": 1024}),       # one token past a 512 block
+    (3, 256, 640, 512, {"u_moving": True}),          # decode schedule, rank tail within a 512 chunk
+    (130, 128, 256, 256, {"u_moving": True, "token_block": 128}),
 ])
 @pytest.mark.parametrize("transpose_out", [False, True])
 def test_lowrank_matmul_matches_reference(make, num_tokens, d_in, rank, d_out, opts, transpose_out):
@@ -43,6 +45,7 @@ def test_dense_matmul_matches_reference(make, num_tokens, d_in, d_out):
     (1, 128, 256, (128, 128, 128), {}),
     (45, 256, 384, (128, 256, 128), {"gate_block": 256}),     # gate-block tail
     (200, 128, 256, (256, 128, 256), {"token_block": 128, "group": 1}),
+    (5, 256, 256, (128, 640, 256), {"u_moving": True}),
 ])
 def test_lowrank_mlp_matches_reference(make, num_tokens, hidden, inter, ranks, opts):
     rg, ru, rd = ranks

@@ -1,0 +1,86 @@
+"""Tile selection: pick a kernel's block sizes by minimising modeled trn1 time under SBUF/PSUM limits.
+
+The analytical-selector idea of PIM-LLM applied to our kernels: enumerate a small grid of block
+sizes, trace each candidate with the emulator (trace-only, loop-sampled: milliseconds), drop the
+ones that break a hardware rule (SBUF > 176 KiB or PSUM > 8 banks live), keep the fastest.
+Results are cached per shape.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+
+from .emulator import NKIRuleError
+
+log = logging.getLogger(__name__)
+
+KINDS = ("dense_matmul", "lowrank_matmul", "lowrank_mlp")
+
+
+def _token_blocks(num_tokens: int) -> list[int]:
+    return sorted({min(num_tokens, b) for b in (128, 256, 512)})
+
+
+def candidates(kind: str, num_tokens: int, transpose_out: bool = False) -> list[dict]:
+    """Every block-size combination the selector considers for this kernel kind."""
+    tbs = _token_blocks(num_tokens)
+    outs = (128, 512, 1024, 2048) if transpose_out else (512, 1024, 2048, 4096)
+    if kind == "dense_matmul":
+        grid = {"token_block": tbs, "out_block": outs}
+    elif kind == "lowrank_matmul":
+        grid = {"token_block": tbs, "group": (4, 8), "out_block": outs}
+    elif kind == "lowrank_mlp":
+        grid = {"token_block": tbs, "group": (4, 8), "gate_block": (128, 256, 512, 1024, 2048), "out_block": outs}
+    else:
+        raise ValueError(f"unknown kernel kind {kind!r}; expected one of {KINDS}")
+    if kind != "dense_matmul" and num_tokens <= 128:
+        grid["u_moving"] = (False, True)
+    keys = list(grid)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
+
+
+def _model(kind: str, num_tokens: int, dims: tuple, tiles: dict, transpose_out: bool):
+    from . import cost_model as cm
+
+    if kind == "dense_matmul":
+        return cm.model_dense_matmul(num_tokens, *dims, tiles=tiles)
+    if kind == "lowrank_matmul":
+        return cm.model_lowrank_matmul(num_tokens, *dims, tiles=tiles, transpose_out=transpose_out)
+    return cm.model_lowrank_mlp(num_tokens, *dims, tiles=tiles)
+
+
+@functools.lru_cache(maxsize=1024)
+def _select(kind: str, num_tokens: int, dims: tuple, transpose_out: bool) -> tuple:
+    best, best_us, rejected = None, float("inf"), []
+    for tiles in candidates(kind, num_tokens, transpose_out):
+        try:
+            us = _model(kind, num_tokens, dims, tiles, transpose_out).total_us
+        except NKIRuleError as err:
+            rejected.append(err.rule)
+            continue
+        except AssertionError as err:  # a kernel's own precondition (e.g. u_moving with rank > 4096)
+            rejected.append(str(err))
+            continue
+        if us < best_us:
+            best, best_us = tiles, us
+    if best is None:
+        raise ValueError(f"no feasible tiling for {kind} tokens={num_tokens} dims={dims}: {sorted(set(rejected))}")
+    log.debug("%s tokens=%d dims=%s -> %s (%.1f us modeled)", kind, num_tokens, dims, best, best_us)
+    return tuple(sorted(best.items()))
+
+
+def select_tiles(kind: str, num_tokens: int, *dims, transpose_out: bool = False) -> dict:
+    """Fastest feasible block sizes (kernel kwargs) for a shape, by modeled trn1 time; cached per shape.
+
+    kind and dims: "dense_matmul" (d_in, d_out), "lowrank_matmul" (d_in, rank, d_out),
+    "lowrank_mlp" (hidden, intermediate, ranks) with ranks an int or (r_gate, r_up, r_down).
+    Example: select_tiles("lowrank_mlp", 32, 2048, 8192, 1280) -> {"token_block": 32, ...}.
+    Raises ValueError when no candidate fits SBUF/PSUM.
+    """
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+    norm = tuple(tuple(d) if isinstance(d, (list, tuple)) else (d,) * 3 if kind == "lowrank_mlp" and i == 2 else d
+                 for i, d in enumerate(dims))
+    return dict(_select(kind, int(num_tokens), norm, bool(transpose_out)))
