@@ -1,0 +1,51 @@
+"""The tile selector picks the fastest feasible candidate and never an infeasible one."""
+
+from __future__ import annotations
+
+import pytest
+
+from neuronmm_kernels import cost_model as cm
+from neuronmm_kernels import tiling
+from neuronmm_kernels.emulator import NKIRuleError
+from neuronmm_kernels.emulator.core import PSUM_BANKS, SBUF_BYTES_PER_PARTITION
+
+
+@pytest.mark.parametrize("num_tokens,hidden,inter,ranks", [
+    (1, 2048, 8192, 1280),
+    (512, 3072, 8192, 1792),
+    (2048, 4096, 14336, (2048, 2048, 1536)),  # wide intermediate: hᵀ for 512 tokens would not fit
+    (77, 256, 384, 128),
+])
+def test_selected_mlp_tiles_are_feasible(num_tokens, hidden, inter, ranks):
+    tiles = tiling.select_tiles("lowrank_mlp", num_tokens, hidden, inter, ranks)
+    m = cm.model_lowrank_mlp(num_tokens, hidden, inter, ranks, tiles=tiles)  # raises if infeasible
+    assert m.peak_sbuf_bytes <= SBUF_BYTES_PER_PARTITION and m.peak_psum_banks <= PSUM_BANKS
+
+
+def test_infeasible_candidates_exist_and_are_skipped():
+    big = {"token_block": 512, "group": 8, "gate_block": 2048, "out_block": 4096}
+    with pytest.raises(NKIRuleError) as err:
+        cm.model_lowrank_mlp(2048, 4096, 14336, 2048, tiles=big)
+    assert err.value.rule == "sbuf_capacity"
+    chosen = tiling.select_tiles("lowrank_mlp", 2048, 4096, 14336, 2048)
+    assert chosen != big
+
+
+@pytest.mark.parametrize("kind,dims", [("lowrank_matmul", (1024, 256, 2048)), ("dense_matmul", (1024, 2048))])
+def test_selection_is_the_minimum_over_feasible_candidates(kind, dims):
+    chosen = tiling.select_tiles(kind, 300, *dims)
+    model = (cm.model_dense_matmul if kind == "dense_matmul" else cm.model_lowrank_matmul)
+    best = model(300, *dims, tiles=chosen).total_us
+    for tiles in tiling.candidates(kind, 300):
+        assert model(300, *dims, tiles=tiles).total_us >= best - 1e-9
+
+
+def test_selection_is_cached_and_validates_input():
+    tiling.select_tiles("dense_matmul", 64, 512, 512)
+    hits = tiling._select.cache_info().hits
+    tiling.select_tiles("dense_matmul", 64, 512, 512)
+    assert tiling._select.cache_info().hits == hits + 1
+    with pytest.raises(ValueError):
+        tiling.select_tiles("dense_matmul", 0, 512, 512)
+    with pytest.raises(ValueError):
+        tiling.select_tiles("conv", 1, 512, 512)
