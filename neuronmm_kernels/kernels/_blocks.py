@@ -62,17 +62,18 @@ def project_transposed_small(w, srcT, zT, tsz: int):
     turn it into zT on-chip. Needs rank <= 8 * 512 (one PSUM bank per 512 rank columns).
     """
     num_k, rank = w.shape[0] // P, w.shape[1]
-    acc = nl.zeros((tsz, -(-rank // MOVING_FMAX), MOVING_FMAX), nl.float32, buffer=nl.psum)
-    for k in nl.affine_range(num_k):
-        wt = nl.load(w[nl.ds(k * P, P), :])
+    for _ in nl.affine_range(1):  # scope: the accumulator banks are free again on return
+        acc = nl.zeros((tsz, -(-rank // MOVING_FMAX), MOVING_FMAX), nl.float32, buffer=nl.psum)
+        for k in nl.affine_range(num_k):
+            wt = nl.load(w[nl.ds(k * P, P), :])
+            for c, c0, csz in split(rank, MOVING_FMAX):
+                acc[:, c, 0:csz] += nisa.nc_matmul(srcT[:, k, 0:tsz], wt[:, nl.ds(c0, csz)])
         for c, c0, csz in split(rank, MOVING_FMAX):
-            acc[:, c, 0:csz] += nisa.nc_matmul(srcT[:, k, 0:tsz], wt[:, nl.ds(c0, csz)])
-    for c, c0, csz in split(rank, MOVING_FMAX):
-        z = nisa.activation(nl.copy, acc[:, c, 0:csz], dtype=zT.dtype)  # [tsz, csz] token-major
-        for j in nl.affine_range(csz // P):
-            tp = nl.ndarray((P, tsz), nl.float32, buffer=nl.psum)
-            tp[...] = nisa.nc_transpose(z[:, nl.ds(j * P, P)])
-            zT[:, c * (MOVING_FMAX // P) + j, 0:tsz] = nisa.tensor_copy(tp, dtype=zT.dtype)
+            z = nisa.activation(nl.copy, acc[:, c, 0:csz], dtype=zT.dtype)  # [tsz, csz] token-major
+            for j in nl.affine_range(csz // P):
+                tp = nl.ndarray((P, tsz), nl.float32, buffer=nl.psum)
+                tp[...] = nisa.nc_transpose(z[:, nl.ds(j * P, P)])
+                zT[:, c * (MOVING_FMAX // P) + j, 0:tsz] = nisa.tensor_copy(tp, dtype=zT.dtype)
 
 
 def project(w, srcT, zT, tsz: int, group: int, u_moving: bool):

@@ -1,0 +1,123 @@
+"""Modeled trn1 kernel benchmark: four ways to run the paper's low-rank MLPs, plus the calibration table.
+
+Every number is **modeled** (neuronmm_kernels.cost_model over emulator traces), not measured on a
+Neuron device. For each MLP shape of the NeuronMM paper and each token count it models
+(a) dense: dense_matmul for gate, up and down (+ a SwiGLU kernel through HBM),
+(b) two_matmuls: each low-rank projection as two dense_matmul calls with X·U through HBM (+ SwiGLU),
+(c) fused_matmul: lowrank_matmul per projection (+ SwiGLU),
+(d) fused_mlp: one lowrank_mlp call,
+each with the tile selector's block sizes, and writes bench/results/kernels.json and kernels.md.
+
+    python -m bench.kernels                        # all shapes, tokens 1 32 128 512 2048
+    python -m bench.kernels --models llama-3.2-1b --tokens 1 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from neuronmm_kernels import cost_model as cm
+
+RESULTS = Path(__file__).parent / "results"
+
+# NeuronMM paper (arXiv 2510.25977), MLP shapes and the rank it uses for gate/up/down.
+PAPER_SHAPES = {
+    "llama-3.2-1b": {"hidden": 2048, "intermediate": 8192, "rank": 1280},
+    "llama-3.2-3b": {"hidden": 3072, "intermediate": 8192, "rank": 1792},
+    "qwen3-1.7b": {"hidden": 2048, "intermediate": 6144, "rank": 1280},
+    "qwen3-4b": {"hidden": 2560, "intermediate": 9728, "rank": 1664},
+}
+TOKENS = (1, 32, 128, 512, 2048)
+LABELS = {"dense": "(a) dense", "two_matmuls": "(b) 2 matmuls via HBM", "fused_matmul": "(c) fused XUV",
+          "fused_mlp": "(d) fused MLP"}
+
+
+def run_bench(models: list[str], tokens: list[int]) -> dict:
+    """Model every (shape, tokens, variant); returns the JSON-ready result."""
+    rows = []
+    jobs = [(m, t) for m in models for t in tokens]
+    for model, num_tokens in tqdm(jobs, desc="modeling", unit="shape"):
+        s = PAPER_SHAPES[model]
+        row = {"model": model, "num_tokens": num_tokens, **s, "variants": {}}
+        for variant in cm.MLP_VARIANTS:
+            m = cm.model_mlp(variant, num_tokens, s["hidden"], s["intermediate"], s["rank"])
+            row["variants"][variant] = m.as_dict()
+        us = {v: row["variants"][v]["modeled_us"] for v in cm.MLP_VARIANTS}
+        row["speedup"] = {"c_over_b": us["two_matmuls"] / us["fused_matmul"],
+                          "d_over_b": us["two_matmuls"] / us["fused_mlp"],
+                          "d_over_a": us["dense"] / us["fused_mlp"],
+                          "b_over_a": us["dense"] / us["two_matmuls"]}
+        rows.append(row)
+    calib = {name: {"modeled_ms": round(mod, 3), "published_ms": pub, "error": round(mod / pub - 1, 4)}
+             for name, (mod, pub) in cm.calibration().items()}
+    return {"label": "modeled (trn1 cost model over NumPy NKI emulator traces; not measured on Neuron)",
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "machine": f"{platform.node()} {platform.machine()} {platform.python_version()}",
+            "calibration": calib, "rows": rows, "mean_speedup": _means(rows)}
+
+
+def _means(rows: list[dict]) -> dict:
+    keys = rows[0]["speedup"] if rows else {}
+    return {k: round(sum(r["speedup"][k] for r in rows) / len(rows), 4) for k in keys}
+
+
+def to_markdown(result: dict) -> str:
+    """The per-shape table (modeled µs, HBM MB, TensorE utilisation) plus calibration and means."""
+    lines = ["| model | tokens | " + " | ".join(f"{LABELS[v]} µs / MB / PE%" for v in cm.MLP_VARIANTS)
+             + " | c/b | d/b | d/a |", "|---|---:|" + "---:|" * (len(cm.MLP_VARIANTS) + 3)]
+    for r in result["rows"]:
+        cells = [f"{v['modeled_us']:.1f} / {v['hbm_bytes'] / 1e6:.1f} / {100 * v['pe_utilisation']:.0f}"
+                 f" ({v['bound']})" for v in (r["variants"][k] for k in cm.MLP_VARIANTS)]
+        sp = r["speedup"]
+        lines.append(f"| {r['model']} | {r['num_tokens']} | " + " | ".join(cells)
+                     + f" | {sp['c_over_b']:.2f}× | {sp['d_over_b']:.2f}× | {sp['d_over_a']:.2f}× |")
+    m = result["mean_speedup"]
+    lines += ["", f"Mean modeled speedups: fused XUV over two matmuls (c/b) {m['c_over_b']:.2f}×, fused MLP "
+              f"over two matmuls (d/b) {m['d_over_b']:.2f}×, fused MLP over dense (d/a) {m['d_over_a']:.2f}×, "
+              f"low-rank via two matmuls over dense (b/a) {m['b_over_a']:.2f}×.", "",
+              "| tutorial schedule (trn1, [4096,8192]×[8192,8192]) | modeled ms | published ms | error |",
+              "|---|---:|---:|---:|"]
+    for name, c in result["calibration"].items():
+        lines.append(f"| {name} | {c['modeled_ms']:.2f} | {c['published_ms']:.2f} | {100 * c['error']:+.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: model, print the markdown table, write JSON + markdown under bench/results."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=list(PAPER_SHAPES), choices=list(PAPER_SHAPES))
+    ap.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    ap.add_argument("--out", type=Path, default=RESULTS / "kernels.json")
+    args = ap.parse_args(argv)
+    if any(t < 1 for t in args.tokens):
+        ap.error("--tokens must be >= 1")
+    start = time.perf_counter()
+    result = run_bench(args.models, args.tokens)
+    result["wall_s"] = round(time.perf_counter() - start, 1)
+    md = to_markdown(result)
+    _write_atomic(args.out, json.dumps(result, indent=1) + "\n")
+    _write_atomic(args.out.with_suffix(".md"), md)
+    print(md)
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')} ({result['wall_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
