@@ -11,14 +11,16 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api.errors import APIError, error_response
 from server.api.metrics import ServerMetrics
 from server.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                 CompletionResponse, ErrorResponse, ModelCard, ModelList)
+                                 CompletionResponse, ErrorResponse, HealthStatus, ModelCard, ModelList)
 from server.api.serving import OpenAIServing
+from server.api.shutdown import GracefulServer
 from server.config import Config
 from server.engine.async_engine import AsyncEngine
 from server.runtime import Runtime, load_runtime
@@ -26,6 +28,8 @@ from server.runtime import Runtime, load_runtime
 log = logging.getLogger(__name__)
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
+# A POST answers JSON, or an SSE stream when the request sets `stream: true`.
+_POST_RESPONSES = {**_ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 _OPEN_PATHS = {"/health"}
 
 
@@ -37,6 +41,7 @@ class AppState:
         self.metrics = ServerMetrics(cfg.model.name)
         self.ready = False
         self.draining = False
+        self.num_active = 0  # generation requests inside the app (the drain waits for 0)
         self.load_error: str | None = None
         self.runtime: Runtime | None = None
         self.engine: AsyncEngine | None = None
@@ -69,7 +74,12 @@ class GuardMiddleware:
         rejection = self._check(scope)
         if rejection is not None:
             return await rejection(scope, receive, send)
-        await self.app(scope, self._limited(receive, send), send)
+        counted = scope["method"] == "POST" and scope["path"].startswith("/v1/")
+        self.state.num_active += counted
+        try:
+            await self.app(scope, self._limited(receive, send), send)
+        finally:
+            self.state.num_active -= counted
 
     def _check(self, scope) -> JSONResponse | None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
@@ -107,10 +117,12 @@ class GuardMiddleware:
 
 
 def _install_middleware(app: FastAPI, state: "AppState") -> None:
+    app.add_middleware(GuardMiddleware, state=state)
     if state.cfg.server.cors_origins:
+        # Added last, so outermost: preflights (which carry no API key) are answered before the guard,
+        # and the guard's 401/413/503 bodies get CORS headers a browser can read.
         app.add_middleware(CORSMiddleware, allow_origins=state.cfg.server.cors_origins, allow_methods=["*"],
                            allow_headers=["*"])
-    app.add_middleware(GuardMiddleware, state=state)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -142,7 +154,7 @@ def _install_routes(app: FastAPI) -> None:
     def serving(request: Request) -> OpenAIServing:
         return request.app.state.neuronmm.serving
 
-    @app.get("/health")
+    @app.get("/health", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
     async def health(request: Request):
         state: AppState = request.app.state.neuronmm
         if state.ready and not state.draining and state.engine.is_alive:
@@ -151,9 +163,9 @@ def _install_routes(app: FastAPI) -> None:
             "draining" if state.draining else "loading")
         return JSONResponse({"status": status}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={401: {"model": ErrorResponse}})
     async def metrics(request: Request):
-        return Response(request.app.state.neuronmm.metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(request.app.state.neuronmm.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models(request: Request):
@@ -166,13 +178,30 @@ def _install_routes(app: FastAPI) -> None:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return result
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_POST_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
         return await respond(await serving(request).completions(body, request))
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_POST_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request):
         return await respond(await serving(request).chat(body, request))
+
+
+def _install_openapi(app: FastAPI) -> None:
+    """The generated schema, less FastAPI's 422 entries: validation errors are answered 400, as OpenAI does."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for item in schema["paths"].values():
+                for op in item.values():
+                    op["responses"].pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def create_app(cfg: Config, loader: Callable[[Config], Runtime] = load_runtime) -> FastAPI:
@@ -202,11 +231,12 @@ def create_app(cfg: Config, loader: Callable[[Config], Runtime] = load_runtime) 
     _install_middleware(app, state)
     _install_error_handlers(app)
     _install_routes(app)
+    _install_openapi(app)
     return app
 
 
 def serve(cfg: Config) -> int:
-    """Run the app under uvicorn until interrupted."""
+    """Run the app under uvicorn; SIGTERM drains in-flight requests (503 for new ones), then returns 0."""
     import uvicorn
 
     from server.backends import check_backend_available
@@ -217,6 +247,6 @@ def serve(cfg: Config) -> int:
     check_backend_available(cfg)
     resolve_model_dir(cfg.model, cfg.cache_path)
     app = create_app(cfg)
-    uvicorn.run(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
-                timeout_graceful_shutdown=cfg.server.shutdown_grace_s)
+    config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level)
+    GracefulServer(config, app.state.neuronmm, cfg.server.shutdown_grace_s).run()
     return 0

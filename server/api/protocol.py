@@ -13,6 +13,8 @@ from server.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 MAX_N = 16
 MAX_STOP = 16
 MAX_STOP_LEN = 256
+_MIN_TEMPERATURE = 1e-5
+_MIN_TOP_P = 1e-6
 
 Probability = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -51,8 +53,13 @@ class _Request(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The one place request fields turn into engine sampling settings."""
+        # Values the float32 sampler cannot tell from 0 (found by fuzzing): a temperature this small is
+        # greedy in effect (logits / t overflow), and a top_p under 1e-6 keeps exactly the top token, as
+        # 1e-6 does for any vocabulary under a million (the top token's probability is >= 1/vocab).
+        temperature = 0.0 if self.temperature < _MIN_TEMPERATURE else self.temperature
+        top_p = max(self.top_p, _MIN_TOP_P)
         return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=self.top_k,
             seed=self.seed, stop=self.stop_list(), ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, logprobs=logprobs)
 
@@ -190,6 +197,12 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+
+
+class HealthStatus(BaseModel):
+    """GET /health: "ok", or why not (loading, draining, error: ...)."""
+
+    status: str
 
 
 class ModelCard(BaseModel):
