@@ -197,3 +197,11 @@ def test_bf16_rounding_nan_fill_and_trace_only():
     out, trace = run(nki.jit(roundtrip), TensorSpec((128, 4096), BF16), trace_only=True)
     assert out is None and trace.hbm_bytes == 2 * 128 * 4096 * 2
     assert trace.instrs[0].contig == 4096 * 2
+
+
+def test_compat_hands_kernels_the_emulator_without_neuronxcc():
+    from neuronmm_kernels import compat, emulator
+
+    if compat.HAVE_NEURONXCC:
+        pytest.skip("neuronxcc is installed: kernels get the real compiler")
+    assert compat.nl is emulator.nl and compat.nisa is emulator.nisa and compat.nki is emulator.nki
