@@ -77,7 +77,7 @@ class GuardMiddleware:
         counted = scope["method"] == "POST" and scope["path"].startswith("/v1/")
         self.state.num_active += counted
         try:
-            await self.app(scope, self._limited(receive, send), send)
+            await self._call_limited(scope, receive, send)
         finally:
             self.state.num_active -= counted
 
@@ -99,21 +99,35 @@ class GuardMiddleware:
                 return error_response(503, "model is loading", code="not_ready", headers={"Retry-After": "5"})
         return None
 
-    def _limited(self, receive, send):
-        """A receive that stops a chunked body at max_body bytes with a 413."""
+    async def _call_limited(self, scope, receive, send) -> None:
+        """Run the app, cutting a body without Content-Length (chunked) at max_body bytes with a 413.
+
+        Past the limit the app is told the client left (it stops reading) and whatever it answers to
+        that is dropped in favour of the 413.
+        """
         seen = 0
-        max_body = self.max_body
+        tripped = False
 
         async def receive_limited():
-            nonlocal seen
+            nonlocal seen, tripped
+            if tripped:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > max_body:
-                    raise APIError(413, f"request body over {max_body} bytes", code="body_too_large")
+                if seen > self.max_body:
+                    tripped = True
+                    return {"type": "http.disconnect"}
             return message
 
-        return receive_limited
+        async def send_unless_tripped(message):
+            if not tripped:
+                await send(message)
+
+        await self.app(scope, receive_limited, send_unless_tripped)
+        if tripped:
+            response = error_response(413, f"request body over {self.max_body} bytes", code="body_too_large")
+            await response(scope, receive, send)
 
 
 def _install_middleware(app: FastAPI, state: "AppState") -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from fastapi.responses import JSONResponse
 
 from server.api.protocol import ErrorInfo, ErrorResponse
@@ -28,7 +30,14 @@ class APIError(Exception):
         return ErrorResponse(error=info).model_dump()
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return _AsciiJSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class _AsciiJSONResponse(JSONResponse):
+    """Escapes non-ASCII, so a message quoting client text (even a lone surrogate) always renders."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,

@@ -25,6 +25,14 @@ RETRY_AFTER_S = "1"
 _DISCONNECT_POLL_S = 0.05
 
 
+def _check_unicode(text: str, param: str) -> None:
+    """400 for text JSON can carry but UTF-8 cannot (lone surrogates such as "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"{param} is not valid Unicode (lone surrogate)", param=param) from None
+
+
 class _Choice:
     """Accumulates one choice's text, tokens and logprobs for a non-streamed response."""
 
@@ -46,6 +54,13 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self.metrics = metrics
         self.vocab_size = len(tokenizer)
+        # No token decodes to more characters than its longest vocabulary string, so a text longer than
+        # max_model_len * that (x4 when a normaliser may merge characters) cannot fit: refuse it without
+        # spending seconds of the event loop on tokenizing megabytes.
+        longest = max((len(t) for t in tokenizer.convert_ids_to_tokens(list(range(self.vocab_size))) if t), default=1)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        slack = 1 if backend is not None and backend.normalizer is None else 4
+        self.max_prompt_chars = max_model_len * longest * slack
 
     # ---- prompt handling -------------------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -53,10 +68,19 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist. Available: {self.model_name}",
                            param="model", code="model_not_found")
 
+    def _too_long(self, what: str) -> APIError:
+        return APIError(400, f"{what} is longer than max_model_len ({self.max_model_len} tokens) allows",
+                        param="prompt", code="context_length_exceeded")
+
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            if len(prompt) > self.max_prompt_chars:
+                raise self._too_long(f"prompt of {len(prompt)} characters")
+            _check_unicode(prompt, "prompt")
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
+            if len(prompt) > self.max_model_len:
+                raise self._too_long(f"prompt of {len(prompt)} token ids")
             ids = list(prompt)
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
@@ -67,6 +91,11 @@ class OpenAIServing:
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
                     for m in req.messages]
+        num_chars = sum(len(m["content"]) for m in messages)
+        if num_chars > self.max_prompt_chars:
+            raise self._too_long(f"messages of {num_chars} characters")
+        for m in messages:
+            _check_unicode(m["content"], "messages")
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=req.add_generation_prompt)
