@@ -37,8 +37,12 @@ def candidates(kind: str, num_tokens: int, transpose_out: bool = False) -> list[
         raise ValueError(f"unknown kernel kind {kind!r}; expected one of {KINDS}")
     if kind != "dense_matmul" and num_tokens <= 128:
         grid["u_moving"] = (False, True)
+    if kind == "lowrank_mlp":
+        grid["h_in_hbm"] = (False, True)
     keys = list(grid)
-    return [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
+    combos = [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
+    # spilling hᵀ only pays when it buys the largest token block (fewer weight reloads)
+    return [c for c in combos if not c.get("h_in_hbm") or c["token_block"] == tbs[-1]]
 
 
 def _model(kind: str, num_tokens: int, dims: tuple, tiles: dict, transpose_out: bool):

@@ -35,25 +35,34 @@ def load_transposed(x, t0, tsz: int, xT):
             xT[:, k, nl.ds(s0, ssz)] = nisa.tensor_copy(tp, dtype=xT.dtype)
 
 
-def project_transposed(w, srcT, zT, tsz: int, group: int):
+def _src_tile(srcT, k, tsz: int, src_hbm, t0):
+    """Slice k of the transposed source: from SBUF, or streamed from an HBM [K, tokens] spill."""
+    if src_hbm is None:
+        return srcT[:, k, 0:tsz]
+    return nl.load(src_hbm[nl.ds(k * P, P), nl.ds(t0, tsz)])
+
+
+def project_transposed(w, srcT, zT, tsz: int, group: int, src_hbm=None, t0=0):
     """zT[:, j, 0:tsz] = (src · w)ᵀ for w [K, R] in HBM and srcT (128, K/128, >=tsz) in SBUF.
 
     w tiles are stationary (free = 128 rank columns), srcT is moving (free = tsz <= 512), so the
     result comes out already transposed, rank on partitions, ready to be the next matmul's operand.
     `group` rank tiles accumulate at once (one PSUM bank each); w rows load group*128 wide.
+    With src_hbm (a feature-major [K, tokens] HBM tensor) the source streams from HBM instead.
     """
     num_k, num_r = w.shape[0] // P, w.shape[1] // P
     for g, g0, gsz in split(num_r, group):
         acc = nl.zeros((P, gsz, MOVING_FMAX), nl.float32, buffer=nl.psum)
         for k in nl.affine_range(num_k):
             wt = nl.load(w[nl.ds(k * P, P), nl.ds(g0 * P, gsz * P)])
+            src = _src_tile(srcT, k, tsz, src_hbm, t0)
             for j in nl.affine_range(gsz):
-                acc[:, j, 0:tsz] += nisa.nc_matmul(wt[:, nl.ds(j * P, P)], srcT[:, k, 0:tsz])
+                acc[:, j, 0:tsz] += nisa.nc_matmul(wt[:, nl.ds(j * P, P)], src)
         for j in nl.affine_range(gsz):
             zT[:, g0 + j, 0:tsz] = nisa.activation(nl.copy, acc[:, j, 0:tsz], dtype=zT.dtype)
 
 
-def project_transposed_small(w, srcT, zT, tsz: int):
+def project_transposed_small(w, srcT, zT, tsz: int, src_hbm=None, t0=0):
     """Same result as project_transposed for tsz <= 128 tokens, with w moving instead of stationary.
 
     srcT tiles are stationary (free = tsz), w streams as moving operands 512 columns at a time, so
@@ -66,8 +75,9 @@ def project_transposed_small(w, srcT, zT, tsz: int):
         acc = nl.zeros((tsz, -(-rank // MOVING_FMAX), MOVING_FMAX), nl.float32, buffer=nl.psum)
         for k in nl.affine_range(num_k):
             wt = nl.load(w[nl.ds(k * P, P), :])
+            src = _src_tile(srcT, k, tsz, src_hbm, t0)
             for c, c0, csz in split(rank, MOVING_FMAX):
-                acc[:, c, 0:csz] += nisa.nc_matmul(srcT[:, k, 0:tsz], wt[:, nl.ds(c0, csz)])
+                acc[:, c, 0:csz] += nisa.nc_matmul(src, wt[:, nl.ds(c0, csz)])
         for c, c0, csz in split(rank, MOVING_FMAX):
             z = nisa.activation(nl.copy, acc[:, c, 0:csz], dtype=zT.dtype)  # [tsz, csz] token-major
             for j in nl.affine_range(csz // P):
@@ -76,12 +86,12 @@ def project_transposed_small(w, srcT, zT, tsz: int):
                 zT[:, c * (MOVING_FMAX // P) + j, 0:tsz] = nisa.tensor_copy(tp, dtype=zT.dtype)
 
 
-def project(w, srcT, zT, tsz: int, group: int, u_moving: bool):
+def project(w, srcT, zT, tsz: int, group: int, u_moving: bool, src_hbm=None, t0=0):
     """zT = (src · w)ᵀ with w stationary (any tsz) or, when u_moving, w moving (tsz <= 128)."""
     if u_moving:
-        project_transposed_small(w, srcT, zT, tsz)
+        project_transposed_small(w, srcT, zT, tsz, src_hbm, t0)
     else:
-        project_transposed(w, srcT, zT, tsz, group)
+        project_transposed(w, srcT, zT, tsz, group, src_hbm, t0)
 
 
 def _load_columns(v, n0, nsz: int):
@@ -121,10 +131,11 @@ def store_transposed(zT, v, yT, t0, tsz: int, out_block: int):
             nl.store(yT[nl.ds(n0 + c0, csz), nl.ds(t0, tsz)], yt)
 
 
-def swiglu_transposed(zgT, zuT, gate_v, up_v, hT, tsz: int, block: int):
+def swiglu_transposed(zgT, zuT, gate_v, up_v, hT, tsz: int, block: int, h_hbm=None, t0=0):
     """hT[:, i, 0:tsz] = (silu(zg · gate_v) ⊙ (zu · up_v))ᵀ: SiLU evicts gate PSUM on ScalarE,
     the product reads up straight from PSUM on VectorE; the result is already the down
-    projection's moving operand (intermediate on partitions)."""
+    projection's moving operand (intermediate on partitions). With h_hbm, each 128-row tile is
+    stored to the feature-major HBM spill h_hbm[intermediate, tokens] instead of kept in SBUF."""
     num_rg, num_ru = gate_v.shape[0] // P, up_v.shape[0] // P
     for b, n0, nsz in split(gate_v.shape[1], block):
         gb = _load_columns(gate_v, n0, nsz)
@@ -136,5 +147,9 @@ def swiglu_transposed(zgT, zuT, gate_v, up_v, hT, tsz: int, block: int):
                 acc_g += nisa.nc_matmul(gb[:, r, nl.ds(c * P, P)], zgT[:, r, 0:tsz])
             for r in nl.affine_range(num_ru):
                 acc_u += nisa.nc_matmul(ub[:, r, nl.ds(c * P, P)], zuT[:, r, 0:tsz])
-            g = nisa.activation(nl.silu, acc_g, dtype=hT.dtype)
-            hT[:, b * (block // P) + c, 0:tsz] = nl.multiply(g, acc_u, dtype=hT.dtype)
+            g = nisa.activation(nl.silu, acc_g, dtype=zgT.dtype)
+            if h_hbm is None:
+                hT[:, b * (block // P) + c, 0:tsz] = nl.multiply(g, acc_u, dtype=hT.dtype)
+            else:
+                nl.store(h_hbm[nl.ds((b * (block // P) + c) * P, P), nl.ds(t0, tsz)],
+                         nl.multiply(g, acc_u, dtype=h_hbm.dtype))

@@ -6,7 +6,7 @@ from ._blocks import P, load_transposed, project, split, store_natural, swiglu_t
 
 @nki.jit
 def lowrank_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, token_block=512, group=8, gate_block=512,
-                out_block=512, u_moving=False):
+                out_block=512, u_moving=False, h_in_hbm=False):
     """y = (silu(x·gate_u·gate_v) ⊙ (x·up_u·up_v)) · down_u · down_v.
 
     Layouts (HBM, row-major): x [num_tokens, hidden]; gate_u [hidden, r_gate], gate_v [r_gate,
@@ -17,7 +17,8 @@ def lowrank_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, token_block=512, 
     intermediate and ranks multiples of 128; token_block <= 512; group <= 8; gate_block a multiple
     of 128; out_block a multiple of 512 (or the tail); u_moving as in lowrank_matmul. SBUF must
     hold hᵀ (intermediate * 2 * token_block / 128 bytes per partition): the tile selector shrinks
-    token_block until it fits.
+    token_block until it fits, or sets h_in_hbm: hᵀ then goes to an HBM scratch written
+    feature-major [intermediate, tokens], which the down projection streams back with no transpose.
     Schedule per token block: Xᵀ (PE transposes, once for gate and up); (X·gate_u)ᵀ and (X·up_u)ᵀ
     kept in SBUF; hᵀ = silu(gate)ᵀ ⊙ upᵀ computed with gate_v/up_v stationary, SiLU applied while
     evicting PSUM; (h·down_u)ᵀ with down_u stationary reads hᵀ in place; y token-major.
@@ -33,8 +34,9 @@ def lowrank_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, token_block=512, 
     assert not u_moving or (token_block <= 128 and max(r_gate, r_up, r_down) <= 4096), "u_moving: <= 128 tokens, rank <= 4096"
     assert 1 <= token_block <= 512 and 1 <= group <= 8 and gate_block % P == 0
     y = nl.ndarray((num_tokens, hidden), dtype=x.dtype, buffer=nl.shared_hbm)
+    h_hbm = nl.ndarray((inter, num_tokens), dtype=x.dtype, buffer=nl.private_hbm) if h_in_hbm else None
     for _, t0, tsz in split(num_tokens, token_block):
-        hT = nl.ndarray((P, inter // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
+        hT = None if h_in_hbm else nl.ndarray((P, inter // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
         for _ in nl.affine_range(1):  # scope: X-side strips are dead before the down projection
             xT = nl.ndarray((P, hidden // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
             load_transposed(x, t0, tsz, xT)
@@ -42,8 +44,8 @@ def lowrank_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, token_block=512, 
             project(gate_u, xT, zgT, tsz, group, u_moving)
             zuT = nl.ndarray((P, r_up // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
             project(up_u, xT, zuT, tsz, group, u_moving)
-            swiglu_transposed(zgT, zuT, gate_v, up_v, hT, tsz, gate_block)
+            swiglu_transposed(zgT, zuT, gate_v, up_v, hT, tsz, gate_block, h_hbm, t0)
         zdT = nl.ndarray((P, r_down // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
-        project(down_u, hT, zdT, tsz, group, u_moving)
+        project(down_u, hT, zdT, tsz, group, u_moving, h_hbm, t0)
         store_natural(zdT, down_v, y, t0, tsz, out_block)
     return y

@@ -46,6 +46,8 @@ def test_dense_matmul_matches_reference(make, num_tokens, d_in, d_out):
     (45, 256, 384, (128, 256, 128), {"gate_block": 256}),     # gate-block tail
     (200, 128, 256, (256, 128, 256), {"token_block": 128, "group": 1}),
     (5, 256, 256, (128, 640, 256), {"u_moving": True}),
+    (140, 128, 384, (128, 128, 256), {"h_in_hbm": True, "gate_block": 256, "token_block": 128}),
+    (3, 128, 256, (128, 128, 128), {"h_in_hbm": True, "u_moving": True}),
 ])
 def test_lowrank_mlp_matches_reference(make, num_tokens, hidden, inter, ranks, opts):
     rg, ru, rd = ranks
@@ -53,8 +55,9 @@ def test_lowrank_mlp_matches_reference(make, num_tokens, hidden, inter, ranks, o
             make(ru, inter), make(inter, rd), make(rd, hidden)]
     y, trace = run(lowrank_mlp, *args, **opts)
     assert_bf16_close(y, ref.lowrank_mlp(*args))
-    # the [tokens, intermediate] activation stays on-chip: HBM traffic is inputs + weights (+ reloads) + y
-    assert sum(i.nbytes for i in trace.instrs if i.op == "store") == num_tokens * hidden * 2
+    # the [tokens, intermediate] activation stays on-chip unless spilled (then stored exactly once)
+    spill = num_tokens * inter * 2 if opts.get("h_in_hbm") else 0
+    assert sum(i.nbytes for i in trace.instrs if i.op == "store") == num_tokens * hidden * 2 + spill
 
 
 def test_swiglu_matches_reference(make):

@@ -49,3 +49,11 @@ def test_selection_is_cached_and_validates_input():
         tiling.select_tiles("dense_matmul", 0, 512, 512)
     with pytest.raises(ValueError):
         tiling.select_tiles("conv", 1, 512, 512)
+
+
+def test_spilling_h_makes_a_large_token_block_feasible():
+    tiles = {"token_block": 512, "group": 8, "gate_block": 512, "out_block": 512}
+    with pytest.raises(NKIRuleError):  # hᵀ for 512 tokens x 28672 intermediate = 224 KiB per partition
+        cm.model_lowrank_mlp(1024, 4096, 28672, 2048, tiles=tiles)
+    spilled = cm.model_lowrank_mlp(1024, 4096, 28672, 2048, tiles={**tiles, "h_in_hbm": True})
+    assert spilled.peak_sbuf_bytes <= SBUF_BYTES_PER_PARTITION
