@@ -26,7 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ppl", default="wikitext2,ptb,c4", help="comma list of wikitext2,ptb,c4, or 'none'")
     p.add_argument("--seqlen", default="2048", help="perplexity window length (2048 as in the papers; 512 for speed)")
     p.add_argument("--limit", help="at most N perplexity windows per corpus and N items per task")
-    p.add_argument("--ppl-limit", help="at most N windows per corpus (overrides --limit for perplexity)")
+    p.add_argument("--ppl-limit", help="at most N windows per corpus, or per corpus as wikitext2=40,ptb=10 "
+                                       "(overrides --limit for perplexity)")
     p.add_argument("--task-limit", help="at most N items per task (overrides --limit for zero-shot)")
     p.add_argument("--batch-size", default="4", help="windows per forward pass for perplexity")
     p.add_argument("--num-threads", default="2", help="torch threads (at most 2: the CPU is shared)")
@@ -64,6 +65,21 @@ def parse_list(flag: str, value: str, allowed: tuple[str, ...], all_word: str | 
     return list(dict.fromkeys(names))
 
 
+def parse_ppl_limits(value: str | None, default: int | None, corpora: list[str]) -> dict[str, int | None]:
+    """Window limit per corpus from "N" or "corpus=N,..." (corpora not named keep `default`)."""
+    limits = dict.fromkeys(corpora, default)
+    if value is None:
+        return limits
+    if "=" not in value:
+        return dict.fromkeys(corpora, positive_int("--ppl-limit", value))
+    for part in value.split(","):
+        name, _, number = part.partition("=")
+        if name.strip() not in limits:
+            raise ConfigError(f"--ppl-limit: {name.strip()!r} is not among the --ppl corpora")
+        limits[name.strip()] = positive_int("--ppl-limit", number)
+    return limits
+
+
 def _manifest_summary(compressed: str | None) -> dict | None:
     if not compressed:
         return None
@@ -85,7 +101,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if seqlen < 16:
         raise ConfigError(f"--seqlen: at least 16 tokens, got {seqlen}")
     limit = positive_int("--limit", args.limit)
-    ppl_limit = positive_int("--ppl-limit", args.ppl_limit) or limit
+    ppl_limits = parse_ppl_limits(args.ppl_limit, limit, corpora)
     task_limit = positive_int("--task-limit", args.task_limit) or limit
     batch_size = positive_int("--batch-size", args.batch_size)
     threads = positive_int("--num-threads", args.num_threads)
@@ -98,7 +114,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     manifest = _manifest_summary(args.compressed)
-    result = evaluate(cfg, args.compressed, tasks, corpora, seqlen, ppl_limit, task_limit, batch_size, threads)
+    result = evaluate(cfg, args.compressed, tasks, ppl_limits, seqlen, task_limit, batch_size, threads)
     result["label"] = args.label or (Path(args.compressed).name if args.compressed else "dense")
     result["manifest"] = manifest
     from compression.evaluation.report import markdown_table, table_legend, write_json
@@ -112,9 +128,9 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def evaluate(cfg, compressed: str | None, tasks: list[str], corpora: list[str], seqlen: int,
-             ppl_limit: int | None, task_limit: int | None, batch_size: int = 4, num_threads: int = 2) -> dict:
-    """The result dict of one evaluation (perplexities, task accuracies, timings)."""
+def evaluate(cfg, compressed: str | None, tasks: list[str], ppl_limits: dict[str, int | None], seqlen: int,
+             task_limit: int | None, batch_size: int = 4, num_threads: int = 2) -> dict:
+    """The result dict of one evaluation (perplexities per corpus with its window limit, task accuracies)."""
     import torch
 
     from compression.evaluation.corpora import corpus_text
@@ -124,16 +140,16 @@ def evaluate(cfg, compressed: str | None, tasks: list[str], corpora: list[str], 
     from compression.evaluation.tasks import get_task
     from compression.evaluation.zeroshot import evaluate_task
 
-    if corpora and seqlen > (limit := max_positions(cfg)):
-        raise ConfigError(f"--seqlen: {seqlen} exceeds the model's {limit} positions")
+    if ppl_limits and seqlen > (positions := max_positions(cfg)):
+        raise ConfigError(f"--seqlen: {seqlen} exceeds the model's {positions} positions")
     model, tokenizer, model_dir = load_eval_model(cfg, compressed, num_threads)
     result = {"model": cfg.model.name, "model_dir": str(model_dir), "compressed": compressed,
               "num_parameters": count_parameters(model), "date": datetime.datetime.now(datetime.UTC).isoformat(
                   timespec="seconds"), "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
               "torch_threads": torch.get_num_threads(), "perplexity": {}, "zeroshot": {}, "seconds": {}}
-    for name in corpora:
+    for name, limit in ppl_limits.items():
         start = time.perf_counter()
-        res = perplexity(model, tokenizer, name, corpus_text(name), seqlen, ppl_limit, batch_size)
+        res = perplexity(model, tokenizer, name, corpus_text(name), seqlen, limit, batch_size)
         result["perplexity"][name] = res.to_dict()
         result["seconds"][f"ppl_{name}"] = round(time.perf_counter() - start, 1)
         log.info("%s perplexity %.3f over %d windows of %d", name, res.perplexity, res.num_windows, seqlen)

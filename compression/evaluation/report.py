@@ -72,11 +72,13 @@ def markdown_table(runs: list[dict]) -> str:
 def table_legend(runs: list[dict]) -> str:
     """The line under a table: windows, items and what the accuracy cells hold."""
     run = runs[0] if runs else {}
-    ppl = next(iter(run.get("perplexity", {}).values()), None)
+    ppl = run.get("perplexity", {})
     zs = next(iter(run.get("zeroshot", {}).values()), None)
     parts = []
     if ppl:
-        parts.append(f"perplexity over {ppl['num_windows']} windows of {ppl['seqlen']} tokens per corpus")
+        windows = ", ".join(f"{_CORPUS_TITLES[c]} {r['num_windows']}" for c, r in ppl.items())
+        seqlen = next(iter(ppl.values()))["seqlen"]
+        parts.append(f"perplexity over non-overlapping windows of {seqlen} tokens ({windows} windows)")
     if zs:
         parts.append(f"zero-shot on the first {zs['num_items']} items per task (fewer where a task has fewer), "
                      "cells are acc % / acc_norm % (acc only where the harness reports only acc); "

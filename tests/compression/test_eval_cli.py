@@ -45,6 +45,7 @@ def test_eval_small_slice_gives_finite_numbers(tiny_yaml, tmp_path, capsys):
     (["--seqlen", "100000", "--tasks", "none", "--ppl", "ptb"], "exceeds the model's"),
     (["--compressed", "/nonexistent/artifact"], "--compressed: not a directory"),
     (["--tasks", "none", "--ppl", "none"], "nothing to evaluate"),
+    (["--ppl", "ptb", "--ppl-limit", "c4=3"], "'c4' is not among the --ppl corpora"),
 ])
 def test_bad_args_are_one_line_errors(tiny_yaml, capsys, argv, fragment):
     assert main(["eval", "--config", str(tiny_yaml), *argv]) == 2
@@ -56,3 +57,12 @@ def test_compressed_dir_without_manifest_is_rejected(tiny_yaml, tmp_path, capsys
     assert main(["eval", "--config", str(tiny_yaml), "--compressed", str(tmp_path), "--tasks", "none",
                  "--ppl", "ptb"]) == 2
     assert "manifest.json" in capsys.readouterr().err
+
+
+def test_per_corpus_window_limits():
+    from compression.evaluation.cli import parse_ppl_limits
+
+    corpora = ["wikitext2", "ptb", "c4"]
+    assert parse_ppl_limits("wikitext2=40,ptb=10", 5, corpora) == {"wikitext2": 40, "ptb": 10, "c4": 5}
+    assert parse_ppl_limits("7", None, corpora) == dict.fromkeys(corpora, 7)
+    assert parse_ppl_limits(None, None, ["ptb"]) == {"ptb": None}

@@ -1,0 +1,202 @@
+"""Quality of MLP-only SVD compression on the default model: dense vs plain vs whitened, two rank multiples.
+
+For each (rank multiple, method, keep ratio) it runs `neuronmm compress` in a subprocess (wall time and
+peak RSS of that process recorded), reads the manifest (ranks, parameter counts), then `neuronmm eval`
+on the artifact. Artifacts whose factor files are byte-identical (e.g. keep 0.9 and 0.8 both round
+to rank 384 at multiple 128) are evaluated once. Writes JSON and a markdown table.
+
+    .venv/bin/python -m bench.compression_quality --out bench/results/compression_quality.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+NEURONMM = [sys.executable, "-m", "server.cli"]
+
+
+def _run(cmd: list[str], log_path: Path) -> tuple[float, float]:
+    """Run a command with output to a log; (wall seconds, peak RSS MiB of that process). Fails loudly."""
+    print("$ " + shlex.join(cmd), flush=True)
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        tail = log_path.read_text().strip().splitlines()[-5:]
+        raise SystemExit(f"command failed ({code}): {shlex.join(cmd)}\n" + "\n".join(tail))
+    return wall, usage.ru_maxrss / 1024  # Linux reports KiB
+
+
+def _factors_digest(artifact: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(artifact.glob("*.safetensors")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _find(manifest: dict, *names: str):
+    """First value under any of `names`, searched at the top level and one level down."""
+    for name in names:
+        if name in manifest:
+            return manifest[name]
+    for value in manifest.values():
+        if isinstance(value, dict):
+            for name in names:
+                if name in value:
+                    return value[name]
+    return None
+
+
+def manifest_facts(manifest: dict) -> dict:
+    """Ranks per MLP projection kind and whole-model parameter counts, from an artifact manifest."""
+    modules = _find(manifest, "modules", "layers") or {}
+    ranks: dict[str, set] = {}
+    items = modules.items() if isinstance(modules, dict) else ((m.get("name", ""), m) for m in modules)
+    for name, info in items:
+        rank = info.get("rank") if isinstance(info, dict) else None
+        kind = name.rsplit(".", 1)[-1] if name else "?"
+        ranks.setdefault(kind, set()).add(rank if rank is not None else "dense")
+    before = _find(manifest, "params_before", "num_params_before", "parameters_before", "param_count_before")
+    after = _find(manifest, "params_after", "num_params_after", "parameters_after", "param_count_after")
+    return {"ranks": {k: sorted(v, key=str) for k, v in sorted(ranks.items())},
+            "params_before": before, "params_after": after,
+            "param_ratio": (after / before) if before and after else None}
+
+
+def _eval_cmd(args, out: Path, label: str, compressed: Path | None) -> list[str]:
+    cmd = NEURONMM + ["eval", "--config", args.config, "--seqlen", str(args.seqlen), "--ppl", args.ppl,
+                      "--tasks", args.tasks, "--task-limit", str(args.task_limit), "--num-threads",
+                      str(args.num_threads), "--label", label, "--out", str(out)]
+    cmd += ["--ppl-limit", str(args.ppl_limit)]
+    if compressed:
+        cmd += ["--compressed", str(compressed)]
+    return cmd
+
+
+def _evaluate(args, work: Path, label: str, compressed: Path | None) -> dict:
+    out = work / f"eval-{label}.json"
+    if not (args.reuse and out.is_file()):
+        wall, _ = _run(_eval_cmd(args, out, label, compressed), work / f"eval-{label}.log")
+        print(f"  eval {label}: {wall:.0f} s", flush=True)
+    return json.loads(out.read_text())
+
+
+def _settings(args) -> list[tuple[int, str, float]]:
+    return [(int(m), method, float(k)) for m in args.multiples.split(",") for method in args.methods.split(",")
+            for k in args.keeps.split(",")]
+
+
+def run(args) -> dict:
+    """Compress and evaluate every setting; the result dict written as JSON."""
+    work = Path(args.work_dir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    rows = [dict(_evaluate(args, work, "dense", None), setting={"method": "dense"})]
+    evaluated: dict[str, dict] = {}
+    for multiple, method, keep in _settings(args):
+        label = f"{method}-k{keep}-m{multiple}"
+        artifact = work / label
+        setting = {"method": method, "keep_ratio": keep, "rank_multiple": multiple}
+        if not (args.reuse and (artifact / "manifest.json").is_file()):
+            cmd = NEURONMM + ["compress", "--config", args.config, "--keep-ratio", str(keep), "--method", method,
+                              "--targets", "mlp", "--rank-multiple", str(multiple), "--out", str(artifact)]
+            wall, peak = _run(cmd, work / f"compress-{label}.log")
+            (work / f"compress-{label}.time.json").write_text(json.dumps({"wall_s": wall, "peak_rss_mib": peak}))
+        timing = json.loads((work / f"compress-{label}.time.json").read_text())
+        setting.update(compress_wall_s=round(timing["wall_s"], 1), compress_peak_rss_mib=round(timing["peak_rss_mib"]))
+        setting.update(manifest_facts(json.loads((artifact / "manifest.json").read_text())))
+        digest = _factors_digest(artifact)
+        if digest in evaluated:
+            result = dict(evaluated[digest], label=label)
+            setting["same_factors_as"] = evaluated[digest]["label"]
+        else:
+            result = _evaluate(args, work, label, artifact)
+            evaluated[digest] = result
+        print(f"  {label}: ranks {setting['ranks']} ratio {setting['param_ratio']}", flush=True)
+        rows.append(dict(result, setting=setting))
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), torch threads {args.num_threads}",
+            "limits": {"seqlen": args.seqlen, "ppl_windows": args.ppl_limit, "task_items": args.task_limit},
+            "command": shlex.join([sys.executable, "-m", "bench.compression_quality", *sys.argv[1:]]),
+            "rows": rows}
+
+
+def _cell_ppl(row: dict, corpus: str) -> str:
+    value = row.get("perplexity", {}).get(corpus, {}).get("perplexity")
+    if value is None:
+        return "–"
+    return f"{value:,.0f}" if value >= 1000 else f"{value:.2f}"
+
+
+def markdown(result: dict) -> str:
+    """The results table: one row per setting."""
+    from compression.evaluation.report import _TASK_TITLES, mean_accuracy
+
+    tasks = [t for t in _TASK_TITLES if any(t in r.get("zeroshot", {}) for r in result["rows"])]
+    head = ["method", "keep", "mult", "ranks gate/up/down", "params", "compress s / MiB",
+            "Wiki2", "PTB", "C4"] + [_TASK_TITLES[t] for t in tasks] + ["mean acc"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in result["rows"]:
+        s = row["setting"]
+        ranks = s.get("ranks", {})
+        rank_cell = "/".join(",".join(map(str, ranks.get(k, ["?"]))) for k in ("gate_proj", "up_proj", "down_proj"))
+        ratio = s.get("param_ratio")
+        params = f"{row['num_parameters'] / 1e6:.1f} M" + (f" ({100 * ratio:.1f} %)" if ratio else "")
+        comp = f"{s['compress_wall_s']:.0f} / {s['compress_peak_rss_mib']:.0f}" if "compress_wall_s" in s else "–"
+        cells = [s["method"], str(s.get("keep_ratio", "–")), str(s.get("rank_multiple", "–")),
+                 rank_cell if ranks else "–", params, comp] + [_cell_ppl(row, c) for c in ("wikitext2", "ptb", "c4")]
+        for t in tasks:
+            r = row.get("zeroshot", {}).get(t)
+            cells.append("–" if r is None else f"{100 * r['acc']:.1f}" + (
+                f" / {100 * r['acc_norm']:.1f}" if r.get("acc_norm") is not None else ""))
+        mean = mean_accuracy(row.get("zeroshot", {}))
+        cells.append("–" if mean is None else f"{100 * mean:.1f}")
+        if s.get("same_factors_as"):
+            cells[0] += "*"
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: run all settings, write JSON + markdown."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/smollm2-135m.yaml")
+    p.add_argument("--keeps", default="0.9,0.8,0.6")
+    p.add_argument("--methods", default="plain,whitened")
+    p.add_argument("--multiples", default="128,32")
+    p.add_argument("--seqlen", type=int, default=512)
+    p.add_argument("--ppl", default="wikitext2,ptb,c4")
+    p.add_argument("--ppl-limit", default="wikitext2=40,ptb=10,c4=10")
+    p.add_argument("--tasks", default="all")
+    p.add_argument("--task-limit", type=int, default=40)
+    p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--work-dir", default="/tmp/neuronmm-compression-quality")
+    p.add_argument("--reuse", action="store_true", help="reuse artifacts and eval JSON already in --work-dir")
+    p.add_argument("--out", default="bench/results/compression_quality.json")
+    args = p.parse_args(argv)
+    from compression.evaluation.report import write_json
+
+    result = run(args)
+    out = write_json(REPO / args.out, result)
+    table = markdown(result)
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
