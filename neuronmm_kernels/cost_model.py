@@ -121,7 +121,10 @@ def model_kernel(kernel, *shapes, dtype=BF16, **kwargs) -> ModeledTime:
 
 
 def _ranks(ranks) -> tuple[int, int, int]:
-    return (ranks,) * 3 if isinstance(ranks, int) else tuple(ranks)
+    out = (ranks,) * 3 if isinstance(ranks, int) else tuple(int(r) for r in ranks)
+    if len(out) != 3 or any(r <= 0 or r % 128 for r in out):
+        raise ValueError(f"ranks must be positive multiples of 128 (one int or gate, up, down), got {ranks!r}")
+    return out
 
 
 def model_dense_matmul(num_tokens: int, d_in: int, d_out: int, tiles: dict | None = None) -> ModeledTime:
@@ -139,6 +142,7 @@ def model_lowrank_matmul(num_tokens: int, d_in: int, rank: int, d_out: int, tile
     from .kernels.lowrank_matmul import lowrank_matmul
     from .tiling import select_tiles
 
+    _ranks(rank)
     if tiles is None:
         tiles = select_tiles("lowrank_matmul", num_tokens, d_in, rank, d_out, transpose_out=transpose_out)
     return model_kernel(lowrank_matmul, (num_tokens, d_in), (d_in, rank), (rank, d_out),

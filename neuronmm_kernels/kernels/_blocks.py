@@ -1,8 +1,10 @@
 """NKI building blocks shared by the kernels (plain Python helpers, traced inline into each kernel).
 
-Layouts: an SBUF "T" tensor holds a transposed activation as (128, K // 128, tokens): partition
-p of slice k is feature k*128 + p, so slice k is directly a matmul operand with the contraction
-dim on partitions. All PSUM accumulators are fp32 and live one accumulation group per 2 KiB bank.
+Layouts: an SBUF "T" tensor holds a transposed activation as (128, ceil(K / 128), tokens):
+partition p of slice k is feature k*128 + p, so slice k is directly a matmul operand with the
+contraction dim on partitions. When K is not a multiple of 128 the last slice uses its first
+K % 128 partitions only (a contraction tile may be shorter than 128). All PSUM accumulators are
+fp32 and live one accumulation group per 2 KiB bank.
 """
 
 from ..compat import nisa, nl
@@ -24,38 +26,42 @@ def split(total: int, size: int):
             yield num_full, num_full * size, tail
 
 
+def num_tiles(total: int) -> int:
+    """Partition tiles needed for `total` features (the last may be partial)."""
+    return -(-total // P)
+
+
 def load_transposed(x, t0, tsz: int, xT):
     """xT[:, k, 0:tsz] = x[t0:t0+tsz, k*128:(k+1)*128]ᵀ: contiguous row loads, then PE transposes."""
-    num_k = x.shape[1] // P
     for _, s0, ssz in split(tsz, P):
         rows = nl.load(x[nl.ds(t0 + s0, ssz), :])  # [ssz tokens, in]: whole rows, one contiguous run
-        for k in nl.affine_range(num_k):
-            tp = nl.ndarray((P, ssz), nl.float32, buffer=nl.psum)
-            tp[...] = nisa.nc_transpose(rows[:, nl.ds(k * P, P)])
-            xT[:, k, nl.ds(s0, ssz)] = nisa.tensor_copy(tp, dtype=xT.dtype)
+        for k, k0, ksz in split(x.shape[1], P):
+            tp = nl.ndarray((ksz, ssz), nl.float32, buffer=nl.psum)
+            tp[...] = nisa.nc_transpose(rows[:, nl.ds(k0, ksz)])
+            xT[0:ksz, k, nl.ds(s0, ssz)] = nisa.tensor_copy(tp, dtype=xT.dtype)
 
 
-def _src_tile(srcT, k, tsz: int, src_hbm, t0):
-    """Slice k of the transposed source: from SBUF, or streamed from an HBM [K, tokens] spill."""
+def _src_tile(srcT, k, k0, ksz: int, tsz: int, src_hbm, t0):
+    """Contraction tile k of the transposed source: from SBUF, or streamed from an HBM [K, tokens] spill."""
     if src_hbm is None:
-        return srcT[:, k, 0:tsz]
-    return nl.load(src_hbm[nl.ds(k * P, P), nl.ds(t0, tsz)])
+        return srcT[0:ksz, k, 0:tsz]
+    return nl.load(src_hbm[nl.ds(k0, ksz), nl.ds(t0, tsz)])
 
 
 def project_transposed(w, srcT, zT, tsz: int, group: int, src_hbm=None, t0=0):
-    """zT[:, j, 0:tsz] = (src · w)ᵀ for w [K, R] in HBM and srcT (128, K/128, >=tsz) in SBUF.
+    """zT[:, j, 0:tsz] = (src · w)ᵀ for w [K, R] in HBM (R a multiple of 128) and srcT in SBUF.
 
     w tiles are stationary (free = 128 rank columns), srcT is moving (free = tsz <= 512), so the
     result comes out already transposed, rank on partitions, ready to be the next matmul's operand.
     `group` rank tiles accumulate at once (one PSUM bank each); w rows load group*128 wide.
     With src_hbm (a feature-major [K, tokens] HBM tensor) the source streams from HBM instead.
     """
-    num_k, num_r = w.shape[0] // P, w.shape[1] // P
+    num_r = w.shape[1] // P
     for g, g0, gsz in split(num_r, group):
         acc = nl.zeros((P, gsz, MOVING_FMAX), nl.float32, buffer=nl.psum)
-        for k in nl.affine_range(num_k):
-            wt = nl.load(w[nl.ds(k * P, P), nl.ds(g0 * P, gsz * P)])
-            src = _src_tile(srcT, k, tsz, src_hbm, t0)
+        for k, k0, ksz in split(w.shape[0], P):
+            wt = nl.load(w[nl.ds(k0, ksz), nl.ds(g0 * P, gsz * P)])
+            src = _src_tile(srcT, k, k0, ksz, tsz, src_hbm, t0)
             for j in nl.affine_range(gsz):
                 acc[:, j, 0:tsz] += nisa.nc_matmul(wt[:, nl.ds(j * P, P)], src)
         for j in nl.affine_range(gsz):
@@ -70,12 +76,12 @@ def project_transposed_small(w, srcT, zT, tsz: int, src_hbm=None, t0=0):
     decode sizes). z = src · w lands token-major in PSUM; rank/128 PE transposes of [tsz, 128]
     turn it into zT on-chip. Needs rank <= 8 * 512 (one PSUM bank per 512 rank columns).
     """
-    num_k, rank = w.shape[0] // P, w.shape[1]
+    rank = w.shape[1]
     for _ in nl.affine_range(1):  # scope: the accumulator banks are free again on return
         acc = nl.zeros((tsz, -(-rank // MOVING_FMAX), MOVING_FMAX), nl.float32, buffer=nl.psum)
-        for k in nl.affine_range(num_k):
-            wt = nl.load(w[nl.ds(k * P, P), :])
-            src = _src_tile(srcT, k, tsz, src_hbm, t0)
+        for k, k0, ksz in split(w.shape[0], P):
+            wt = nl.load(w[nl.ds(k0, ksz), :])
+            src = _src_tile(srcT, k, k0, ksz, tsz, src_hbm, t0)
             for c, c0, csz in split(rank, MOVING_FMAX):
                 acc[:, c, 0:csz] += nisa.nc_matmul(src, wt[:, nl.ds(c0, csz)])
         for c, c0, csz in split(rank, MOVING_FMAX):
@@ -95,38 +101,35 @@ def project(w, srcT, zT, tsz: int, group: int, u_moving: bool, src_hbm=None, t0=
 
 
 def _load_columns(v, n0, nsz: int):
-    """v[:, n0:n0+nsz] as (128, R/128, nsz): rank on partitions."""
-    num_r = v.shape[0] // P
-    vb = nl.ndarray((P, num_r, nsz), v.dtype, buffer=nl.sbuf)
-    for r in nl.affine_range(num_r):
-        vb[:, r, :] = nl.load(v[nl.ds(r * P, P), nl.ds(n0, nsz)])
+    """v[:, n0:n0+nsz] as (128, ceil(K/128), nsz): the contraction dim K = v.shape[0] on partitions."""
+    vb = nl.ndarray((P, num_tiles(v.shape[0]), nsz), v.dtype, buffer=nl.sbuf)
+    for r, r0, rsz in split(v.shape[0], P):
+        vb[0:rsz, r, :] = nl.load(v[nl.ds(r0, rsz), nl.ds(n0, nsz)])
     return vb
 
 
 def store_natural(zT, v, y, t0, tsz: int, out_block: int):
     """y[t0:t0+tsz, :] = z · v, token-major: zT tiles stationary (128 tokens), v tiles moving (512 cols)."""
-    num_r = v.shape[0] // P
     for _, n0, nsz in split(v.shape[1], out_block):
         vb = _load_columns(v, n0, nsz)
         for _, s0, ssz in split(tsz, P):
             yb = nl.ndarray((ssz, nsz), y.dtype, buffer=nl.sbuf)
             for _, c0, csz in split(nsz, MOVING_FMAX):
                 acc = nl.zeros((ssz, csz), nl.float32, buffer=nl.psum)
-                for r in nl.affine_range(num_r):
-                    acc += nisa.nc_matmul(zT[:, r, nl.ds(s0, ssz)], vb[:, r, nl.ds(c0, csz)])
+                for r, _, rsz in split(v.shape[0], P):
+                    acc += nisa.nc_matmul(zT[0:rsz, r, nl.ds(s0, ssz)], vb[0:rsz, r, nl.ds(c0, csz)])
                 yb[:, nl.ds(c0, csz)] = nisa.tensor_copy(acc, dtype=y.dtype)
             nl.store(y[nl.ds(t0 + s0, ssz), nl.ds(n0, nsz)], yb)
 
 
 def store_transposed(zT, v, yT, t0, tsz: int, out_block: int):
     """yT[:, t0:t0+tsz] = (z · v)ᵀ, feature-major: v tiles stationary (128 cols), zT moving (tsz tokens)."""
-    num_r = v.shape[0] // P
     for _, n0, nsz in split(v.shape[1], out_block):
         vb = _load_columns(v, n0, nsz)
         for _, c0, csz in split(nsz, P):
             acc = nl.zeros((csz, tsz), nl.float32, buffer=nl.psum)
-            for r in nl.affine_range(num_r):
-                acc += nisa.nc_matmul(vb[:, r, nl.ds(c0, csz)], zT[:, r, 0:tsz])
+            for r, _, rsz in split(v.shape[0], P):
+                acc += nisa.nc_matmul(vb[0:rsz, r, nl.ds(c0, csz)], zT[0:rsz, r, 0:tsz])
             yt = nisa.tensor_copy(acc, dtype=yT.dtype)
             nl.store(yT[nl.ds(n0 + c0, csz), nl.ds(t0, tsz)], yt)
 
@@ -135,21 +138,22 @@ def swiglu_transposed(zgT, zuT, gate_v, up_v, hT, tsz: int, block: int, h_hbm=No
     """hT[:, i, 0:tsz] = (silu(zg · gate_v) ⊙ (zu · up_v))ᵀ: SiLU evicts gate PSUM on ScalarE,
     the product reads up straight from PSUM on VectorE; the result is already the down
     projection's moving operand (intermediate on partitions). With h_hbm, each 128-row tile is
-    stored to the feature-major HBM spill h_hbm[intermediate, tokens] instead of kept in SBUF."""
+    stored to the feature-major HBM spill h_hbm[intermediate, tokens] instead of kept in SBUF.
+    block is a multiple of 128; the intermediate size need not be."""
     num_rg, num_ru = gate_v.shape[0] // P, up_v.shape[0] // P
     for b, n0, nsz in split(gate_v.shape[1], block):
         gb = _load_columns(gate_v, n0, nsz)
         ub = _load_columns(up_v, n0, nsz)
-        for c in nl.affine_range(nsz // P):
-            acc_g = nl.zeros((P, tsz), nl.float32, buffer=nl.psum)
-            acc_u = nl.zeros((P, tsz), nl.float32, buffer=nl.psum)
+        for c, c0, csz in split(nsz, P):
+            acc_g = nl.zeros((csz, tsz), nl.float32, buffer=nl.psum)
+            acc_u = nl.zeros((csz, tsz), nl.float32, buffer=nl.psum)
             for r in nl.affine_range(num_rg):
-                acc_g += nisa.nc_matmul(gb[:, r, nl.ds(c * P, P)], zgT[:, r, 0:tsz])
+                acc_g += nisa.nc_matmul(gb[:, r, nl.ds(c0, csz)], zgT[:, r, 0:tsz])
             for r in nl.affine_range(num_ru):
-                acc_u += nisa.nc_matmul(ub[:, r, nl.ds(c * P, P)], zuT[:, r, 0:tsz])
+                acc_u += nisa.nc_matmul(ub[:, r, nl.ds(c0, csz)], zuT[:, r, 0:tsz])
             g = nisa.activation(nl.silu, acc_g, dtype=zgT.dtype)
+            i = b * (block // P) + c
             if h_hbm is None:
-                hT[:, b * (block // P) + c, 0:tsz] = nl.multiply(g, acc_u, dtype=hT.dtype)
+                hT[0:csz, i, 0:tsz] = nl.multiply(g, acc_u, dtype=hT.dtype)
             else:
-                nl.store(h_hbm[nl.ds((b * (block // P) + c) * P, P), nl.ds(t0, tsz)],
-                         nl.multiply(g, acc_u, dtype=h_hbm.dtype))
+                nl.store(h_hbm[nl.ds(i * P, csz), nl.ds(t0, tsz)], nl.multiply(g, acc_u, dtype=h_hbm.dtype))

@@ -1,7 +1,7 @@
 """Dense baseline Y = X·W in the style of AWS's tutorial matmul (blocked, hoisted weight-column loads)."""
 
 from ..compat import nki, nl
-from ._blocks import P, load_transposed, split, store_natural
+from ._blocks import P, load_transposed, num_tiles, split, store_natural
 
 
 @nki.jit
@@ -10,17 +10,17 @@ def dense_matmul(x, w, token_block=512, out_block=512):
 
     Layouts (HBM, row-major): x [num_tokens, in_features], w [in_features, out_features] -> y
     [num_tokens, out_features]. dtypes: bf16 in/out (fp32 works, at 4x TensorE cost); fp32 PSUM
-    accumulation over in_features. Limits: num_tokens >= 1 (any tail), in_features a multiple of
-    128, out_features a multiple of 128; token_block <= 512, out_block a multiple of 512 (or the tail).
+    accumulation over in_features. Limits: num_tokens, in_features, out_features >= 1 (tails of
+    128/512 handled); token_block <= 512, out_block a multiple of 512 (or the tail).
     Schedule: per token block, Xᵀ via PE transposes; per out_block columns, W block hoisted into SBUF,
     then per 128 tokens x 512 columns a PSUM accumulation over in_features.
     """
     num_tokens, d_in = x.shape
-    assert w.shape[0] == d_in and d_in % P == 0 and w.shape[1] % P == 0, (x.shape, w.shape)
+    assert w.shape[0] == d_in, (x.shape, w.shape)
     assert 1 <= token_block <= 512
     y = nl.ndarray((num_tokens, w.shape[1]), dtype=x.dtype, buffer=nl.shared_hbm)
     for _, t0, tsz in split(num_tokens, token_block):
-        xT = nl.ndarray((P, d_in // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
+        xT = nl.ndarray((P, num_tiles(d_in), tsz), dtype=x.dtype, buffer=nl.sbuf)
         load_transposed(x, t0, tsz, xT)
         store_natural(xT, w, y, t0, tsz, out_block)
     return y

@@ -1,7 +1,7 @@
 """Fused low-rank matmul Y = X·U·V: (XU)ᵀ stays in SBUF and feeds the second matmul in place."""
 
 from ..compat import nki, nl
-from ._blocks import P, load_transposed, project, split, store_natural, store_transposed
+from ._blocks import P, load_transposed, num_tiles, project, split, store_natural, store_transposed
 
 
 @nki.jit
@@ -12,8 +12,8 @@ def lowrank_matmul(x, u, v, transpose_out=False, token_block=512, group=8, out_b
     LowRankLinear), v [rank, out_features] (= Bᵀ) -> y [num_tokens, out_features], or
     [out_features, num_tokens] when transpose_out. dtypes: bf16 in/out; both matmuls accumulate in
     fp32 PSUM over their whole contraction (NeuronMM accumulates in bf16); (XU)ᵀ is rounded to bf16
-    once, as a TensorE operand. Limits: num_tokens >= 1 (any tail), in_features, rank and
-    out_features multiples of 128; token_block <= 512; group <= 8 (PSUM banks); u_moving (U tiles
+    once, as a TensorE operand. Limits: rank a multiple of 128; num_tokens, in_features and
+    out_features any size >= 1 (partial 128-partition tiles for the tails); token_block <= 512; group <= 8 (PSUM banks); u_moving (U tiles
     as moving operands, whole-row U loads: the decode schedule) needs token_block <= 128 and
     rank <= 4096; out_block a
     multiple of 512 (natural) or 128 (transposed).
@@ -23,8 +23,7 @@ def lowrank_matmul(x, u, v, transpose_out=False, token_block=512, group=8, out_b
     """
     num_tokens, d_in = x.shape
     rank, d_out = v.shape
-    assert u.shape == (d_in, rank) and d_in % P == 0 and rank % P == 0 and d_out % P == 0, (x.shape, u.shape,
-                                                                                            v.shape)
+    assert u.shape == (d_in, rank) and rank % P == 0, ("rank must be a multiple of 128", u.shape, v.shape)
     token_block = min(token_block, num_tokens)
     assert not u_moving or (token_block <= 128 and rank <= 4096), "u_moving: <= 128 tokens, rank <= 4096"
     assert 1 <= token_block <= 512 and 1 <= group <= 8
@@ -33,7 +32,7 @@ def lowrank_matmul(x, u, v, transpose_out=False, token_block=512, group=8, out_b
     for _, t0, tsz in split(num_tokens, token_block):
         zT = nl.ndarray((P, rank // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
         for _ in nl.affine_range(1):  # scope: Xᵀ is dead once (XU)ᵀ exists
-            xT = nl.ndarray((P, d_in // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
+            xT = nl.ndarray((P, num_tiles(d_in), tsz), dtype=x.dtype, buffer=nl.sbuf)
             load_transposed(x, t0, tsz, xT)
             project(u, xT, zT, tsz, group, u_moving)
         if transpose_out:

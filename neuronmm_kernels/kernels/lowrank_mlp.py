@@ -1,7 +1,7 @@
 """Fused low-rank SwiGLU MLP: gate/up share Xᵀ, SiLU(gate)·up stays on-chip (transposed) for down."""
 
 from ..compat import nki, nl
-from ._blocks import P, load_transposed, project, split, store_natural, swiglu_transposed
+from ._blocks import P, load_transposed, num_tiles, project, split, store_natural, swiglu_transposed
 
 
 @nki.jit
@@ -13,10 +13,10 @@ def lowrank_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, token_block=512, 
     intermediate]; up_u [hidden, r_up], up_v [r_up, intermediate]; down_u [intermediate, r_down],
     down_v [r_down, hidden] (U = Aᵀ, V = Bᵀ of LowRankLinear) -> y [num_tokens, hidden].
     dtypes: bf16 in/out; every matmul accumulates in fp32 PSUM; the rank-space strips and the
-    activation hᵀ are bf16 TensorE operands. Limits: num_tokens >= 1 (any tail); hidden,
-    intermediate and ranks multiples of 128; token_block <= 512; group <= 8; gate_block a multiple
-    of 128; out_block a multiple of 512 (or the tail); u_moving as in lowrank_matmul. SBUF must
-    hold hᵀ (intermediate * 2 * token_block / 128 bytes per partition): the tile selector shrinks
+    activation hᵀ are bf16 TensorE operands. Limits: ranks multiples of 128; num_tokens,
+    hidden and intermediate any size >= 1 (e.g. SmolLM2's hidden 576); token_block <= 512;
+    group <= 8; gate_block a multiple of 128; out_block a multiple of 512 (or the tail); u_moving
+    as in lowrank_matmul. SBUF must hold hᵀ (intermediate * 2 * token_block / 128 bytes per partition): the tile selector shrinks
     token_block until it fits, or sets h_in_hbm: hᵀ then goes to an HBM scratch written
     feature-major [intermediate, tokens], which the down projection streams back with no transpose.
     Schedule per token block: Xᵀ (PE transposes, once for gate and up); (X·gate_u)ᵀ and (X·up_u)ᵀ
@@ -29,16 +29,17 @@ def lowrank_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, token_block=512, 
     r_up, r_down = up_v.shape[0], down_u.shape[1]
     assert gate_u.shape == (hidden, r_gate) and up_u.shape == (hidden, r_up) and up_v.shape == (r_up, inter)
     assert down_u.shape == (inter, r_down) and down_v.shape == (r_down, hidden)
-    assert all(d % P == 0 for d in (hidden, inter, r_gate, r_up, r_down)), "dims must be multiples of 128"
+    assert all(r % P == 0 for r in (r_gate, r_up, r_down)), "ranks must be multiples of 128"
     token_block = min(token_block, num_tokens)
-    assert not u_moving or (token_block <= 128 and max(r_gate, r_up, r_down) <= 4096), "u_moving: <= 128 tokens, rank <= 4096"
+    assert not u_moving or (token_block <= 128 and max(r_gate, r_up, r_down) <= 4096), \
+        "u_moving needs <= 128 tokens per block and ranks <= 4096"
     assert 1 <= token_block <= 512 and 1 <= group <= 8 and gate_block % P == 0
     y = nl.ndarray((num_tokens, hidden), dtype=x.dtype, buffer=nl.shared_hbm)
     h_hbm = nl.ndarray((inter, num_tokens), dtype=x.dtype, buffer=nl.private_hbm) if h_in_hbm else None
     for _, t0, tsz in split(num_tokens, token_block):
-        hT = None if h_in_hbm else nl.ndarray((P, inter // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
+        hT = None if h_in_hbm else nl.ndarray((P, num_tiles(inter), tsz), dtype=x.dtype, buffer=nl.sbuf)
         for _ in nl.affine_range(1):  # scope: X-side strips are dead before the down projection
-            xT = nl.ndarray((P, hidden // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
+            xT = nl.ndarray((P, num_tiles(hidden), tsz), dtype=x.dtype, buffer=nl.sbuf)
             load_transposed(x, t0, tsz, xT)
             zgT = nl.ndarray((P, r_gate // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
             project(gate_u, xT, zgT, tsz, group, u_moving)

@@ -68,3 +68,12 @@ def test_dma_bandwidth_curve():
 def test_unknown_variant_is_rejected():
     with pytest.raises(ValueError, match="unknown MLP variant"):
         cm.model_mlp("sparse", 1, 128, 256, 128)
+
+
+def test_smollm2_shape_is_modeled_and_bad_ranks_are_rejected():
+    m = cm.model_lowrank_mlp(16, 576, 1536, (256, 256, 384))  # hidden 576 = 4.5 partition tiles
+    assert m.total_us > 0 and m.hbm_bytes > 2 * 3 * 256 * (576 + 1536)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        cm.model_lowrank_mlp(16, 576, 1536, 200)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        cm.model_lowrank_matmul(16, 576, 100, 1536)

@@ -21,6 +21,8 @@ from neuronmm_kernels.kernels.swiglu import swiglu
     (513, 256, 128, 384, {"out_block": 1024}),       # one token past a 512 block
     (3, 256, 640, 512, {"u_moving": True}),          # decode schedule, rank tail within a 512 chunk
     (130, 128, 256, 256, {"u_moving": True, "token_block": 128}),
+    (50, 200, 128, 300, {}),                         # in/out features not multiples of 128
+    (2, 200, 128, 72, {"u_moving": True}),
 ])
 @pytest.mark.parametrize("transpose_out", [False, True])
 def test_lowrank_matmul_matches_reference(make, num_tokens, d_in, rank, d_out, opts, transpose_out):
@@ -34,7 +36,7 @@ def test_lowrank_matmul_matches_reference(make, num_tokens, d_in, rank, d_out, o
     assert stored == num_tokens * d_out * 2
 
 
-@pytest.mark.parametrize("num_tokens,d_in,d_out", [(1, 128, 512), (129, 256, 384), (520, 128, 640)])
+@pytest.mark.parametrize("num_tokens,d_in,d_out", [(1, 128, 512), (129, 256, 384), (520, 128, 640), (3, 192, 100)])
 def test_dense_matmul_matches_reference(make, num_tokens, d_in, d_out):
     x, w = make(num_tokens, d_in, scale=1.0), make(d_in, d_out)
     y, _ = run(dense_matmul, x, w)
@@ -48,6 +50,8 @@ def test_dense_matmul_matches_reference(make, num_tokens, d_in, d_out):
     (5, 256, 256, (128, 640, 256), {"u_moving": True}),
     (140, 128, 384, (128, 128, 256), {"h_in_hbm": True, "gate_block": 256, "token_block": 128}),
     (3, 128, 256, (128, 128, 128), {"h_in_hbm": True, "u_moving": True}),
+    (7, 192, 320, (128, 128, 256), {"gate_block": 256}),    # SmolLM2-like: hidden/intermediate tails
+    (9, 192, 320, (128, 256, 128), {"u_moving": True, "h_in_hbm": True}),
 ])
 def test_lowrank_mlp_matches_reference(make, num_tokens, hidden, inter, ranks, opts):
     rg, ru, rd = ranks
