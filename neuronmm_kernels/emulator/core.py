@@ -100,6 +100,8 @@ class Context:
         self.compute = compute
         self.sample_loops = sample_loops
         self.weight = 1  # product of the sampled loops' trip weights around the current instruction
+        self.loops: list[tuple] = []  # enclosing loop iterations: (loop uid, kind, iteration, scope depth)
+        self.next_loop_uid = 0
         self.trace = Trace()
         self.scopes: list[list[Storage]] = [[]]
         self.sbuf_live = 0
@@ -233,7 +235,9 @@ class Storage:
         self.alive = True
         self.is_param = False
         self.written: np.ndarray | None = None
+        self.writes: dict = {}  # region -> affine iterations that wrote it (dependency check)
         c = ctx()
+        self.alloc_depth = len(c.scopes)
         if data is not None:
             self.data = data
         elif not c.compute:
@@ -352,16 +356,37 @@ class Tensor:
             return None
         return np.asarray(self.st.data[self.np_index()], dtype=np.float32)
 
-    def write(self, values) -> None:
-        """Store values into the view with the storage dtype's rounding (RNE for bf16)."""
+    def write(self, values, reduction: bool = False) -> None:
+        """Store values into the view with the storage dtype's rounding (RNE for bf16).
+
+        Plain writes (not `+=` reductions) of the same region from two iterations of an
+        affine_range loop outside which the tensor was declared are a loop-carried dependency.
+        """
         self.check_alive()
         if self.st.is_param:
             raise NKIRuleError("err_cannot_update_immutable_parameter", f"kernel parameter {self} is immutable")
+        if not reduction:
+            self._check_dependency()
         if self.st.data is None or values is None:
             return
         self.st.data[self.np_index()] = np.broadcast_to(np.asarray(values), self.shape).astype(self.st.dtype)
         if self.st.written is not None:
             self.st.written[self.np_index()] = True
+
+    def _check_dependency(self) -> None:
+        c = ctx()
+        iters = tuple((uid, it) for uid, kind, it, depth in c.loops
+                      if kind == "affine" and depth > self.st.alloc_depth)
+        if not iters:
+            return
+        region = tuple(self.index)
+        before = dict(self.st.writes.get(region, ()))
+        for uid, it in iters:
+            if uid in before and before[uid] != it:
+                raise NKIRuleError("err_unexpected_output_dependencies",
+                                   f"iterations {before[uid]} and {it} of an affine_range loop both write "
+                                   f"{self}; index the destination by the loop variable or use sequential_range")
+        self.st.writes[region] = iters
 
     def partition_start(self) -> int:
         return self.index[0][0]

@@ -49,12 +49,15 @@ def _loop(kind: str, args, static: bool = False):
         plan = [(trips[0], len(trips) - 1), (trips[-1], 1)]
     else:
         plan = [(v, 1) for v in trips]
+    uid, c.next_loop_uid = c.next_loop_uid, c.next_loop_uid + 1
     for v, weight in plan:
         c.push_scope()
         c.weight *= weight
+        c.loops.append((uid, kind, v, len(c.scopes)))
         try:
             yield v if static else LoopIndex(v)
         finally:
+            c.loops.pop()
             c.weight //= weight
             c.pop_scope()
 
@@ -194,7 +197,7 @@ def _check_fits(dst: Tensor, src_shape) -> None:
                            f"cannot write shape {tuple(src_shape)} into {tuple(dst.shape)}")
 
 
-def assign(dst: Tensor, value) -> None:
+def assign(dst: Tensor, value, reduction: bool = False) -> None:
     """`dst[...] = value`: an op result lands in dst directly; a tile is copied (VectorE)."""
     c = ctx()
     if not dst.buffer.on_chip:
@@ -202,7 +205,7 @@ def assign(dst: Tensor, value) -> None:
     check_tile(dst, "assignment destination")
     if not isinstance(value, Tensor):
         c.record(Instr("dve", "memset", parts=dst.shape[0], free=dst.free_size(), psum=dst.buffer is PSUM))
-        dst.write(value)
+        dst.write(value, reduction)
         return
     _check_fits(dst, value.shape)
     if value.fresh is not None:
@@ -221,7 +224,7 @@ def assign(dst: Tensor, value) -> None:
         check_tile(value, "assignment source")
         c.record(Instr("dve", "tensor_copy", parts=dst.shape[0], free=dst.free_size(),
                        psum=PSUM in (dst.buffer, value.buffer)))
-    dst.write(value.read())
+    dst.write(value.read(), reduction)
 
 
 def _check_psum_tile(t: Tensor) -> None:
@@ -251,10 +254,10 @@ def accumulate(dst: Tensor, value) -> None:
             raise NKIRuleError("err_shape_mismatch", f"accumulating {value.shape} into {dst.shape}")
         value.fresh = None
         a, b = dst.read(), value.read()
-        dst.write(None if a is None else a + b)
+        dst.write(None if a is None else a + b, reduction=True)
         return
     res = _binary("add", dst, value, dtype=dst.dtype)
-    assign(dst, res)
+    assign(dst, res, reduction=True)
 
 
 # ---------------------------------------------------------------- compute

@@ -205,3 +205,35 @@ def test_compat_hands_kernels_the_emulator_without_neuronxcc():
     if compat.HAVE_NEURONXCC:
         pytest.skip("neuronxcc is installed: kernels get the real compiler")
     assert compat.nl is emulator.nl and compat.nisa is emulator.nisa and compat.nki is emulator.nki
+
+
+def test_affine_iterations_writing_the_same_region_are_a_dependency():
+    def racy(x):
+        out = nl.ndarray((4, 4), BF16, buffer=nl.shared_hbm)
+        for i in nl.affine_range(3):
+            nl.store(out, nl.load(x))  # every iteration writes all of out
+        return out
+
+    _raises("err_unexpected_output_dependencies", racy, _x(4, 4))
+    # found in trace-only (loop-sampled) runs too
+    with pytest.raises(NKIRuleError, match="err_unexpected_output_dependencies"):
+        run(nki.jit(racy), TensorSpec((4, 4), BF16), trace_only=True)
+
+    def sequential_ok(x):
+        out = nl.ndarray((4, 4), BF16, buffer=nl.shared_hbm)
+        for i in nl.sequential_range(3):
+            nl.store(out, nl.load(x))
+        return out
+
+    run(nki.jit(sequential_ok), _x(4, 4))
+
+    def reduction_ok(x):  # `+=` into a tensor declared outside is an associative reduction
+        out = nl.ndarray((4, 4), BF16, buffer=nl.shared_hbm)
+        acc = nl.zeros((4, 4), F32, buffer=nl.sbuf)
+        for i in nl.affine_range(3):
+            acc += nl.load(x)
+        nl.store(out, nl.copy(acc, dtype=BF16))
+        return out
+
+    y, _ = run(nki.jit(reduction_ok), _x(4, 4))
+    assert (y.astype(np.float32) == 3).all()
