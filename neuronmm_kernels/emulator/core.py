@@ -217,6 +217,83 @@ class DynSlice:
         self.start, self.size = start, size
 
 
+class IndexExpr:
+    """An affine index expression over nl.arange/nl.mgrid values (a broadcastable int array)."""
+
+    __slots__ = ("v",)
+
+    def __init__(self, v):
+        self.v = np.asarray(v, dtype=np.int64)
+
+    @property
+    def shape(self) -> tuple:
+        return self.v.shape
+
+    def __getitem__(self, key) -> "IndexExpr":
+        return IndexExpr(self.v[key])  # e.g. nl.arange(128)[:, None]
+
+    @staticmethod
+    def _val(o):
+        if isinstance(o, IndexExpr):
+            return o.v
+        if isinstance(o, LoopIndex) or (isinstance(o, (int, np.integer)) and not isinstance(o, bool)):
+            return as_int(o)
+        return None
+
+    def _bin(self, o, fn):
+        ov = self._val(o)
+        return NotImplemented if ov is None else IndexExpr(fn(self.v, ov))
+
+    def __add__(self, o): return self._bin(o, np.add)
+    def __radd__(self, o): return self._bin(o, lambda a, b: b + a)
+    def __sub__(self, o): return self._bin(o, np.subtract)
+    def __rsub__(self, o): return self._bin(o, lambda a, b: b - a)
+
+    def __mul__(self, o):
+        if isinstance(o, IndexExpr):
+            raise NKIRuleError("err_non_affine_index", "product of two index expressions is not affine")
+        return self._bin(o, np.multiply)
+
+    __rmul__ = __mul__
+
+    def _non_affine(self, *_):
+        raise NKIRuleError("err_unsupported_expression_in_mask", "% and // of an index expression are not affine")
+
+    __mod__ = __rmod__ = __floordiv__ = __rfloordiv__ = _non_affine
+
+    def _cmp(self, o, fn):
+        ov = self._val(o)
+        return NotImplemented if ov is None else Mask(fn(self.v, ov))
+
+    def __lt__(self, o): return self._cmp(o, np.less)
+    def __le__(self, o): return self._cmp(o, np.less_equal)
+    def __gt__(self, o): return self._cmp(o, np.greater)
+    def __ge__(self, o): return self._cmp(o, np.greater_equal)
+
+    def __bool__(self):
+        raise NKIRuleError("err_control_flow_condition_depending_on_arange",
+                           "Python control flow on an arange/mgrid value; use mask= instead")
+
+
+class Mask:
+    """A compile-time predicate over an instruction's index grid; combine with & (not `and`)."""
+
+    __slots__ = ("v",)
+
+    def __init__(self, v):
+        self.v = np.asarray(v, dtype=bool)
+
+    def __and__(self, o):
+        if not isinstance(o, Mask):
+            return NotImplemented
+        return Mask(self.v & o.v)
+
+    __rand__ = __and__
+
+    def __bool__(self):
+        raise NKIRuleError("err_mask_boolean_operator", "masks combine with &, not `and`/`or`/`not`")
+
+
 # ---------------------------------------------------------------- storage and views
 
 def _nan_fill(shape, dtype: np.dtype) -> np.ndarray:
@@ -275,6 +352,7 @@ class Tensor:
         self.st = storage
         self.index = index if index is not None else [(0, s) for s in storage.shape]
         self.fresh: Instr | None = None  # set on an op's result until it is first assigned
+        self.oob = False  # an advanced-index view reaching past the tensor: legal only under a mask
 
     # --- shape
     @property
@@ -307,6 +385,8 @@ class Tensor:
     def __getitem__(self, key) -> "Tensor":
         self.check_alive()
         kept = [d for d, ix in enumerate(self.index) if isinstance(ix, tuple)]
+        if any(isinstance(k, IndexExpr) for k in (key if isinstance(key, tuple) else (key,))):
+            return self._advanced(key, kept)
         key = _norm_key(key, len(kept))
         new = list(self.index)
         for d, k in zip(kept, key):
@@ -335,6 +415,52 @@ class Tensor:
             new[d] = (lo + start, lo + stop)
         return Tensor(self.st, new)
 
+    def _advanced(self, key, kept: list) -> "Tensor":
+        """Index with affine arange/mgrid expressions: each must step by 1 along its own result axis."""
+        key = key if isinstance(key, tuple) else (key,)
+        if len(key) != len(kept) or any(isinstance(k, (slice, DynSlice)) or k is Ellipsis for k in key):
+            raise NKIRuleError("err_unsupported_mixing_basic_advanced_tensor_indexing",
+                               "index every dim with ints, loop indices or arange expressions (no slices)")
+        exprs = [k for k in key if isinstance(k, IndexExpr)]
+        if any(e.v.ndim < 2 for e in exprs):
+            raise NKIRuleError("err_1d_arange_not_supported", "use nl.arange(n)[:, None] / [None, :]")
+        grid = np.broadcast_shapes(*(e.shape for e in exprs))
+        if len(exprs) != len(grid):
+            raise NKIRuleError("emulator_unsupported", "each arange expression must own one result axis")
+        new, oob = list(self.index), False
+        axis = 0
+        for d, k in zip(kept, key):
+            lo, hi = self.index[d]
+            if not isinstance(k, IndexExpr):
+                v = as_int(k)
+                if not 0 <= v < hi - lo:
+                    raise NKIRuleError("err_tensor_access_out_of_bound", f"index {v} out of [0, {hi - lo})")
+                new[d] = lo + v
+                continue
+            full = np.broadcast_to(k.v, grid)
+            line = np.moveaxis(full, axis, 0).reshape(grid[axis], -1)
+            if not (line == line[:, :1]).all() or not (np.diff(line[:, 0]) == 1).all():
+                raise NKIRuleError("emulator_unsupported", "arange expressions must step by 1 along their own axis")
+            start, size = int(line[0, 0]), grid[axis]
+            oob |= start < 0 or start + size > hi - lo
+            new[d] = (lo + start, lo + start + size)
+            axis += 1
+        t = Tensor(self.st, new)
+        t.oob = oob
+        return t
+
+    def restrict(self, rect: tuple) -> "Tensor":
+        """The sub-view selected by rect (per result axis (start, stop)); bounds checked here."""
+        new, axis = list(self.index), 0
+        for d, ix in enumerate(self.index):
+            if isinstance(ix, tuple):
+                r0, r1 = rect[axis]
+                new[d] = (ix[0] + r0, ix[0] + r1)
+                if new[d][0] < 0 or new[d][1] > self.st.shape[d]:
+                    raise NKIRuleError("err_tensor_access_out_of_bound", f"masked access still outside {self}")
+                axis += 1
+        return Tensor(self.st, new)
+
     def __setitem__(self, key, value) -> None:
         from .language import assign  # local import: language builds on core
 
@@ -345,6 +471,9 @@ class Tensor:
 
     # --- data access
     def check_alive(self) -> None:
+        if self.oob:
+            raise NKIRuleError("err_tensor_access_out_of_bound",
+                               f"{self} reaches past the tensor; add a mask that excludes the excess")
         if not self.st.alive:
             raise NKIRuleError("err_local_variable_used_out_of_scope",
                                f"{self} was created inside a loop body that has ended")

@@ -68,8 +68,8 @@ def nc_transpose(data: Tensor, *, mask=None, dtype=None, engine=unknown_engine, 
 def activation(op, data: Tensor, *, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=None,
                mask=None, dtype=None, **_) -> Tensor:
     """op(data * scale + bias) on ScalarE in fp32, cast to dtype (default data.dtype); reads SBUF or PSUM."""
-    nl._no_mask(mask)
     check_tile(data, "activation")
+    rect = nl._mask_rect(mask, data.shape)
     fn = getattr(op, "_np", None)
     if fn is None:
         raise NKIRuleError("err_activation_op", f"unsupported activation function {op!r}")
@@ -89,21 +89,21 @@ def activation(op, data: Tensor, *, bias=None, scale=1.0, reduce_op=None, reduce
     if v is not None:
         s = scale.read() if isinstance(scale, Tensor) else scale
         b = bias.read() if isinstance(bias, Tensor) else (0.0 if bias is None else bias)
-        out.write(fn(v * s + b))
+        nl._masked_write(out, fn(v * s + b), rect)
     return out
 
 
 def tensor_copy(src: Tensor, *, mask=None, dtype=None, engine=unknown_engine, **_) -> Tensor:
     """Copy a tile (e.g. evict PSUM) on VectorE (default), ScalarE or GpSimd; returns a new SBUF tile."""
-    nl._no_mask(mask)
     check_tile(src, "tensor_copy")
+    rect = nl._mask_rect(mask, src.shape)
     eng = _ENGINE.get(engine, "dve")
     if eng == "pool" and src.buffer is PSUM:
         raise NKIRuleError("err_unsupported_memory", "GpSimd cannot access PSUM")
     instr = ctx().record(Instr(eng, "tensor_copy", parts=src.shape[0], free=src.free_size(),
                                psum=src.buffer is PSUM))
     out = nl._new(src.shape, dtype or src.dtype, SBUF, fresh=instr)
-    out.write(src.read())
+    nl._masked_write(out, src.read(), rect)
     return out
 
 

@@ -33,6 +33,37 @@ class par_dim:  # noqa: N801 - NKI's name
         self.n = int(n)
 
 
+def arange(start: int, stop: int | None = None) -> core.IndexExpr:
+    """Index values [start, stop) (or [0, start)); use as nl.arange(n)[:, None] or [None, :]."""
+    lo, hi = (0, start) if stop is None else (start, stop)
+    return core.IndexExpr(np.arange(core.as_int(lo), core.as_int(hi)))
+
+
+class _Grid(tuple):
+    """nl.mgrid result: unpacks into index expressions, or .p (partition), .x, .y, .z (free dims)."""
+
+    p = property(lambda self: self[0])
+    x = property(lambda self: self[1])
+    y = property(lambda self: self[2])
+    z = property(lambda self: self[3])
+
+
+class _MGrid:
+    def __getitem__(self, key) -> _Grid:
+        key = key if isinstance(key, tuple) else (key,)
+        n = len(key)
+        out = []
+        for i, k in enumerate(key):
+            shape = [1] * n
+            vals = np.arange(core.as_int(k.start or 0), core.as_int(k.stop))
+            shape[i] = len(vals)
+            out.append(core.IndexExpr(vals.reshape(shape)))
+        return _Grid(out)
+
+
+mgrid = _MGrid()
+
+
 def ds(start, size: int) -> DynSlice:
     """The index range [start, start + size)."""
     return DynSlice(start, size)
@@ -145,8 +176,9 @@ def _release(t: Tensor) -> None:
 # ---------------------------------------------------------------- data movement
 
 def load(src: Tensor, *, mask=None, dtype=None, **_) -> Tensor:
-    """HBM -> a new SBUF tile (axis 0 of the view becomes the partition axis)."""
-    _no_mask(mask)
+    """HBM -> a new SBUF tile (axis 0 of the view becomes the partition axis); mask shrinks the DMA."""
+    rect = _mask_rect(mask, src.shape)
+    full, src = src, (src if rect is None else src.restrict(rect))
     src.check_alive()
     if src.buffer.on_chip:
         raise NKIRuleError("err_unsupported_memory", f"nl.load reads HBM, got {src}")
@@ -155,14 +187,18 @@ def load(src: Tensor, *, mask=None, dtype=None, **_) -> Tensor:
     nbytes = math.prod(src.shape) * src.dtype.itemsize
     instr = ctx().record(Instr("dma", "load", parts=src.shape[0], free=math.prod(src.shape[1:]), nbytes=nbytes,
                                contig=min(core.hbm_contiguous_bytes(src), nbytes // src.shape[0])))
-    out = _new(src.shape, dtype or src.dtype, SBUF, fresh=instr)
-    out.write(src.read())
+    out = _new(full.shape, dtype or src.dtype, SBUF, fresh=instr)
+    (out if rect is None else out.restrict(rect)).write(src.read())
     return out
 
 
 def store(dst: Tensor, value, *, mask=None, **_) -> None:
-    """An SBUF tile (or scalar) -> HBM."""
-    _no_mask(mask)
+    """An SBUF tile (or scalar) -> HBM; mask limits what is written."""
+    rect = _mask_rect(mask, dst.shape)
+    if rect is not None:
+        dst = dst.restrict(rect)
+        if isinstance(value, Tensor) and tuple(value.shape) != tuple(dst.shape):
+            value = value.restrict(rect)
     dst.check_alive()
     if dst.buffer.on_chip:
         raise NKIRuleError("err_unsupported_memory", f"nl.store writes HBM, got {dst}")
@@ -182,7 +218,37 @@ def store(dst: Tensor, value, *, mask=None, **_) -> None:
 
 def _no_mask(mask) -> None:
     if mask is not None:
-        raise NKIRuleError("emulator_unsupported", "masks are not emulated; handle tails with static sizes")
+        raise NKIRuleError("emulator_unsupported", "masks on this instruction are not emulated")
+
+
+def _mask_rect(mask, shape) -> tuple | None:
+    """The sub-rectangle of an instruction's index grid that a mask keeps (None: no mask)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, core.Mask):
+        raise NKIRuleError("err_mask_type", f"mask must be a comparison of index expressions, got {mask!r}")
+    try:
+        m = np.broadcast_to(mask.v, tuple(shape))
+    except ValueError:
+        raise NKIRuleError("err_mask_shape", f"mask {mask.v.shape} does not fit the instruction {shape}") from None
+    rect = []
+    for a in range(m.ndim):
+        hit = np.nonzero(m.any(axis=tuple(i for i in range(m.ndim) if i != a)))[0]
+        rect.append((int(hit[0]), int(hit[-1]) + 1) if len(hit) else (0, 0))
+    if m.sum() != math.prod(r1 - r0 for r0, r1 in rect):
+        raise NKIRuleError("emulator_unsupported", "only masks selecting a rectangle are emulated")
+    if any(r1 == r0 for r0, r1 in rect):
+        raise NKIRuleError("emulator_unsupported", "a mask that selects nothing")
+    return tuple(rect)
+
+
+def _masked_write(out: Tensor, values, rect) -> None:
+    """Write an op's full result, or only the mask's rectangle of it."""
+    if rect is None or values is None:
+        out.write(values)
+        return
+    sel = tuple(slice(r0, r1) for r0, r1 in rect)
+    out.restrict(rect).write(np.broadcast_to(values, out.shape)[sel])
 
 
 def _check_fits(dst: Tensor, src_shape) -> None:
@@ -275,7 +341,6 @@ def _result_dtype(x, y):
 
 
 def _binary(name: str, x, y, *, dtype=None, mask=None) -> Tensor:
-    _no_mask(mask)
     tiles = [t for t in (x, y) if isinstance(t, Tensor)]
     for t in tiles:
         check_tile(t, f"nl.{name}")
@@ -288,6 +353,7 @@ def _binary(name: str, x, y, *, dtype=None, mask=None) -> Tensor:
         shape = np.broadcast_shapes(*(t.shape for t in tiles))
     except ValueError:
         raise NKIRuleError("err_shape_mismatch", f"nl.{name}: shapes {[t.shape for t in tiles]}") from None
+    rect = _mask_rect(mask, shape)
     out_dtype = np.dtype(dtype) if dtype is not None else _result_dtype(x, y)
     any_psum = any(t.buffer is PSUM for t in tiles)
     fast = any_psum or (all(t.dtype == bfloat16 for t in tiles) and out_dtype == bfloat16)
@@ -296,19 +362,19 @@ def _binary(name: str, x, y, *, dtype=None, mask=None) -> Tensor:
     out = _new(shape, out_dtype, SBUF, fresh=instr)
     vals = [t.read() if isinstance(t, Tensor) else t for t in (x, y)]
     if ctx().compute:
-        out.write(_BINARY[name](np.float32(vals[0]) if not isinstance(vals[0], np.ndarray) else vals[0],
-                                vals[1]))
+        _masked_write(out, _BINARY[name](np.float32(vals[0]) if not isinstance(vals[0], np.ndarray) else vals[0],
+                                         vals[1]), rect)
     return out
 
 
 def _unary(name: str, fn):
     def op(x: Tensor, *, dtype=None, mask=None, **_) -> Tensor:
-        _no_mask(mask)
         check_tile(x, f"nl.{name}")
+        rect = _mask_rect(mask, x.shape)
         instr = ctx().record(Instr("act", name, parts=x.shape[0], free=x.free_size(), psum=x.buffer is PSUM))
         out = _new(x.shape, dtype or x.dtype, SBUF, fresh=instr)
         v = x.read()
-        out.write(None if v is None else fn(v))
+        _masked_write(out, None if v is None else fn(v), rect)
         return out
 
     op.__name__ = name

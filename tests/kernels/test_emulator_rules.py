@@ -237,3 +237,54 @@ def test_affine_iterations_writing_the_same_region_are_a_dependency():
 
     y, _ = run(nki.jit(reduction_ok), _x(4, 4))
     assert (y.astype(np.float32) == 3).all()
+
+
+def _masked_exp(x):
+    """Ragged rows handled by masks over arange indices (the AWS docs' idiom)."""
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    n, f = x.shape
+    i_f = nl.arange(f)[None, :]
+    for p in nl.affine_range((n + 127) // 128):
+        i_p = p * 128 + nl.arange(128)[:, None]
+        t = nl.load(x[i_p, i_f], mask=(i_p < n))
+        nl.store(out[i_p, i_f], value=nl.exp(t, mask=(i_p < n)), mask=(i_p < n))
+    return out
+
+
+def test_arange_indexing_and_masks():
+    x = (np.arange(300 * 5).reshape(300, 5) % 7 / 7).astype(np.float32)
+    y, trace = run(nki.jit(_masked_exp), x)
+    np.testing.assert_allclose(y, np.exp(x), rtol=1e-6)
+    assert trace.hbm_bytes == 2 * x.nbytes  # the masked tail moves only its 44 rows
+
+    def grid_copy(x):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        g = nl.mgrid[0:4, 0:6]
+        nl.store(out[g.p, g.x], nl.load(x[g.p, g.x]))
+        return out
+
+    y, _ = run(nki.jit(grid_copy), x[:4, :].repeat(2, axis=1)[:, :6].copy())
+    assert y.shape == (4, 6)
+
+
+def test_arange_and_mask_rules():
+    def unmasked_tail(x):
+        i_p = nl.arange(128)[:, None]
+        nl.load(x[i_p, nl.arange(5)[None, :]])
+
+    _raises("err_tensor_access_out_of_bound", unmasked_tail, _x(100, 5))
+    _raises("err_1d_arange_not_supported", lambda x: nl.load(x[nl.arange(4), 0]), _x(4, 4))
+    _raises("err_unsupported_mixing_basic_advanced_tensor_indexing",
+            lambda x: nl.load(x[nl.arange(4)[:, None], :]), _x(4, 4))
+
+    def python_and(x):
+        i = nl.arange(4)[:, None]
+        nl.load(x[i, nl.arange(4)[None, :]], mask=(i < 3) and (i > 0))
+
+    _raises("err_mask_boolean_operator", python_and, _x(4, 4))
+
+    def if_on_arange(x):
+        if nl.arange(4)[:, None] < 2:
+            pass
+
+    _raises("err_mask_boolean_operator", if_on_arange, _x(4, 4))
