@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from . import core, language as nl
 from .core import PSUM, SBUF, Instr, NKIRuleError, Tensor, check_tile, ctx
 

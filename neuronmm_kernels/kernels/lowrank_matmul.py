@@ -13,10 +13,10 @@ def lowrank_matmul(x, u, v, transpose_out=False, token_block=512, group=8, out_b
     [out_features, num_tokens] when transpose_out. dtypes: bf16 in/out; both matmuls accumulate in
     fp32 PSUM over their whole contraction (NeuronMM accumulates in bf16); (XU)ᵀ is rounded to bf16
     once, as a TensorE operand. Limits: rank a multiple of 128; num_tokens, in_features and
-    out_features any size >= 1 (partial 128-partition tiles for the tails); token_block <= 512; group <= 8 (PSUM banks); u_moving (U tiles
-    as moving operands, whole-row U loads: the decode schedule) needs token_block <= 128 and
-    rank <= 4096; out_block a
-    multiple of 512 (natural) or 128 (transposed).
+    out_features any size >= 1 (partial 128-partition tiles for the tails); token_block <= 512;
+    group <= 8 (PSUM banks); u_moving (U tiles as moving operands, whole-row U loads: the decode
+    schedule) needs token_block <= 128 and rank <= 4096; out_block a multiple of 512 (natural)
+    or 128 (transposed).
     Schedule per token block: Xᵀ by PE transposes; (XU)ᵀ = Uᵀ Xᵀ with U tiles stationary, kept in
     SBUF as (128, rank/128, tokens); then Y = (XU)·V with (XU)ᵀ stationary (token-major output) or
     Yᵀ = Vᵀ(XU)ᵀ with V stationary (feature-major output). No HBM round trip, no transpose of XU.

@@ -16,8 +16,8 @@ def lowrank_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, token_block=512, 
     activation hᵀ are bf16 TensorE operands. Limits: ranks multiples of 128; num_tokens,
     hidden and intermediate any size >= 1 (e.g. SmolLM2's hidden 576); token_block <= 512;
     group <= 8; gate_block a multiple of 128; out_block a multiple of 512 (or the tail); u_moving
-    as in lowrank_matmul. SBUF must hold hᵀ (intermediate * 2 * token_block / 128 bytes per partition): the tile selector shrinks
-    token_block until it fits, or sets h_in_hbm: hᵀ then goes to an HBM scratch written
+    as in lowrank_matmul. SBUF must hold hᵀ (intermediate * 2 * token_block / 128 bytes per
+    partition): the tile selector shrinks token_block until it fits, or sets h_in_hbm: hᵀ then goes to an HBM scratch written
     feature-major [intermediate, tokens], which the down projection streams back with no transpose.
     Schedule per token block: Xᵀ (PE transposes, once for gate and up); (X·gate_u)ᵀ and (X·up_u)ᵀ
     kept in SBUF; hᵀ = silu(gate)ᵀ ⊙ upᵀ computed with gate_v/up_v stationary, SiLU applied while
