@@ -37,12 +37,16 @@ def candidates(kind: str, num_tokens: int, transpose_out: bool = False) -> list[
         raise ValueError(f"unknown kernel kind {kind!r}; expected one of {KINDS}")
     if kind != "dense_matmul" and num_tokens <= 128:
         grid["u_moving"] = (False, True)
+    if kind != "dense_matmul":
+        grid["hoist_u"] = (False, True)
     if kind == "lowrank_mlp":
         grid["h_in_hbm"] = (False, True)
     keys = list(grid)
     combos = [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
-    # spilling hᵀ only pays when it buys the largest token block (fewer weight reloads)
-    return [c for c in combos if not c.get("h_in_hbm") or c["token_block"] == tbs[-1]]
+    # spilling hᵀ only pays when it buys the largest token block (fewer weight reloads);
+    # a resident U makes the group width irrelevant to DMA, so one group size is enough
+    return [c for c in combos if (not c.get("h_in_hbm") or c["token_block"] == tbs[-1])
+            and (not c.get("hoist_u") or c["group"] == 8)]
 
 
 def _model(kind: str, num_tokens: int, dims: tuple, tiles: dict, transpose_out: bool):
@@ -82,7 +86,7 @@ def select_tiles(kind: str, num_tokens: int, *dims, transpose_out: bool = False)
     "lowrank_mlp" (hidden, intermediate, ranks) with ranks an int or (r_gate, r_up, r_down).
     Example: select_tiles("lowrank_mlp", 32, 2048, 8192, 1280) -> {"token_block": 32, ...}.
     Raises ValueError when no candidate fits SBUF/PSUM. The first call for a shape traces every
-    candidate (up to ~160 for the MLP: 0.3-3 s on a 2-vCPU VM); later calls hit the cache.
+    candidate (up to ~240 for the MLP: 0.3-3 s on a 2-vCPU VM); later calls hit the cache.
     """
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")

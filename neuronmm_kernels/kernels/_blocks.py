@@ -48,19 +48,23 @@ def _src_tile(srcT, k, k0, ksz: int, tsz: int, src_hbm, t0):
     return nl.load(src_hbm[nl.ds(k0, ksz), nl.ds(t0, tsz)])
 
 
-def project_transposed(w, srcT, zT, tsz: int, group: int, src_hbm=None, t0=0):
+def project_transposed(w, srcT, zT, tsz: int, group: int, src_hbm=None, t0=0, w_sbuf=None):
     """zT[:, j, 0:tsz] = (src · w)ᵀ for w [K, R] in HBM (R a multiple of 128) and srcT in SBUF.
 
     w tiles are stationary (free = 128 rank columns), srcT is moving (free = tsz <= 512), so the
     result comes out already transposed, rank on partitions, ready to be the next matmul's operand.
     `group` rank tiles accumulate at once (one PSUM bank each); w rows load group*128 wide.
-    With src_hbm (a feature-major [K, tokens] HBM tensor) the source streams from HBM instead.
+    With src_hbm (a feature-major [K, tokens] HBM tensor) the source streams from HBM instead;
+    with w_sbuf (w already resident as (128, ceil(K/128), R), see load_columns) nothing is loaded.
     """
     num_r = w.shape[1] // P
     for g, g0, gsz in split(num_r, group):
         acc = nl.zeros((P, gsz, MOVING_FMAX), nl.float32, buffer=nl.psum)
         for k, k0, ksz in split(w.shape[0], P):
-            wt = nl.load(w[nl.ds(k0, ksz), nl.ds(g0 * P, gsz * P)])
+            if w_sbuf is None:
+                wt = nl.load(w[nl.ds(k0, ksz), nl.ds(g0 * P, gsz * P)])
+            else:
+                wt = w_sbuf[0:ksz, k, nl.ds(g0 * P, gsz * P)]
             src = _src_tile(srcT, k, k0, ksz, tsz, src_hbm, t0)
             for j in nl.affine_range(gsz):
                 acc[:, j, 0:tsz] += nisa.nc_matmul(wt[:, nl.ds(j * P, P)], src)
@@ -68,7 +72,7 @@ def project_transposed(w, srcT, zT, tsz: int, group: int, src_hbm=None, t0=0):
             zT[:, g0 + j, 0:tsz] = nisa.activation(nl.copy, acc[:, j, 0:tsz], dtype=zT.dtype)
 
 
-def project_transposed_small(w, srcT, zT, tsz: int, src_hbm=None, t0=0):
+def project_transposed_small(w, srcT, zT, tsz: int, src_hbm=None, t0=0, w_sbuf=None):
     """Same result as project_transposed for tsz <= 128 tokens, with w moving instead of stationary.
 
     srcT tiles are stationary (free = tsz), w streams as moving operands 512 columns at a time, so
@@ -80,7 +84,7 @@ def project_transposed_small(w, srcT, zT, tsz: int, src_hbm=None, t0=0):
     for _ in nl.affine_range(1):  # scope: the accumulator banks are free again on return
         acc = nl.zeros((tsz, -(-rank // MOVING_FMAX), MOVING_FMAX), nl.float32, buffer=nl.psum)
         for k, k0, ksz in split(w.shape[0], P):
-            wt = nl.load(w[nl.ds(k0, ksz), :])
+            wt = nl.load(w[nl.ds(k0, ksz), :]) if w_sbuf is None else w_sbuf[0:ksz, k, :]
             src = _src_tile(srcT, k, k0, ksz, tsz, src_hbm, t0)
             for c, c0, csz in split(rank, MOVING_FMAX):
                 acc[:, c, 0:csz] += nisa.nc_matmul(src, wt[:, nl.ds(c0, csz)])
@@ -92,15 +96,15 @@ def project_transposed_small(w, srcT, zT, tsz: int, src_hbm=None, t0=0):
                 zT[:, c * (MOVING_FMAX // P) + j, 0:tsz] = nisa.tensor_copy(tp, dtype=zT.dtype)
 
 
-def project(w, srcT, zT, tsz: int, group: int, u_moving: bool, src_hbm=None, t0=0):
+def project(w, srcT, zT, tsz: int, group: int, u_moving: bool, src_hbm=None, t0=0, w_sbuf=None):
     """zT = (src · w)ᵀ with w stationary (any tsz) or, when u_moving, w moving (tsz <= 128)."""
     if u_moving:
-        project_transposed_small(w, srcT, zT, tsz, src_hbm, t0)
+        project_transposed_small(w, srcT, zT, tsz, src_hbm, t0, w_sbuf)
     else:
-        project_transposed(w, srcT, zT, tsz, group, src_hbm, t0)
+        project_transposed(w, srcT, zT, tsz, group, src_hbm, t0, w_sbuf)
 
 
-def _load_columns(v, n0, nsz: int):
+def load_columns(v, n0, nsz: int):
     """v[:, n0:n0+nsz] as (128, ceil(K/128), nsz): the contraction dim K = v.shape[0] on partitions."""
     vb = nl.ndarray((P, num_tiles(v.shape[0]), nsz), v.dtype, buffer=nl.sbuf)
     for r, r0, rsz in split(v.shape[0], P):
@@ -111,7 +115,7 @@ def _load_columns(v, n0, nsz: int):
 def store_natural(zT, v, y, t0, tsz: int, out_block: int):
     """y[t0:t0+tsz, :] = z · v, token-major: zT tiles stationary (128 tokens), v tiles moving (512 cols)."""
     for _, n0, nsz in split(v.shape[1], out_block):
-        vb = _load_columns(v, n0, nsz)
+        vb = load_columns(v, n0, nsz)
         for _, s0, ssz in split(tsz, P):
             yb = nl.ndarray((ssz, nsz), y.dtype, buffer=nl.sbuf)
             for _, c0, csz in split(nsz, MOVING_FMAX):
@@ -125,7 +129,7 @@ def store_natural(zT, v, y, t0, tsz: int, out_block: int):
 def store_transposed(zT, v, yT, t0, tsz: int, out_block: int):
     """yT[:, t0:t0+tsz] = (z · v)ᵀ, feature-major: v tiles stationary (128 cols), zT moving (tsz tokens)."""
     for _, n0, nsz in split(v.shape[1], out_block):
-        vb = _load_columns(v, n0, nsz)
+        vb = load_columns(v, n0, nsz)
         for _, c0, csz in split(nsz, P):
             acc = nl.zeros((csz, tsz), nl.float32, buffer=nl.psum)
             for r, _, rsz in split(v.shape[0], P):
@@ -142,8 +146,8 @@ def swiglu_transposed(zgT, zuT, gate_v, up_v, hT, tsz: int, block: int, h_hbm=No
     block is a multiple of 128; the intermediate size need not be."""
     num_rg, num_ru = gate_v.shape[0] // P, up_v.shape[0] // P
     for b, n0, nsz in split(gate_v.shape[1], block):
-        gb = _load_columns(gate_v, n0, nsz)
-        ub = _load_columns(up_v, n0, nsz)
+        gb = load_columns(gate_v, n0, nsz)
+        ub = load_columns(up_v, n0, nsz)
         for c, c0, csz in split(nsz, P):
             acc_g = nl.zeros((csz, tsz), nl.float32, buffer=nl.psum)
             acc_u = nl.zeros((csz, tsz), nl.float32, buffer=nl.psum)

@@ -1,11 +1,12 @@
 """Fused low-rank matmul Y = X·U·V: (XU)ᵀ stays in SBUF and feeds the second matmul in place."""
 
 from ..compat import nki, nl
-from ._blocks import P, load_transposed, num_tiles, project, split, store_natural, store_transposed
+from ._blocks import P, load_columns, load_transposed, num_tiles, project, split, store_natural, store_transposed
 
 
 @nki.jit
-def lowrank_matmul(x, u, v, transpose_out=False, token_block=512, group=8, out_block=512, u_moving=False):
+def lowrank_matmul(x, u, v, transpose_out=False, token_block=512, group=8, out_block=512, u_moving=False,
+                   hoist_u=False):
     """y = x · u · v (or yᵀ with transpose_out=True).
 
     Layouts (HBM, row-major): x [num_tokens, in_features], u [in_features, rank] (= Aᵀ of
@@ -16,7 +17,8 @@ def lowrank_matmul(x, u, v, transpose_out=False, token_block=512, group=8, out_b
     out_features any size >= 1 (partial 128-partition tiles for the tails); token_block <= 512;
     group <= 8 (PSUM banks); u_moving (U tiles as moving operands, whole-row U loads: the decode
     schedule) needs token_block <= 128 and rank <= 4096; out_block a multiple of 512 (natural)
-    or 128 (transposed).
+    or 128 (transposed); hoist_u keeps all of U in SBUF for the whole kernel (loaded once, as
+    whole contiguous rows) when in_features * rank * 2 / 128 bytes per partition fit.
     Schedule per token block: Xᵀ by PE transposes; (XU)ᵀ = Uᵀ Xᵀ with U tiles stationary, kept in
     SBUF as (128, rank/128, tokens); then Y = (XU)·V with (XU)ᵀ stationary (token-major output) or
     Yᵀ = Vᵀ(XU)ᵀ with V stationary (feature-major output). No HBM round trip, no transpose of XU.
@@ -29,12 +31,13 @@ def lowrank_matmul(x, u, v, transpose_out=False, token_block=512, group=8, out_b
     assert 1 <= token_block <= 512 and 1 <= group <= 8
     shape = (d_out, num_tokens) if transpose_out else (num_tokens, d_out)
     y = nl.ndarray(shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    u_sbuf = load_columns(u, 0, rank) if hoist_u else None
     for _, t0, tsz in split(num_tokens, token_block):
         zT = nl.ndarray((P, rank // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
         for _ in nl.affine_range(1):  # scope: Xᵀ is dead once (XU)ᵀ exists
             xT = nl.ndarray((P, num_tiles(d_in), tsz), dtype=x.dtype, buffer=nl.sbuf)
             load_transposed(x, t0, tsz, xT)
-            project(u, xT, zT, tsz, group, u_moving)
+            project(u, xT, zT, tsz, group, u_moving, w_sbuf=u_sbuf)
         if transpose_out:
             store_transposed(zT, v, y, t0, tsz, out_block)
         else:

@@ -1,12 +1,13 @@
 """Fused low-rank SwiGLU MLP: gate/up share Xᵀ, SiLU(gate)·up stays on-chip (transposed) for down."""
 
 from ..compat import nki, nl
-from ._blocks import P, load_transposed, num_tiles, project, split, store_natural, swiglu_transposed
+from ._blocks import P, load_columns, load_transposed, num_tiles, project, split, store_natural, swiglu_transposed
 
 
 @nki.jit
 def lowrank_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, token_block=512, group=8, gate_block=512,
-                out_block=512, u_moving=False, h_in_hbm=False):
+                out_block=512, u_moving=False, h_in_hbm=False,
+                hoist_u=False):
     """y = (silu(x·gate_u·gate_v) ⊙ (x·up_u·up_v)) · down_u · down_v.
 
     Layouts (HBM, row-major): x [num_tokens, hidden]; gate_u [hidden, r_gate], gate_v [r_gate,
@@ -19,6 +20,7 @@ def lowrank_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, token_block=512, 
     as in lowrank_matmul. SBUF must hold hᵀ (intermediate * 2 * token_block / 128 bytes per
     partition): the tile selector shrinks token_block until it fits, or sets h_in_hbm: hᵀ then goes to an HBM scratch written
     feature-major [intermediate, tokens], which the down projection streams back with no transpose.
+    hoist_u keeps gate_u and up_u resident in SBUF for the whole kernel (loaded once, whole rows).
     Schedule per token block: Xᵀ (PE transposes, once for gate and up); (X·gate_u)ᵀ and (X·up_u)ᵀ
     kept in SBUF; hᵀ = silu(gate)ᵀ ⊙ upᵀ computed with gate_v/up_v stationary, SiLU applied while
     evicting PSUM; (h·down_u)ᵀ with down_u stationary reads hᵀ in place; y token-major.
@@ -36,15 +38,17 @@ def lowrank_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, token_block=512, 
     assert 1 <= token_block <= 512 and 1 <= group <= 8 and gate_block % P == 0
     y = nl.ndarray((num_tokens, hidden), dtype=x.dtype, buffer=nl.shared_hbm)
     h_hbm = nl.ndarray((inter, num_tokens), dtype=x.dtype, buffer=nl.private_hbm) if h_in_hbm else None
+    gu_sbuf = load_columns(gate_u, 0, r_gate) if hoist_u else None
+    uu_sbuf = load_columns(up_u, 0, r_up) if hoist_u else None
     for _, t0, tsz in split(num_tokens, token_block):
         hT = None if h_in_hbm else nl.ndarray((P, num_tiles(inter), tsz), dtype=x.dtype, buffer=nl.sbuf)
         for _ in nl.affine_range(1):  # scope: X-side strips are dead before the down projection
             xT = nl.ndarray((P, num_tiles(hidden), tsz), dtype=x.dtype, buffer=nl.sbuf)
             load_transposed(x, t0, tsz, xT)
             zgT = nl.ndarray((P, r_gate // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
-            project(gate_u, xT, zgT, tsz, group, u_moving)
+            project(gate_u, xT, zgT, tsz, group, u_moving, w_sbuf=gu_sbuf)
             zuT = nl.ndarray((P, r_up // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
-            project(up_u, xT, zuT, tsz, group, u_moving)
+            project(up_u, xT, zuT, tsz, group, u_moving, w_sbuf=uu_sbuf)
             swiglu_transposed(zgT, zuT, gate_v, up_v, hT, tsz, gate_block, h_hbm, t0)
         zdT = nl.ndarray((P, r_down // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
         project(down_u, hT, zdT, tsz, group, u_moving, h_hbm, t0)

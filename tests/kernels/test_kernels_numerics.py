@@ -23,6 +23,8 @@ from neuronmm_kernels.kernels.swiglu import swiglu
     (130, 128, 256, 256, {"u_moving": True, "token_block": 128}),
     (50, 200, 128, 300, {}),                         # in/out features not multiples of 128
     (2, 200, 128, 72, {"u_moving": True}),
+    (300, 200, 256, 256, {"hoist_u": True, "token_block": 128, "group": 1}),
+    (4, 256, 384, 128, {"hoist_u": True, "u_moving": True}),
 ])
 @pytest.mark.parametrize("transpose_out", [False, True])
 def test_lowrank_matmul_matches_reference(make, num_tokens, d_in, rank, d_out, opts, transpose_out):
@@ -52,6 +54,8 @@ def test_dense_matmul_matches_reference(make, num_tokens, d_in, d_out):
     (3, 128, 256, (128, 128, 128), {"h_in_hbm": True, "u_moving": True}),
     (7, 192, 320, (128, 128, 256), {"gate_block": 256}),    # SmolLM2-like: hidden/intermediate tails
     (9, 192, 320, (128, 256, 128), {"u_moving": True, "h_in_hbm": True}),
+    (130, 192, 256, (256, 128, 128), {"hoist_u": True, "token_block": 128}),
+    (2, 128, 256, (128, 256, 128), {"hoist_u": True, "u_moving": True}),
 ])
 def test_lowrank_mlp_matches_reference(make, num_tokens, hidden, inter, ranks, opts):
     rg, ru, rd = ranks
