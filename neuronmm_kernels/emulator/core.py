@@ -112,7 +112,9 @@ class Context:
         self.trace.instrs.append(instr)
         return instr
 
-    def allocate(self, st: "Storage") -> None:
+    def allocate(self, st: "Storage", check: bool = True) -> None:
+        """Count a new tensor as live in the current scope; check=False for PSUM matmul results
+        that are usually consumed at once (accumulated or assigned), which releases them."""
         self.scopes[-1].append(st)
         if st.buffer is SBUF:
             self.sbuf_live += st.bytes_per_partition
@@ -122,10 +124,11 @@ class Context:
             self.trace.peak_sbuf_bytes = max(self.trace.peak_sbuf_bytes, self.sbuf_live)
         elif st.buffer is PSUM:
             self.psum_banks_live += st.banks
-            if self.psum_banks_live > PSUM_BANKS:
+            if check and self.psum_banks_live > PSUM_BANKS:
                 raise NKIRuleError("psum_capacity", f"{self.psum_banks_live} live PSUM banks exceed "
                                    f"{PSUM_BANKS} x {PSUM_BANK_BYTES} B per partition (allocating {st.shape})")
-            self.trace.peak_psum_banks = max(self.trace.peak_psum_banks, self.psum_banks_live)
+            if check:  # a result about to be consumed never holds a bank of its own
+                self.trace.peak_psum_banks = max(self.trace.peak_psum_banks, self.psum_banks_live)
 
     def push_scope(self) -> None:
         self.scopes.append([])

@@ -138,8 +138,7 @@ def _new(shape, dtype, buffer, name="", fill=None, fresh: Instr | None = None) -
     st = Storage(shape, dtype, buffer, name=name, fill=fill)
     if buffer is SHARED_HBM and c.compute:
         st.written = np.zeros(shape, dtype=bool)
-    if fresh is None or buffer is not PSUM:
-        c.allocate(st)
+    c.allocate(st, check=fresh is None or buffer is not PSUM)
     t = Tensor(st)
     t.fresh = fresh
     return t
@@ -170,6 +169,8 @@ def _release(t: Tensor) -> None:
             del scope[i]
             if t.st.buffer is SBUF:
                 c.sbuf_live -= t.st.bytes_per_partition
+            elif t.st.buffer is PSUM:
+                c.psum_banks_live -= t.st.banks
             return
 
 
@@ -319,6 +320,7 @@ def accumulate(dst: Tensor, value) -> None:
         if tuple(dst.shape) != tuple(value.shape):
             raise NKIRuleError("err_shape_mismatch", f"accumulating {value.shape} into {dst.shape}")
         value.fresh = None
+        _release(value)
         a, b = dst.read(), value.read()
         dst.write(None if a is None else a + b, reduction=True)
         return

@@ -288,3 +288,29 @@ def test_arange_and_mask_rules():
             pass
 
     _raises("err_mask_boolean_operator", if_on_arange, _x(4, 4))
+
+
+def test_held_matmul_results_occupy_psum_banks():
+    def held(x):
+        a = nl.load(x)
+        results = [nisa.nc_matmul(a, a) for _ in range(4)]  # kept, not accumulated: 4 banks
+        for _ in range(5):
+            nl.zeros((128, 512), F32, buffer=nl.psum)
+
+    _raises("psum_capacity", held, _x(128, 128))
+
+    def consumed(x):
+        a = nl.load(x)
+        acc = nl.zeros((128, 128), F32, buffer=nl.psum)
+        for _ in nl.affine_range(20):
+            acc += nisa.nc_matmul(a, a)  # each result is released into the accumulator
+        for _ in range(7):
+            nl.zeros((128, 512), F32, buffer=nl.psum)
+
+    run(nki.jit(lambda x: consumed(x) or _out(x)), _x(128, 128))
+
+
+def _out(x):
+    out = nl.ndarray((1, 1), BF16, buffer=nl.shared_hbm)
+    nl.store(out, 1.0)
+    return out
