@@ -158,6 +158,8 @@ class OpenAIServing:
             watcher.cancel()
             if not work.done():
                 work.cancel()
+            # a cancelled gather still records an exception; mark it seen so asyncio does not log it
+            work.add_done_callback(lambda fut: fut.cancelled() or fut.exception())
             for gen in gens:
                 await gen.aclose()
 
