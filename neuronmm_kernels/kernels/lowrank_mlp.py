@@ -24,7 +24,7 @@ def lowrank_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, token_block=512, 
     Schedule per token block: Xᵀ (PE transposes, once for gate and up); (X·gate_u)ᵀ and (X·up_u)ᵀ
     kept in SBUF; hᵀ = silu(gate)ᵀ ⊙ upᵀ computed with gate_v/up_v stationary, SiLU applied while
     evicting PSUM; (h·down_u)ᵀ with down_u stationary reads hᵀ in place; y token-major.
-    NeuronMM round-trips h through HBM between two kernels; here it never leaves SBUF.
+    NeuronMM round-trips h through HBM between two kernels; here it stays in SBUF (unless h_in_hbm).
     """
     num_tokens, hidden = x.shape
     r_gate, inter = gate_v.shape
