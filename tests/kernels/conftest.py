@@ -23,7 +23,8 @@ def make():
 def assert_bf16_close(got: np.ndarray, want: np.ndarray) -> None:
     """Equal up to bf16 rounding.
 
-    Tight: |got - want| <= 2**-7 * (|want| + rms(want)) for all but 0.1 % of elements; loose (4x)
+    Tight: |got - want| <= 2**-7 * (|want| + rms(want)) for all but 0.1 % of elements (at least one
+    may miss); loose (4x)
     for every element. Kernel and reference round the same intermediates to bf16 but accumulate
     in different orders, so an intermediate can land one bf16 ulp apart and carry that through
     (seen in randomised runs: 13 of 224000 elements, kernel and reference equally far from fp64).
@@ -33,5 +34,6 @@ def assert_bf16_close(got: np.ndarray, want: np.ndarray) -> None:
     assert np.isfinite(g).all(), "NaN/inf in kernel output (unwritten or uninitialised data read)"
     tol = 2.0 ** -7 * (np.abs(w) + np.sqrt(np.mean(w * w)))
     err = np.abs(g - w)
-    assert (err > tol).mean() <= 1e-3, f"{(err > tol).sum()} of {err.size} elements differ; max err {err.max():.3g}"
+    num_bad = int((err > tol).sum())
+    assert num_bad <= max(1, 1e-3 * err.size), f"{num_bad} of {err.size} elements differ; max err {err.max():.3g}"
     assert (err <= 4 * tol).all(), f"max err {err.max():.3g} beyond 4x the bf16 tolerance"
