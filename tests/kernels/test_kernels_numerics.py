@@ -81,3 +81,24 @@ def test_kernels_are_deterministic_and_detect_wrong_weights(make):
     assert np.array_equal(y1.view(np.uint16), y2.view(np.uint16))
     with pytest.raises(AssertionError):
         assert_bf16_close(y1, ref.lowrank_matmul(x, u, v[:, ::-1].copy()))
+
+
+def test_random_shapes_and_schedules_match_reference():
+    """A seeded sweep over token counts, non-128 dims and every schedule switch at once."""
+    rng = np.random.default_rng(2026)
+    for _ in range(6):
+        t = int(rng.choice([1, 5, 127, 129, 300]))
+        hidden, inter = int(rng.choice([64, 192, 256])), int(rng.choice([128, 200, 384]))
+        rg, ru, rd = (int(rng.choice([128, 256])) for _ in range(3))
+        opts = {"token_block": int(rng.choice([64, 128, 512])), "group": int(rng.choice([1, 2, 8])),
+                "gate_block": int(rng.choice([128, 256])), "h_in_hbm": bool(rng.integers(2)),
+                "hoist_u": bool(rng.integers(2))}
+        opts["u_moving"] = bool(rng.integers(2)) and min(t, opts["token_block"]) <= 128
+
+        def make(*shape, scale=None):
+            return (rng.standard_normal(shape) * (scale or shape[0] ** -0.5)).astype(ref.BF16)
+
+        args = [make(t, hidden, scale=1.0), make(hidden, rg), make(rg, inter), make(hidden, ru), make(ru, inter),
+                make(inter, rd), make(rd, hidden)]
+        y, _ = run(lowrank_mlp, *args, **opts)
+        assert_bf16_close(y, ref.lowrank_mlp(*args))
