@@ -81,14 +81,19 @@ class GuardMiddleware:
         finally:
             self.state.num_active -= counted
 
+    def _authorized(self, header: str) -> bool:
+        """`Authorization: Bearer <key>` (scheme in any case); the key never reaches a log line."""
+        scheme, _, token = header.partition(" ")
+        # compare_digest's time does not depend on where the strings differ, so it leaks no prefix
+        matches = hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        return matches and scheme.lower() == "bearer"
+
     def _check(self, scope) -> JSONResponse | None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         path = scope["path"]
-        if self.api_key and path not in _OPEN_PATHS:
-            supplied = headers.get("authorization", "").encode()
-            # constant-time comparison; the key never reaches a log line
-            if not hmac.compare_digest(supplied, f"Bearer {self.api_key}".encode()):
-                return error_response(401, "missing or invalid API key", code="invalid_api_key")
+        if self.api_key and path not in _OPEN_PATHS and not self._authorized(headers.get("authorization", "")):
+            return error_response(401, "missing or invalid API key", code="invalid_api_key",
+                                  headers={"WWW-Authenticate": "Bearer"})
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body:
             return error_response(413, f"request body over {self.max_body} bytes", code="body_too_large")
