@@ -132,9 +132,9 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception:  # a bug outside the forward: fail everything running, keep going
+            except Exception:  # a bug outside the forward: fail the running batch, keep the queue, keep going
                 log.exception("engine step failed")
-                outputs = self.engine.fail_all("engine step failed")
+                outputs = self.engine.fail_running("engine step failed")
             self._publish(outputs)
         log.info("engine loop stopped")
 
@@ -148,6 +148,7 @@ class RequestStream:
         self._queue = queue
         self._remaining = n
         self._closed = False
+        self._failed = False
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -159,11 +160,12 @@ class RequestStream:
         out: SeqOutput = await self._queue.get()
         if out.finish_reason is not None:
             self._remaining -= 1
-        if out.error:  # one failed choice fails the request
+        if out.error:  # one failed choice fails the request (and aborts its other choices on close)
+            self._failed = True
             self._remaining = 0
         return out
 
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
-            self.engine.release(self.request_id, abort=self._remaining > 0)
+            self.engine.release(self.request_id, abort=self._remaining > 0 or self._failed)

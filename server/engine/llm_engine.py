@@ -131,6 +131,16 @@ class LLMEngine:
         self.scheduler.finish(seq, "error")
         return self._output(seq, error=message)
 
+    def fail_running(self, message: str) -> list[SeqOutput]:
+        """End every request with a running sequence (a step failed outside the forward, leaving the batch
+        in an unknown state) with an error; requests still queued were not touched and run next."""
+        request_ids = {seq.request_id for seq in self.scheduler.running}
+        outputs = [self.fail(seq, message) for rid in request_ids for seq in list(self.seqs.get(rid, []))
+                   if not seq.is_finished]
+        for rid in request_ids:
+            self.seqs.pop(rid, None)
+        return outputs
+
     def fail_all(self, message: str) -> list[SeqOutput]:
         """End every unfinished sequence with an error (after a step failed outside the forward)."""
         outputs = [self.fail(seq, message) for seqs in list(self.seqs.values()) for seq in seqs
