@@ -101,8 +101,25 @@ def _settings(args) -> list[tuple[int, str, float]]:
             for k in args.keeps.split(",")]
 
 
+def _header(args) -> dict:
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), torch threads {args.num_threads}",
+            "limits": {"seqlen": args.seqlen, "ppl_windows": args.ppl_limit, "task_items": args.task_limit},
+            "command": shlex.join([sys.executable, "-m", "bench.compression_quality", *sys.argv[1:]])}
+
+
+def _checkpoint(args, rows: list[dict], complete: bool) -> dict:
+    """Write what is done so far (so an interrupted run still leaves its finished rows)."""
+    from compression.evaluation.report import write_json
+
+    result = dict(_header(args), complete=complete, rows=rows)
+    out = write_json(REPO / args.out, result)
+    out.with_suffix(".md").write_text(markdown(result) + "\n")
+    return result
+
+
 def run(args) -> dict:
-    """Compress and evaluate every setting; the result dict written as JSON."""
+    """Compress and evaluate every setting; the result dict, also written as JSON after each row."""
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     rows = [dict(_evaluate(args, work, "dense", None), setting={"method": "dense"})]
@@ -128,11 +145,8 @@ def run(args) -> dict:
             evaluated[digest] = result
         print(f"  {label}: ranks {setting['ranks']} ratio {setting['param_ratio']}", flush=True)
         rows.append(dict(result, setting=setting))
-    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), torch threads {args.num_threads}",
-            "limits": {"seqlen": args.seqlen, "ppl_windows": args.ppl_limit, "task_items": args.task_limit},
-            "command": shlex.join([sys.executable, "-m", "bench.compression_quality", *sys.argv[1:]]),
-            "rows": rows}
+        _checkpoint(args, rows, complete=False)
+    return _checkpoint(args, rows, complete=True)
 
 
 def _cell_ppl(row: dict, corpus: str) -> str:
@@ -176,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/smollm2-135m.yaml")
     p.add_argument("--keeps", default="0.9,0.8,0.6")
-    p.add_argument("--methods", default="plain,whitened")
+    p.add_argument("--methods", default="whitened,plain")
     p.add_argument("--multiples", default="128,32")
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--ppl", default="wikitext2,ptb,c4")
@@ -188,13 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reuse", action="store_true", help="reuse artifacts and eval JSON already in --work-dir")
     p.add_argument("--out", default="bench/results/compression_quality.json")
     args = p.parse_args(argv)
-    from compression.evaluation.report import write_json
-
-    result = run(args)
-    out = write_json(REPO / args.out, result)
-    table = markdown(result)
-    out.with_suffix(".md").write_text(table + "\n")
-    print(table)
+    print(markdown(run(args)))
     return 0
 
 
