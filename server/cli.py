@@ -22,6 +22,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compressed", help="serve a compressed artifact directory on top of the model")
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--num-threads", type=int)
+    p.add_argument("--shutdown-grace-s", type=float,
+                   help="on SIGTERM, how long in-flight requests may take before they are cut off")
     p.set_defaults(func=_run_serve)
 
 
@@ -35,7 +37,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         "server.host": args.host, "server.port": args.port,
         "server.api_key": args.api_key or os.environ.get("NEURONMM_API_KEY"),
         "model.compressed": args.compressed, "engine.max_num_seqs": args.max_num_seqs,
-        "engine.num_threads": args.num_threads,
+        "engine.num_threads": args.num_threads, "server.shutdown_grace_s": args.shutdown_grace_s,
     })
     return serve(cfg)
 

@@ -178,8 +178,14 @@ def _install_routes(app: FastAPI) -> None:
         state: AppState = request.app.state.neuronmm
         if state.ready and not state.draining and state.engine.is_alive:
             return {"status": "ok"}
-        status = "error: " + state.load_error if state.load_error else (
-            "draining" if state.draining else "loading")
+        if state.load_error:
+            status = "error: " + state.load_error
+        elif state.draining:
+            status = "draining"
+        elif state.ready:  # loaded, but the engine thread is gone: requests would get 503
+            status = "error: engine loop stopped"
+        else:
+            status = "loading"
         return JSONResponse({"status": status}, status_code=503)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={401: {"model": ErrorResponse}})
