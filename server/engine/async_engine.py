@@ -107,7 +107,13 @@ class AsyncEngine:
             self.engine.abort(rid)
         for p in inbox:
             if p.request_id in self._queues:  # not cancelled before it reached us
-                self.engine.add_request(p.request_id, p.prompt_ids, p.params, p.n)
+                try:
+                    self.engine.add_request(p.request_id, p.prompt_ids, p.params, p.n)
+                except Exception as exc:  # an uncaught one here would kill the loop and hang the clients
+                    log.exception("could not add request %s", p.request_id)
+                    self.engine.abort(p.request_id)
+                    self._publish([SeqOutput(p.request_id, 0, "", [], None, "error", len(p.prompt_ids), 0,
+                                             f"engine error: {exc.__class__.__name__}: {exc}")])
 
     def _publish(self, outputs: list[SeqOutput]) -> None:
         with self._lock:
