@@ -154,3 +154,19 @@ def test_server_serves_normally_after_the_faults(live):
     resp = _complete(live, "all good")
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == MAX_TOKENS
     assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
+
+
+def test_request_the_engine_cannot_add_fails_alone(live, monkeypatch):
+    real = llm_engine_module.LLMEngine.add_request
+
+    def add_request(self, request_id, prompt_ids, params, n=1):
+        if prompt_ids[:2] == [50, 51]:
+            raise ValueError("injected admission fault")
+        return real(self, request_id, prompt_ids, params, n)
+
+    monkeypatch.setattr(llm_engine_module.LLMEngine, "add_request", add_request)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        bad, good1, good2 = pool.map(lambda p: _complete(live, p), [[50, 51, 52], [60, 61], [62, 63]])
+    assert bad.status_code == 500 and "injected admission fault" in bad.json()["error"]["message"]
+    assert good1.status_code == 200 and good2.status_code == 200
+    assert live.state.engine.is_alive
