@@ -60,6 +60,7 @@ class ServerConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = None
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    body_timeout_s: float = Field(30.0, gt=0, description="a request body that stalls this long gets 408")
     cors_origins: list[str] = Field(default_factory=list)
     shutdown_grace_s: float = Field(30.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -27,7 +27,7 @@ from server.runtime import Runtime, load_runtime
 
 log = logging.getLogger(__name__)
 
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 503)}
 # A POST answers JSON, or an SSE stream when the request sets `stream: true`.
 _POST_RESPONSES = {**_ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 _OPEN_PATHS = {"/health"}
@@ -67,6 +67,7 @@ class GuardMiddleware:
         self.state = state
         self.api_key = state.cfg.server.api_key
         self.max_body = state.cfg.server.max_body_bytes
+        self.body_timeout = state.cfg.server.body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -105,34 +106,43 @@ class GuardMiddleware:
         return None
 
     async def _call_limited(self, scope, receive, send) -> None:
-        """Run the app, cutting a body without Content-Length (chunked) at max_body bytes with a 413.
+        """Run the app, cutting a body at max_body bytes (413) or when it stalls for body_timeout_s (408).
 
-        Past the limit the app is told the client left (it stops reading) and whatever it answers to
-        that is dropped in favour of the 413.
+        The Content-Length check in _check cannot see chunked bodies, and nothing else bounds a client
+        that sends a body slowly. Either way the app is told the client left (it stops reading) and
+        whatever it answers to that is dropped in favour of the 413 / 408.
         """
         seen = 0
-        tripped = False
+        cut: JSONResponse | None = None
+        body_done = False
 
         async def receive_limited():
-            nonlocal seen, tripped
-            if tripped:
+            nonlocal seen, cut, body_done
+            if cut is not None:
                 return {"type": "http.disconnect"}
-            message = await receive()
+            if body_done:  # e.g. a streaming response listening for the disconnect: no time limit
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout)
+            except asyncio.TimeoutError:
+                cut = error_response(408, f"request body not received within {self.body_timeout:g} s",
+                                     code="body_timeout")
+                return {"type": "http.disconnect"}
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if seen > self.max_body:
-                    tripped = True
+                    cut = error_response(413, f"request body over {self.max_body} bytes", code="body_too_large")
                     return {"type": "http.disconnect"}
             return message
 
-        async def send_unless_tripped(message):
-            if not tripped:
+        async def send_unless_cut(message):
+            if cut is None:
                 await send(message)
 
-        await self.app(scope, receive_limited, send_unless_tripped)
-        if tripped:
-            response = error_response(413, f"request body over {self.max_body} bytes", code="body_too_large")
-            await response(scope, receive, send)
+        await self.app(scope, receive_limited, send_unless_cut)
+        if cut is not None:
+            await cut(scope, receive, send)
 
 
 def _install_middleware(app: FastAPI, state: "AppState") -> None:

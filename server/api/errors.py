@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from server.api.protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+          408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
 
 class APIError(Exception):

@@ -7,6 +7,7 @@ server stays healthy after every case (checked at the end).
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import httpx
@@ -18,9 +19,14 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 JSON = {"content-type": "application/json"}
 
 
+BODY_TIMEOUT_S = 1.0
+
+
 @pytest.fixture(scope="module")
 def live(tiny_model_dir):
-    with live_server(tiny_config(tiny_model_dir, max_model_len=256)) as server:
+    cfg = tiny_config(tiny_model_dir, max_model_len=256)
+    cfg.server.body_timeout_s = BODY_TIMEOUT_S
+    with live_server(cfg) as server:
         yield server
 
 
@@ -129,6 +135,49 @@ def test_ten_megabyte_prompt_is_a_413_with_and_without_content_length(live):
 
     assert _error(_post(live, "/v1/completions", content=chunks(), headers=JSON), 413)["code"] == "body_too_large"
     assert time.monotonic() - start < 10
+
+
+def test_stalled_body_is_a_408_and_frees_the_connection(live):
+    """A client that announces 1,000 bytes, sends 20 and stalls is answered 408 after body_timeout_s."""
+    host, port = live.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        start = time.monotonic()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n" + b'{"model": "tiny", ')
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+        elapsed = time.monotonic() - start
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert json.loads(body)["error"]["code"] == "body_timeout"
+    assert BODY_TIMEOUT_S <= elapsed < BODY_TIMEOUT_S + 5
+
+
+def test_slow_but_steady_body_is_served(live):
+    def trickle():  # every piece arrives well within the timeout
+        raw = json.dumps({**CMPL, "prompt": "slow " * 20}).encode()
+        for i in range(0, len(raw), 40):
+            time.sleep(BODY_TIMEOUT_S / 4)
+            yield raw[i:i + 40]
+
+    assert _post(live, "/v1/completions", content=trickle(), headers=JSON).status_code == 200
+
+
+def test_streaming_response_is_not_cut_by_the_body_timeout(live):
+    body = {**CMPL, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    start = time.monotonic()
+    with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=60) as resp:
+        events = []
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+                time.sleep(BODY_TIMEOUT_S * 1.5 / 200)  # a slow reader: the response outlives the timeout
+    assert events[-1] == "data: [DONE]" and len(events) == 201
+    assert time.monotonic() - start > BODY_TIMEOUT_S
 
 
 def test_wrong_method_and_unknown_path_get_the_envelope(live):
