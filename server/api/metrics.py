@@ -3,11 +3,44 @@
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from server.engine.sequence import Sequence
+
+# Backends with static-shape buckets (neuron) register their PaddingStats here at load; weak, so a
+# finished runner disappears from /metrics with it.
+_PADDING_SOURCES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def register_padding_source(stats) -> None:
+    """Expose a backend's per-bucket padding counts (an object with `snapshot()`) on /metrics."""
+    _PADDING_SOURCES.add(stats)
+
+
+class _PaddingCollector:
+    """neuronmm_bucket_{real,padding}_slots{phase,bucket}: padding waste per compiled bucket."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+
+    def collect(self):
+        labels = ["model_name", "phase", "bucket"]
+        real = CounterMetricFamily("neuronmm_bucket_real_slots", "Useful slots (tokens or sequences) run per "
+                                   "compiled bucket", labels=labels)
+        pad = CounterMetricFamily("neuronmm_bucket_padding_slots", "Padded (wasted) slots run per compiled bucket",
+                                  labels=labels)
+        for source in list(_PADDING_SOURCES):
+            for (phase, bucket), c in sorted(source.snapshot().items()):
+                key = [self.model_name, phase, str(bucket)]
+                real.add_metric(key, c["real"])
+                pad.add_metric(key, c["padding"])
+        yield real
+        yield pad
+
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5, 10, 30, 60)
 
@@ -39,6 +72,7 @@ class ServerMetrics:
         self._requests = Counter("neuronmm_request_success", "Finished sequences by finish reason",
                                  ["model_name", "finished_reason"], registry=reg)
         self._model_name = model_name
+        reg.register(_PaddingCollector(model_name))
 
     def bind_gauges(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:
         self.running.set_function(running)

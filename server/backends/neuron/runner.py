@@ -1,0 +1,170 @@
+"""NeuronRunner: the ModelRunner protocol over a transformers-neuronx LlamaForSampling (continuous batching).
+
+Each prefill runs as its own context-encoding call (tnx's "virtual dynamic batching": one
+sequence at a time, padded by tnx to the smallest context bucket); all decode tokens of a step
+run in one call on the compiled decode graph, padded to the smallest batch bucket. Chunked
+prefills are held back until the prompt's last chunk arrives, because the context-encoding graph
+starts at position 0. Padding per bucket is counted for /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from server.backends.base import SeqChunk
+from server.backends.neuron.buckets import PaddingStats, bucket_for
+from server.backends.neuron.translate import TnxArgs, build_tnx_config, translate
+from server.config import Config, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def _read_factors(path: Path) -> tuple[dict, dict]:
+    """manifest.json + factors.safetensors, read directly (same file names as compression.artifacts)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / "manifest.json").is_file():
+        raise ConfigError(f"model.compressed: no manifest.json in {path}")
+    return json.loads((path / "manifest.json").read_text()), load_file(str(path / "factors.safetensors"))
+
+
+def load_factors(compressed: Path, num_layers: int, tp_degree: int) -> dict:
+    """Artifact -> {layer: LayerFactors} in the kernel layout (transposed, padded), once at load."""
+    import numpy as np
+
+    from server.backends.neuron.layout import compressed_layers, prepare_layer
+
+    try:
+        from compression.artifacts import load_artifact
+    except ImportError:  # the compression package is optional on a serving-only image
+        load_artifact = _read_factors
+    _, tensors = load_artifact(compressed)
+    tensors = {k: (v.float().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)) for k, v in tensors.items()}
+    layers = compressed_layers(tensors, num_layers)
+    if not layers:
+        raise ConfigError(f"model.compressed: {compressed} has no MLP factors (model.layers.N.mlp.*_proj.A/B)")
+    return {i: prepare_layer(tensors, i, tp_degree) for i in layers}
+
+
+def build_tnx_model(model_dir: Path, args: TnxArgs, factors: dict, hf_config: dict) -> Any:
+    """Compile LlamaForSampling for every bucket, with the low-rank MLP patched in (SDK only)."""
+    from transformers_neuronx import config as tnx_config
+    from transformers_neuronx.llama.model import LlamaForSampling
+
+    from server.backends.neuron import tnx_patch
+
+    state = None
+    if factors:
+        state = tnx_patch.install_into_sdk(factors, hf_config["hidden_size"], hf_config["intermediate_size"])
+    try:
+        model = LlamaForSampling.from_pretrained(str(model_dir), neuron_config=build_tnx_config(args, tnx_config),
+                                                 **args.model_kwargs)
+        model.to_neuron()  # loads weights (factor injection happens here) and compiles every bucket
+        if state is not None:
+            tnx_patch.verify_injection(state, sorted(factors))
+    finally:
+        if state is not None:
+            tnx_patch.uninstall(state)
+    return model
+
+
+class NeuronRunner:
+    """Runs engine steps on NeuronCores through a compiled transformers-neuronx model."""
+
+    def __init__(self, cfg: Config, model_dir: Path, compressed: Path | None = None,
+                 model_factory: Callable[..., Any] = build_tnx_model):
+        self.cfg = cfg
+        self.model_dir = Path(model_dir)
+        self.compressed = compressed
+        self.hf_config = json.loads((self.model_dir / "config.json").read_text())
+        self.args = translate(cfg, self.hf_config)
+        self.max_model_len = cfg.engine.max_model_len
+        self.vocab_size = int(self.hf_config["vocab_size"])
+        self.padding = PaddingStats()
+        self.model: Any = None
+        self._factory = model_factory
+        self._pending: dict[int, list[int]] = {}  # slot -> prompt tokens of chunks not yet run
+
+    def load(self) -> None:
+        for key, value in self.args.env.items():
+            os.environ.setdefault(key, value)
+        Path(self.args.env["NEURON_COMPILE_CACHE_URL"]).mkdir(parents=True, exist_ok=True)
+        factors = {}
+        if self.compressed and self.cfg.neuron.use_lowrank_kernel:
+            factors = load_factors(self.compressed, self.hf_config["num_hidden_layers"], self.cfg.neuron.tp_degree)
+            log.info("low-rank NKI MLP in %d of %d layers", len(factors), self.hf_config["num_hidden_layers"])
+        elif self.compressed:
+            raise ConfigError("neuron.use_lowrank_kernel: false cannot serve model.compressed (no dense fallback "
+                              "for factors on Neuron); drop model.compressed or enable the kernel")
+        self.model = self._factory(self.model_dir, self.args, factors, self.hf_config)
+        from server.api.metrics import register_padding_source
+
+        register_padding_source(self.padding)
+
+    def allocate_kv(self, num_slots: int) -> None:
+        """tnx allocates the KV cache at compile time for the largest batch bucket; only check the fit."""
+        if num_slots > self.args.batch_buckets[-1]:
+            raise ConfigError(f"engine.max_num_seqs: {num_slots} slots exceed the compiled batch "
+                              f"{self.args.batch_buckets[-1]} (neuron.batch_buckets)")
+
+    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        rows: dict[int, torch.Tensor] = {}
+        decode_idx = []
+        for i, chunk in enumerate(chunks):
+            if chunk.start_pos + len(chunk.token_ids) > self.max_model_len:
+                raise ValueError(f"sequence in slot {chunk.slot} exceeds max_model_len {self.max_model_len}")
+            if len(chunk.token_ids) == 1 and chunk.start_pos > 0 and chunk.slot not in self._pending:
+                decode_idx.append(i)
+                continue
+            out = self._prefill(chunk)
+            if out is not None:
+                rows[i] = out
+        if decode_idx:
+            for i, row in zip(decode_idx, self._decode([chunks[i] for i in decode_idx])):
+                if chunks[i].needs_logits:
+                    rows[i] = row
+        order = [i for i, c in enumerate(chunks) if c.needs_logits]
+        if not order:
+            return torch.empty(0, self.vocab_size)
+        return torch.stack([rows[i] for i in order])
+
+    def release_slot(self, slot: int) -> None:
+        self._pending.pop(slot, None)
+
+    def _prefill(self, chunk: SeqChunk) -> torch.Tensor | None:
+        held = self._pending.pop(chunk.slot, [])
+        if chunk.start_pos != len(held):
+            raise ValueError(f"slot {chunk.slot}: chunk at {chunk.start_pos} after {len(held)} held prompt tokens")
+        tokens = held + list(chunk.token_ids)
+        if not chunk.needs_logits:  # more of the prompt is coming: the graph encodes from position 0
+            self._pending[chunk.slot] = tokens
+            return None
+        n = len(tokens)
+        self.padding.record("prefill", bucket_for(n, self.args.context_buckets), n)
+        logits = self._forward(torch.tensor([tokens]), torch.arange(n).unsqueeze(0), torch.tensor([chunk.slot]))
+        return logits[0]
+
+    def _decode(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        n = len(chunks)
+        self.padding.record("decode", bucket_for(n, self.args.batch_buckets), n)
+        ids = torch.tensor([[c.token_ids[0]] for c in chunks])
+        positions = torch.tensor([[c.start_pos] for c in chunks])
+        return self._forward(ids, positions, torch.tensor([c.slot for c in chunks]))
+
+    def _forward(self, input_ids: torch.Tensor, cache_ids: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+        """tnx continuous-batching forward -> fp32 logits [rows, vocab] of each row's last position."""
+        with torch.inference_mode():
+            logits = self.model.forward(input_ids, cache_ids, seq_ids)
+        logits = torch.as_tensor(logits).float()
+        if logits.dim() == 3:  # [rows, tokens, vocab]: keep the last position
+            logits = logits[:, -1, :]
+        if logits.shape[0] != input_ids.shape[0] and logits.shape[-1] == input_ids.shape[0]:
+            logits = logits.T  # vocab-major output layout
+        return logits[:, : self.vocab_size]

@@ -1,0 +1,148 @@
+"""Swap transformers-neuronx's Llama MLP for our NKI low-rank MLP, layer by layer.
+
+Three small patches, all reversible (`uninstall`) and inert for layers without factors:
+1. `DecoderLayer.add_parameter` during weight loading: for a compressed layer, the three dense
+   MLP weights (the only [hidden, intermediate]-shaped extra parameters of a Llama layer) are
+   dropped before they reach the device, and our six prepared factors take their place with the
+   sharding dims of layout.SHARD_DIMS (tnx splits them over the cores).
+2. The Llama layer builder: a layer called with six factors instead of three dense weights
+   parks them in a context variable and calls the original layer with in0/in1/out = None.
+3. `hlo.gated_mlp_bsh`: while factors are parked, build `lowrank_mlp_graph` instead.
+Written against transformers-neuronx 0.13.1216 as read in its public source (llama/hlo.py
+flat_compiler_layer, decoder.py DecoderLayer); not run against the SDK here.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from server.backends.neuron.layout import FACTOR_ORDER, SHARD_DIMS, LayerFactors
+from server.backends.neuron.mlp_graph import NUM_FACTORS, lowrank_mlp_graph
+
+log = logging.getLogger(__name__)
+
+_ACTIVE_FACTORS: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("neuronmm_mlp_factors", default=None)
+_DENSE_MLP_PARAMS = 3  # gate (in0), up (in1), down (out)
+
+
+class PatchError(RuntimeError):
+    """transformers-neuronx did not look the way the patch expects."""
+
+
+@dataclass
+class PatchState:
+    """What was patched (to undo it) and what the loader saw (to check it)."""
+
+    restore: list[tuple[Any, str, Any]] = field(default_factory=list)
+    dropped: dict[int, int] = field(default_factory=dict)  # layer -> dense MLP params dropped
+    injected: list[int] = field(default_factory=list)
+
+
+def _replace(state: PatchState, owner: Any, name: str, new: Any) -> None:
+    state.restore.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, new)
+
+
+def _shape(param: Any) -> tuple[int, ...]:
+    return tuple(getattr(param, "shape", ()))
+
+
+def patched_add_parameter(original: Callable, factors: dict[int, LayerFactors], hidden: int, intermediate: int,
+                          to_tensor: Callable, state: PatchState) -> Callable:
+    """add_parameter that swaps a compressed layer's dense MLP weights for its six factors."""
+    dense = {(hidden, intermediate), (intermediate, hidden)}
+
+    @functools.wraps(original)
+    def add_parameter(self, param, *args, **kwargs):
+        layer = getattr(self, "layer_num", None)
+        if layer not in factors or _shape(param) not in dense:
+            return original(self, param, *args, **kwargs)
+        state.dropped[layer] = state.dropped.get(layer, 0) + 1
+        if state.dropped[layer] == _DENSE_MLP_PARAMS:  # the third dense weight: put the factors in their place
+            for name in FACTOR_ORDER:
+                original(self, to_tensor(getattr(factors[layer], name)), sharding=SHARD_DIMS[name])
+            state.injected.append(layer)
+        return None
+
+    return add_parameter
+
+
+def patched_layer(original: Callable) -> Callable:
+    """The Llama layer builder, accepting six factor parameters where it takes three dense weights."""
+    params = list(inspect.signature(original).parameters)
+    if "in0_weight" not in params:
+        raise PatchError("llama layer builder has no in0_weight parameter (transformers-neuronx version?)")
+    num_fixed = params.index("in0_weight") - 1  # positional args before in0_weight, excluding self
+
+    @functools.wraps(original)
+    def layer(self, *args, **kwargs):
+        extra = args[num_fixed:]
+        if len(extra) >= NUM_FACTORS and not any(isinstance(a, bool) for a in extra[:NUM_FACTORS]):
+            token = _ACTIVE_FACTORS.set(tuple(extra[:NUM_FACTORS]))
+            try:
+                return original(self, *args[:num_fixed], None, None, None, *extra[NUM_FACTORS:], **kwargs)
+            finally:
+                _ACTIVE_FACTORS.reset(token)
+        return original(self, *args, **kwargs)
+
+    return layer
+
+
+def patched_gated_mlp(original: Callable, builder_factory: Callable[[Any], Any]) -> Callable:
+    """gated_mlp_bsh that builds the low-rank kernel path while a compressed layer is being built."""
+
+    @functools.wraps(original)
+    def gated_mlp_bsh(hidden, in0_weight, in1_weight, out_weight, *args, **kwargs):
+        factors = _ACTIVE_FACTORS.get()
+        if factors is None:
+            return original(hidden, in0_weight, in1_weight, out_weight, *args, **kwargs)
+        tp_degree = kwargs.get("tp_degree", 1)
+        return lowrank_mlp_graph(builder_factory(kwargs.get("neuron_config")), hidden, factors, tp_degree)
+
+    return gated_mlp_bsh
+
+
+def install(decoder_layer_cls: Any, llama_hlo_cls: Any, hlo_module: Any, factors: dict[int, LayerFactors],
+            hidden: int, intermediate: int, to_tensor: Callable, builder_factory: Callable) -> PatchState:
+    """Apply the three patches to the given classes/module; returns the state for `uninstall`."""
+    state = PatchState()
+    _replace(state, decoder_layer_cls, "add_parameter",
+             patched_add_parameter(decoder_layer_cls.add_parameter, factors, hidden, intermediate, to_tensor, state))
+    _replace(state, llama_hlo_cls, "layer", patched_layer(llama_hlo_cls.layer))
+    _replace(state, hlo_module, "gated_mlp_bsh", patched_gated_mlp(hlo_module.gated_mlp_bsh, builder_factory))
+    return state
+
+
+def uninstall(state: PatchState) -> None:
+    """Undo `install` (last patch first)."""
+    for owner, name, value in reversed(state.restore):
+        setattr(owner, name, value)
+    state.restore.clear()
+
+
+def verify_injection(state: PatchState, expected_layers: list[int]) -> None:
+    """Raise PatchError unless every compressed layer dropped 3 dense weights and got its factors."""
+    wrong = [i for i in expected_layers if state.dropped.get(i) != _DENSE_MLP_PARAMS or i not in state.injected]
+    if wrong:
+        raise PatchError(f"MLP factor injection failed for layers {wrong[:8]} (dropped {state.dropped}); "
+                         "transformers-neuronx weight loading differs from 0.13.1216")
+
+
+def install_into_sdk(factors: dict[int, LayerFactors], hidden: int, intermediate: int) -> PatchState:
+    """`install` on the real transformers-neuronx classes (needs the SDK)."""
+    import torch
+    from transformers_neuronx import decoder, hlo
+    from transformers_neuronx.llama import hlo as llama_hlo
+
+    from server.backends.neuron.mlp_graph import TnxGraphBuilder
+
+    def to_tensor(a):
+        return torch.from_numpy(a).to(torch.bfloat16)
+
+    return install(decoder.DecoderLayer, llama_hlo.LlamaForSamplingNoEmbeddingHlo, hlo, factors, hidden,
+                   intermediate, to_tensor, TnxGraphBuilder)
