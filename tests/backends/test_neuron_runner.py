@@ -1,0 +1,133 @@
+"""NeuronRunner over a stand-in compiled model: buckets, chunked prefill, decode batching, padding metrics."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from server.api.metrics import ServerMetrics
+from server.backends.base import SeqChunk
+from server.backends.neuron.layout import layer_keys
+from server.backends.neuron.runner import NeuronRunner
+from server.config import ConfigError, load_config
+
+VOCAB = 50
+HF = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64, "intermediate_size": 160,
+      "num_hidden_layers": 2, "max_position_embeddings": 4096, "vocab_size": VOCAB}
+
+
+class FakeTnx:
+    """Records forward calls; logits row r = one-hot of (last input token + last position) % vocab, padded vocab."""
+
+    def __init__(self):
+        self.calls = []
+
+    def forward(self, input_ids, cache_ids, seq_ids):
+        self.calls.append((input_ids.tolist(), cache_ids.tolist(), seq_ids.tolist()))
+        rows = input_ids.shape[0]
+        out = torch.zeros(rows, VOCAB + 14)  # tnx pads the vocab to a tp multiple
+        for r in range(rows):
+            out[r, (int(input_ids[r, -1]) + int(cache_ids[r, -1])) % VOCAB] = 1.0
+        return out
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(HF))
+    return tmp_path
+
+
+def _runner(model_dir, tmp_path, compressed=None, **overrides):
+    cfg = load_config("configs/llama-3.2-1b-trn1.yaml",
+                      {"neuron.compile_cache": str(tmp_path / "cache"), "neuron.tp_degree": 1, **overrides})
+    seen = {}
+
+    def factory(path, args, factors, hf_config):
+        seen.update(args=args, factors=factors)
+        return FakeTnx()
+
+    runner = NeuronRunner(cfg, model_dir, compressed, model_factory=factory)
+    runner.load()
+    return runner, seen
+
+
+def test_prefill_and_decode_calls_and_logit_order(model_dir, tmp_path):
+    runner, _ = _runner(model_dir, tmp_path)
+    logits = runner.execute([SeqChunk(3, [7], 5), SeqChunk(0, [1, 2, 3], 0), SeqChunk(5, [9], 8)])
+    assert runner.model.calls == [
+        ([[1, 2, 3]], [[0, 1, 2]], [0]),            # prefill: one context-encoding call for slot 0
+        ([[7], [9]], [[5], [8]], [3, 5]),           # decode: both tokens in one call
+    ]
+    assert logits.shape == (3, VOCAB) and logits.dtype == torch.float32
+    assert logits.argmax(1).tolist() == [(7 + 5) % VOCAB, (3 + 2) % VOCAB, (9 + 8) % VOCAB]
+
+
+def test_chunked_prefill_is_held_until_last_chunk(model_dir, tmp_path):
+    runner, _ = _runner(model_dir, tmp_path)
+    out = runner.execute([SeqChunk(2, [1, 2], 0, needs_logits=False)])
+    assert out.shape == (0, VOCAB) and runner.model.calls == []
+    runner.execute([SeqChunk(2, [3, 4, 5], 2)])
+    assert runner.model.calls == [([[1, 2, 3, 4, 5]], [[0, 1, 2, 3, 4]], [2])]
+    with pytest.raises(ValueError, match="after 0 held"):
+        runner.execute([SeqChunk(4, [1, 2], 3)])
+
+
+def test_release_drops_held_prompt(model_dir, tmp_path):
+    runner, _ = _runner(model_dir, tmp_path)
+    runner.execute([SeqChunk(1, [1, 2], 0, needs_logits=False)])
+    runner.release_slot(1)
+    runner.execute([SeqChunk(1, [5], 0)])
+    assert runner.model.calls == [([[5]], [[0]], [1])]
+
+
+def test_padding_per_bucket_reaches_metrics(model_dir, tmp_path):
+    runner, _ = _runner(model_dir, tmp_path)
+    runner.execute([SeqChunk(0, list(range(100)), 0)])                  # 100 tokens -> bucket 128
+    runner.execute([SeqChunk(s, [1], 200) for s in range(3)])           # 3 seqs -> batch bucket 4
+    runner.execute([SeqChunk(s, [1], 201) for s in range(5)])           # 5 seqs -> batch bucket 8
+    snap = runner.padding.snapshot()
+    assert snap[("prefill", 128)] == {"runs": 1, "real": 100, "padding": 28}
+    assert snap[("decode", 4)] == {"runs": 1, "real": 3, "padding": 1}
+    assert snap[("decode", 8)] == {"runs": 1, "real": 5, "padding": 3}
+    text = ServerMetrics("m").render().decode()
+    assert 'neuronmm_bucket_padding_slots_total{bucket="128",model_name="m",phase="prefill"} 28.0' in text
+    assert 'neuronmm_bucket_real_slots_total{bucket="8",model_name="m",phase="decode"} 5.0' in text
+
+
+def test_too_many_slots_or_tokens_fail_clearly(model_dir, tmp_path):
+    runner, _ = _runner(model_dir, tmp_path)
+    with pytest.raises(ConfigError, match="exceed the compiled batch 8"):
+        runner.allocate_kv(9)
+    with pytest.raises(ValueError, match="max_model_len"):
+        runner.execute([SeqChunk(0, [1], 2048)])
+
+
+def test_compressed_artifact_is_prepared_once_at_load(model_dir, tmp_path):
+    art = tmp_path / "art"
+    art.mkdir()
+    (art / "manifest.json").write_text(json.dumps({"keep_ratio": 0.8}))
+    tensors = {}
+    for proj in ("gate", "up", "down"):
+        in_dim, out_dim = (160, 64) if proj == "down" else (64, 160)
+        a, b = layer_keys(1, proj)
+        tensors[a], tensors[b] = torch.randn(100, in_dim).bfloat16(), torch.randn(out_dim, 100).bfloat16()
+    save_file(tensors, str(art / "factors.safetensors"))
+    runner, seen = _runner(model_dir, tmp_path, compressed=art)
+    assert list(seen["factors"]) == [1]
+    f = seen["factors"][1]
+    assert f.gate_u.shape == (64, 128) and f.gate_v.shape == (128, 256) and f.down_v.shape == (128, 64)
+    assert (tmp_path / "cache").is_dir()
+
+
+def test_serve_without_sdk_is_one_line_exit_2():
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--config", "configs/llama-3.2-1b-trn1.yaml"],
+                          capture_output=True, text=True, timeout=60)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and "neuronx-cc" in lines[0] and "transformers-neuronx" in lines[0]
+    assert "docs/DEPLOY.md" in lines[0] and "Traceback" not in proc.stderr
