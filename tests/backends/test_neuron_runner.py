@@ -107,7 +107,9 @@ def test_too_many_slots_or_tokens_fail_clearly(model_dir, tmp_path):
         runner.execute([SeqChunk(0, [1], 2048)])
 
 
-def test_compressed_artifact_is_prepared_once_at_load(model_dir, tmp_path):
+def test_compressed_artifact_is_prepared_once_at_load(model_dir, tmp_path, monkeypatch):
+    # our own fixture files: read through the runner's direct reader, not compression.artifacts
+    monkeypatch.setitem(sys.modules, "compression.artifacts", None)
     art = tmp_path / "art"
     art.mkdir()
     (art / "manifest.json").write_text(json.dumps({"keep_ratio": 0.8}))
