@@ -1,10 +1,13 @@
 """Swap transformers-neuronx's Llama MLP for our NKI low-rank MLP, layer by layer.
 
 Three small patches, all reversible (`uninstall`) and inert for layers without factors:
-1. `DecoderLayer.add_parameter` during weight loading: for a compressed layer, the three dense
-   MLP weights (the only [hidden, intermediate]-shaped extra parameters of a Llama layer) are
-   dropped before they reach the device, and our six prepared factors take their place with the
-   sharding dims of layout.SHARD_DIMS (tnx splits them over the cores).
+1. `DecoderLayer.add_parameter` during weight loading: `LlamaForSampling.load_weights` adds a
+   layer's MLP as three extra parameters (gate_proj.weight.T and up_proj.weight.T, [hidden,
+   intermediate], sharding 1; down_proj.weight [hidden, intermediate], sharding 1, or its
+   transpose, sharding 0), the only such-shaped extra parameters of a Llama layer. For a
+   compressed layer they are dropped before they reach the device, and our six prepared factors
+   take their place with the sharding dims of layout.SHARD_DIMS (tnx splits them over the cores
+   in the layer's `to_neuron`).
 2. The Llama layer builder: a layer called with six factors instead of three dense weights
    parks them in a context variable and calls the original layer with in0/in1/out = None.
 3. `hlo.gated_mlp_bsh`: while factors are parked, build `lowrank_mlp_graph` instead.
