@@ -1,0 +1,95 @@
+"""LoRA on the two factors of a LowRankLinear: A ← A + s·Pa·Qa, B ← B + s·Pb·Qb (paper's U, V updates).
+
+Our own ~40-line adapter instead of peft: peft wraps nn.Linear (and a fixed list of layer types),
+while LowRankLinear holds two raw factor tensors used by two F.linear calls; adapting each factor
+directly keeps the merge exact (A' = A + s·Pa·Qa has A's shape) and adds no wrapper/unwrap step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from server.models.lowrank import LowRankLinear
+
+
+class FactorLoRA(nn.Module):
+    """A trainable low-rank update P·Q (P [rows, r] zero-initialised, Q [r, cols]) of a frozen factor."""
+
+    def __init__(self, rows: int, cols: int, adapter_rank: int, scale: float, generator: torch.Generator):
+        super().__init__()
+        bound = 1.0 / math.sqrt(cols)  # kaiming-uniform-like range, as LoRA initialises its down matrix
+        q = (torch.rand(adapter_rank, cols, generator=generator) * 2 - 1) * bound
+        self.P = nn.Parameter(torch.zeros(rows, adapter_rank))
+        self.Q = nn.Parameter(q)
+        self.scale = scale
+
+    def delta(self) -> torch.Tensor:
+        """The update s·P·Q [rows, cols]."""
+        return self.scale * (self.P @ self.Q)
+
+
+class AdaptedLowRank(nn.Module):
+    """A LowRankLinear whose factors A [rank, in] and B [out, rank] each carry a FactorLoRA."""
+
+    def __init__(self, base: LowRankLinear, adapter_rank: int, alpha: float, generator: torch.Generator):
+        super().__init__()
+        self.base = base
+        scale = alpha / adapter_rank
+        self.lora_A = FactorLoRA(base.A.shape[0], base.A.shape[1], adapter_rank, scale, generator)
+        self.lora_B = FactorLoRA(base.B.shape[0], base.B.shape[1], adapter_rank, scale, generator)
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The adapted (A, B), differentiable w.r.t. the adapters."""
+        dtype = self.base.A.dtype
+        return (self.base.A + self.lora_A.delta().to(dtype), self.base.B + self.lora_B.delta().to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        A, B = self.factors()
+        return F.linear(F.linear(x, A), B, self.base.bias)
+
+    def merged(self) -> LowRankLinear:
+        """A plain LowRankLinear with the adapters folded in (same shapes as the base)."""
+        with torch.no_grad():
+            A, B = self.factors()
+            bias = None if self.base.bias is None else self.base.bias.detach().clone()
+            return LowRankLinear(A.detach().clone(), B.detach().clone(), bias)
+
+
+def attach_adapters(model: nn.Module, adapter_rank: int, alpha: float, seed: int) -> dict[str, AdaptedLowRank]:
+    """Freeze `model` and wrap every LowRankLinear in an AdaptedLowRank (seeded init); returns them by name."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    generator = torch.Generator().manual_seed(seed)
+    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, LowRankLinear)]
+    if not targets:
+        raise ValueError("model has no LowRankLinear modules to recover")
+    adapted = {}
+    for name, mod in targets:
+        wrapper = AdaptedLowRank(mod, adapter_rank, alpha, generator).to(mod.A.device)
+        _set_module(model, name, wrapper)
+        adapted[name] = wrapper
+    return adapted
+
+
+def merge_adapters(model: nn.Module) -> dict[str, LowRankLinear]:
+    """Replace every AdaptedLowRank in `model` by its merged LowRankLinear; returns them by name."""
+    merged = {}
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, AdaptedLowRank):
+            merged[name] = mod.merged()
+            _set_module(model, name, merged[name])
+    return merged
+
+
+def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable adapter parameters, in a stable (module-name) order."""
+    return [p for name, p in model.named_parameters() if ".lora_" in name]
+
+
+def _set_module(root: nn.Module, dotted: str, new: nn.Module) -> None:
+    parent_name, _, child = dotted.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, child, new)

@@ -1,0 +1,48 @@
+"""`neuronmm recover`: LoRA-recover a compressed artifact's factors in place (or into --out)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from server.config import ConfigError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `recover` subcommand."""
+    p = subparsers.add_parser("recover", help="LoRA fine-tune a compressed artifact's factors and merge them")
+    p.add_argument("--artifact", required=True, help="compressed artifact directory (manifest.json + factors)")
+    p.add_argument("--config", help="YAML config naming the source model (default: configs/smollm2-135m.yaml)")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--seqlen", type=int)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--adapter-rank", type=int)
+    p.add_argument("--checkpoint-every", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--device", help="auto (default), cpu or cuda")
+    p.add_argument("--data", help="C4 jsonl (default: <data dir>/c4/c4-validation-sample.jsonl)")
+    p.add_argument("--out", help="write the recovered artifact here instead of in place")
+    p.add_argument("--resume", action="store_true", help="continue from the artifact's last checkpoint")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from compression.recovery import RecoveryConfig, recover_artifact
+    from server.config import load_config
+    from server.models.source import resolve_model_dir
+
+    artifact = Path(args.artifact)
+    if not artifact.is_dir():
+        raise ConfigError(f"--artifact {artifact}: no such directory")
+    overrides = {k: getattr(args, k) for k in ("steps", "lr", "seqlen", "batch_size", "adapter_rank",
+                                               "checkpoint_every", "seed", "device") if getattr(args, k) is not None}
+    rcfg = RecoveryConfig(**overrides)
+    rcfg.validate()
+    cfg = load_config(args.config)
+    model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
+    block = recover_artifact(artifact, model_dir, rcfg, out_dir=Path(args.out) if args.out else None,
+                             resume=args.resume, data_path=Path(args.data) if args.data else None)
+    print(f"recovered {args.out or artifact}: loss {block['initial_loss']:.3f} -> {block['final_loss']:.3f}, "
+          f"{block['tokens']} tokens, {block['wall_s']:.0f} s")
+    return 0

@@ -1,0 +1,115 @@
+"""The recovery training loop: next-token loss, AdamW, warmup + cosine LR, grad clipping, checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from compression.recovery.adapter import adapter_parameters
+from compression.recovery.checkpoint import load_checkpoint, save_checkpoint
+from compression.recovery.data import batch_indices
+from server.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RecoveryConfig:
+    """Hyper-parameters of one recovery run (CLI flags map 1:1 onto these)."""
+
+    steps: int = 200
+    lr: float = 2e-4
+    seqlen: int = 256
+    batch_size: int = 4
+    adapter_rank: int = 8
+    alpha: float = 16.0
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    checkpoint_every: int = 25
+    seed: int = 0
+    num_threads: int = 2
+    device: str = "auto"
+
+    def validate(self) -> None:
+        """One-line ConfigError for values a run cannot use."""
+        for name in ("steps", "seqlen", "batch_size", "adapter_rank", "checkpoint_every", "num_threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"recovery: {name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"recovery: lr must be a positive number, got {self.lr}")
+        if self.warmup_steps < 0 or self.max_grad_norm <= 0:
+            raise ConfigError("recovery: warmup-steps must be >= 0 and max-grad-norm > 0")
+
+    def fingerprint(self) -> dict:
+        """The fields a resumed run must share with the run that wrote the checkpoint."""
+        d = dataclasses.asdict(self)
+        for volatile in ("num_threads", "device", "checkpoint_every"):
+            d.pop(volatile)
+        return d
+
+
+def lr_factor(step: int, cfg: RecoveryConfig) -> float:
+    """Linear warmup to 1, then cosine decay to min_lr_ratio at the last step."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train_adapters(model: nn.Module, windows: torch.Tensor, cfg: RecoveryConfig, ckpt_path: Path,
+                   resume: bool = False, stop_after: int | None = None) -> dict:
+    """Train the model's adapters for cfg.steps; returns {losses, tokens, wall_s, resumed_from}.
+
+    `stop_after` ends the run early after that many steps (tests use it to simulate an interruption).
+    """
+    device = next(model.parameters()).device
+    params = adapter_parameters(model)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
+    start, losses, wall_before = 0, [], 0.0
+    state = load_checkpoint(ckpt_path) if resume else None
+    if state is not None:
+        if state["config"] != cfg.fingerprint():
+            raise ConfigError(f"{ckpt_path}: checkpoint was written with other recovery settings; drop --resume")
+        for p, saved in zip(params, state["adapters"], strict=True):
+            p.data.copy_(saved)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        start, losses, wall_before = state["step"], list(state["losses"]), state["wall_s"]
+        log.info("resuming recovery at step %d of %d", start, cfg.steps)
+    model.train()
+    t0 = time.perf_counter()
+    end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+    bar = tqdm(range(start, end), initial=start, total=cfg.steps, desc="recovery", unit="step")
+    for step in bar:
+        batch = windows[batch_indices(step, len(windows), cfg.batch_size, cfg.seed)].to(device)
+        loss = model(input_ids=batch, labels=batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
+        done = step + 1
+        if done % cfg.checkpoint_every == 0 or done == end:
+            save_checkpoint(ckpt_path, {
+                "step": done, "losses": losses, "config": cfg.fingerprint(),
+                "adapters": [p.detach().cpu().clone() for p in params],
+                "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "wall_s": wall_before + time.perf_counter() - t0})
+    model.eval()
+    return {"losses": losses, "tokens": len(losses) * cfg.batch_size * cfg.seqlen,
+            "wall_s": wall_before + time.perf_counter() - t0, "resumed_from": start,
+            "completed": len(losses) >= cfg.steps}
