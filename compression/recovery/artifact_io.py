@@ -24,7 +24,11 @@ FACTORS = "factors.safetensors"
 
 
 def read_artifact(artifact_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(manifest, factor tensors) of an artifact directory; a missing/bad one is a one-line ConfigError."""
+    """(manifest, factor tensors) of an artifact directory; a missing/bad one is a one-line ConfigError.
+
+    Uses compression.artifacts.load_artifact (format + shape checks) for artifacts that carry a
+    `modules` table; minimal hand-made artifacts (tests) are read directly.
+    """
     manifest_path, factors_path = artifact_dir / MANIFEST, artifact_dir / FACTORS
     if not manifest_path.is_file() or not factors_path.is_file():
         raise ConfigError(f"{artifact_dir}: not a compressed artifact (needs {MANIFEST} and {FACTORS})")
@@ -32,7 +36,19 @@ def read_artifact(artifact_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{manifest_path}: not valid JSON ({exc.msg})") from None
+    if isinstance(manifest, dict) and "modules" in manifest:
+        from compression.artifacts import load_artifact
+
+        return load_artifact(artifact_dir)
     return manifest, load_file(str(factors_path))
+
+
+def check_source(manifest: dict, model_dir: Path, artifact_dir: Path) -> None:
+    """ConfigError when the manifest names source weights other than model_dir's (skipped if it names none)."""
+    if isinstance(manifest.get("source"), dict) and manifest["source"].get("sha256"):
+        from compression.artifacts import check_model_hash
+
+        check_model_hash(manifest, model_dir, f"recover {artifact_dir}")
 
 
 def install_factors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[str]:

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from compression.recovery.adapter import attach_adapters, merge_adapters
-from compression.recovery.artifact_io import factor_tensors, install_factors, read_artifact, write_artifact
+from compression.recovery.artifact_io import (check_source, factor_tensors, install_factors, read_artifact,
+                                              write_artifact)
 from compression.recovery.checkpoint import CHECKPOINT_NAME
 from compression.recovery.data import recovery_documents, token_windows
 from compression.recovery.train import RecoveryConfig, train_adapters
@@ -59,6 +60,7 @@ def recover_artifact(artifact_dir: Path, model_dir: Path, cfg=None, *, out_dir: 
     rcfg.validate()
     artifact_dir, out_dir = Path(artifact_dir), Path(out_dir or artifact_dir)
     manifest, tensors = read_artifact(artifact_dir)
+    check_source(manifest, Path(model_dir), artifact_dir)
     torch.set_num_threads(rcfg.num_threads)
     device = _pick_device(rcfg.device)
     docs, data_sha = recovery_documents(Path(data_path) if data_path else data_dir() / DEFAULT_DATA)

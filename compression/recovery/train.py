@@ -26,7 +26,7 @@ class RecoveryConfig:
     """Hyper-parameters of one recovery run (CLI flags map 1:1 onto these)."""
 
     steps: int = 200
-    lr: float = 2e-4
+    lr: float = 1e-3
     seqlen: int = 256
     batch_size: int = 4
     adapter_rank: int = 8
