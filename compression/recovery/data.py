@@ -1,16 +1,18 @@
-"""Recovery training text: the second half of the C4 sample's documents, cut into token windows.
+"""Recovery training text: C4 sample documents that compression calibration did not use, as windows.
 
-Split (documented in docs/BENCHMARKS.md): documents are taken in file order; the first half
-(index < n/2) is left to compression calibration, the second half is recovery training text.
-WikiText-2 and PTB are untouched; `neuronmm eval`'s C4 perplexity reads every document of the
-sample, so after recovery half of that text has been trained on - report WikiText-2/PTB as the
-held-out measures.
+Split (documented in docs/BENCHMARKS.md): compression.calibration shuffles the documents with the
+calibration seed and consumes them until samples x seqlen tokens; we replay that selection (same
+seed, same tokenizer, same EOS separator) and exclude those documents, then take the rest in file
+order. WikiText-2 and PTB are untouched; `neuronmm eval`'s C4 perplexity reads every document of
+the sample, so C4 perplexity after recovery is partly in-sample - WikiText-2/PTB are the held-out
+measures.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import random
 from pathlib import Path
 
 import torch
@@ -18,8 +20,8 @@ import torch
 from server.config import ConfigError
 
 
-def recovery_documents(path: Path) -> tuple[list[str], str]:
-    """The second-half documents of a C4 jsonl file and the sha256 of the whole file."""
+def read_documents(path: Path) -> tuple[list[str], str]:
+    """Every document text of a C4 jsonl file (file order) and the sha256 of the whole file."""
     if not path.is_file():
         raise ConfigError(f"recovery data not found: {path} (set NEURONMM_DATA_DIR)")
     raw = path.read_bytes()
@@ -30,9 +32,35 @@ def recovery_documents(path: Path) -> tuple[list[str], str]:
                 docs.append(json.loads(line)["text"])
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise ConfigError(f"{path}:{num}: not a JSON object with a `text` field") from None
-    if len(docs) < 2:
-        raise ConfigError(f"{path}: needs at least 2 documents for the calibration/recovery split")
-    return docs[len(docs) // 2:], hashlib.sha256(raw).hexdigest()
+    return docs, hashlib.sha256(raw).hexdigest()
+
+
+def calibration_document_ids(docs: list[str], tokenizer, num_samples: int, seqlen: int, seed: int) -> set[int]:
+    """Indices of the documents compression.calibration_windows consumes (its selection, replayed)."""
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)  # same permutation as shuffling the texts themselves
+    need, count, used = num_samples * seqlen, 0, set()
+    sep = 1 if tokenizer.eos_token_id is not None else 0
+    for i in order:
+        if count >= need:
+            break
+        used.add(i)
+        count += len(tokenizer(docs[i], add_special_tokens=False)["input_ids"]) + sep
+    return used
+
+
+def recovery_documents(path: Path, tokenizer=None, calib: dict | None = None) -> tuple[list[str], str, int]:
+    """(documents not used by calibration in file order, file sha256, number excluded).
+
+    `calib` = {"samples", "seqlen", "seed"} of the compression run; None excludes nothing.
+    """
+    docs, sha = read_documents(path)
+    used = set() if calib is None else calibration_document_ids(docs, tokenizer, calib["samples"],
+                                                                  calib["seqlen"], calib["seed"])
+    rest = [d for i, d in enumerate(docs) if i not in used]
+    if not rest:
+        raise ConfigError(f"{path}: every document went to calibration; none left for recovery")
+    return rest, sha, len(used)
 
 
 def token_windows(tokenizer, docs: list[str], seqlen: int, max_windows: int | None = None) -> torch.Tensor:

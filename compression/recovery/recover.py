@@ -34,6 +34,22 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
+def calibration_params(manifest: dict) -> dict:
+    """{"samples", "seqlen", "seed"} of the compression run (manifest, else the config defaults)."""
+    from server.config import CompressionConfig
+
+    defaults = CompressionConfig()
+    found = {"samples": defaults.calib_samples, "seqlen": defaults.calib_seqlen, "seed": defaults.seed}
+    aliases = {"samples": ("calib_samples", "samples", "num_samples"), "seqlen": ("calib_seqlen", "seqlen"),
+               "seed": ("seed", "calib_seed")}
+    for scope in (manifest, manifest.get("calibration") if isinstance(manifest.get("calibration"), dict) else {}):
+        for field, names in aliases.items():
+            for name in names:
+                if isinstance(scope.get(name), int):
+                    found[field] = scope[name]
+    return found
+
+
 def load_adapted_model(model_dir: Path, tensors: dict, rcfg: RecoveryConfig, device: torch.device):
     """The HF model (float32) with the artifact's factors installed and adapters attached; (model, names)."""
     from transformers import AutoModelForCausalLM
@@ -63,8 +79,10 @@ def recover_artifact(artifact_dir: Path, model_dir: Path, cfg=None, *, out_dir: 
     check_source(manifest, Path(model_dir), artifact_dir)
     torch.set_num_threads(rcfg.num_threads)
     device = _pick_device(rcfg.device)
-    docs, data_sha = recovery_documents(Path(data_path) if data_path else data_dir() / DEFAULT_DATA)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    calib = calibration_params(manifest)
+    docs, data_sha, num_excluded = recovery_documents(Path(data_path) if data_path else data_dir() / DEFAULT_DATA,
+                                                      tokenizer, calib)
     windows = token_windows(tokenizer, docs, rcfg.seqlen, max_windows=rcfg.steps * rcfg.batch_size)
     torch.manual_seed(rcfg.seed)
     model, names = load_adapted_model(Path(model_dir), tensors, rcfg, device)
@@ -83,7 +101,8 @@ def recover_artifact(artifact_dir: Path, model_dir: Path, cfg=None, *, out_dir: 
         "lr": rcfg.lr, "schedule": f"linear warmup {rcfg.warmup_steps} steps, cosine to {rcfg.min_lr_ratio}x",
         "optimizer": f"AdamW(weight_decay={rcfg.weight_decay}), grad-norm clip {rcfg.max_grad_norm}",
         "initial_loss": losses[0], "final_loss": sum(tail) / len(tail),
-        "data": "c4-validation-sample.jsonl, second half of documents", "data_sha256": data_sha,
+        "data": "c4-validation-sample.jsonl minus the compression calibration documents, file order",
+        "data_sha256": data_sha, "calibration_documents_excluded": num_excluded, "calibration": calib,
         "num_windows": len(windows), "seed": rcfg.seed, "device": str(device),
         "wall_s": round(run["wall_s"], 2), "total_wall_s": round(time.perf_counter() - t0, 2),
         "peak_rss_mib": round(_peak_rss_mib(), 1),

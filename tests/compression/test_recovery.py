@@ -96,8 +96,9 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, tiny_model_dir):
 
     from compression.recovery.data import recovery_documents, token_windows
 
-    docs, _ = recovery_documents(C4)
-    windows = token_windows(AutoTokenizer.from_pretrained(tiny_model_dir), docs[:40], 32, max_windows=12)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    docs, _, _ = recovery_documents(C4)
+    windows = token_windows(tok, docs[:40], 32, max_windows=12)
     cfg = _small_cfg()
     full = _tiny_adapted(tiny_model_dir)
     run_full = train_adapters(full, windows, cfg, tmp_path / "a" / CHECKPOINT_NAME)
@@ -139,6 +140,27 @@ def test_interrupted_recovery_leaves_artifact_untouched(artifact, tiny_model_dir
     assert (artifact / CHECKPOINT_NAME).is_file()
     block = recover_artifact(artifact, tiny_model_dir, _small_cfg(), data_path=C4, resume=True)
     assert block["steps"] == 6 and "recovery" in json.loads((artifact / "manifest.json").read_text())
+
+
+@needs_c4
+def test_recovery_text_excludes_calibration_documents(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from compression.calibration import calibration_windows
+    from compression.recovery.data import read_documents, recovery_documents
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    calib = calibration_windows(C4, tok, 4, 64, 3)
+    rest, _, excluded = recovery_documents(C4, tok, {"samples": 4, "seqlen": 64, "seed": 3})
+    everything, _ = read_documents(C4)
+    assert excluded >= 1 and len(rest) == len(everything) - excluded
+    used = [d for d in everything if d not in set(rest)]
+    used_ids = torch.cat([torch.tensor(tok(d, add_special_tokens=False)["input_ids"]) for d in used])
+    # every calibration token sequence starts inside an excluded document, none inside a kept one
+    first = calib[0, :16].tolist()
+    assert any(first == used_ids[i:i + 16].tolist() for i in range(len(used_ids) - 15))
+    for doc in rest[:200]:
+        assert doc[:40] not in tok.decode(calib.flatten().tolist())
 
 
 @pytest.mark.parametrize("argv, needle", [
