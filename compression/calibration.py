@@ -1,0 +1,60 @@
+"""Seeded calibration windows: C4 documents in a seeded order, tokenized, concatenated, cut into windows."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from pathlib import Path
+
+import torch
+
+from server.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+_REPO = Path(__file__).resolve().parent.parent
+_SHARED_PREFIX = "../shared/data/"
+
+
+def resolve_calib_path(calib_data: str) -> Path:
+    """The config's compression.calib_data as a path: relative to the repo; $NEURONMM_DATA_DIR replaces ../shared/data."""
+    env = os.environ.get("NEURONMM_DATA_DIR")
+    if env and calib_data.startswith(_SHARED_PREFIX):
+        path = Path(env).expanduser() / calib_data[len(_SHARED_PREFIX):]
+    else:
+        path = Path(calib_data).expanduser()
+        path = path if path.is_absolute() else (_REPO / path)
+    if not path.is_file():
+        raise ConfigError(f"compression.calib_data: file not found: {path} (set NEURONMM_DATA_DIR)")
+    return path.resolve()
+
+
+def _texts(path: Path) -> list[str]:
+    texts = []
+    with open(path, encoding="utf-8") as fh:
+        for num, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                texts.append(json.loads(line)["text"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ConfigError(f"compression.calib_data: {path}:{num} is not a JSON line with `text`") from None
+    return texts
+
+
+def calibration_windows(path: Path, tokenizer, num_samples: int, seqlen: int, seed: int) -> torch.Tensor:
+    """[num_samples, seqlen] token ids; documents shuffled by seed, joined by EOS, cut end to end."""
+    texts = _texts(path)
+    random.Random(seed).shuffle(texts)
+    need, ids = num_samples * seqlen, []
+    sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + sep)
+        if len(ids) >= need:
+            break
+    if len(ids) < need:
+        raise ConfigError(f"compression: {path} has {len(ids)} tokens, need {num_samples} x {seqlen} = {need}")
+    log.info("calibration: %d windows x %d tokens from %s (seed %d)", num_samples, seqlen, path.name, seed)
+    return torch.tensor(ids[:need], dtype=torch.long).view(num_samples, seqlen)

@@ -1,0 +1,96 @@
+"""Calibration passes through one decoder layer: capture its inputs, float64 XᵀX of Linear inputs."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class _Stop(Exception):
+    """Raised from a hook to end a forward pass once the wanted input is captured."""
+
+
+def gram(x: torch.Tensor) -> torch.Tensor:
+    """XᵀX in float64 over all leading dims of x [..., features]."""
+    flat = x.reshape(-1, x.shape[-1]).to(torch.float64)
+    return flat.T @ flat
+
+
+def capture_layer0_inputs(model: nn.Module, windows: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, dict]:
+    """(hidden states [num_samples, seqlen, hidden] entering layer 0, that layer's keyword arguments).
+
+    The keyword arguments (rotary tables, mask) depend only on the batch shape, so one set serves every batch.
+    """
+    layer0 = model.model.layers[0]
+    chunks: list[torch.Tensor] = []
+    kwargs: dict = {}
+
+    def hook(_module, args, kw):
+        chunks.append((args[0] if args else kw["hidden_states"]).detach())
+        if not kwargs:
+            kwargs.update({k: v for k, v in kw.items() if k != "hidden_states"})
+        raise _Stop
+
+    handle = layer0.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for start in range(0, windows.shape[0], batch_size):
+            try:
+                model(input_ids=windows[start:start + batch_size], use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    return torch.cat(chunks), kwargs
+
+
+def run_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """One decoder layer's output for a batch (HF layers return a tensor or a tuple)."""
+    out = layer(hidden, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def input_grams(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int,
+                modules: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
+    """XᵀX (float64) of each named module's input, accumulated over a full pass of the layer."""
+    grams: dict[str, torch.Tensor] = {}
+
+    def make_hook(name):
+        def hook(_module, args):
+            g = gram(args[0].detach())
+            grams[name] = g if name not in grams else grams[name] + g
+        return hook
+
+    handles = [mod.register_forward_pre_hook(make_hook(name)) for name, mod in modules.items()]
+    try:
+        for start in range(0, hidden.shape[0], batch_size):
+            run_layer(layer, hidden[start:start + batch_size], kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return grams
+
+
+def mlp_inputs(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual after attention, normed MLP input), both [num_samples, seqlen, hidden]; the MLP itself is skipped."""
+    residuals: list[torch.Tensor] = []
+    normed: list[torch.Tensor] = []
+
+    def grab_residual(_module, args):
+        residuals.append(args[0].detach())
+
+    def grab_mlp_input(_module, args):
+        normed.append(args[0].detach())
+        raise _Stop
+
+    handles = [layer.post_attention_layernorm.register_forward_pre_hook(grab_residual),
+               layer.mlp.register_forward_pre_hook(grab_mlp_input)]
+    try:
+        for start in range(0, hidden.shape[0], batch_size):
+            try:
+                run_layer(layer, hidden[start:start + batch_size], kwargs)
+            except _Stop:
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.cat(residuals), torch.cat(normed)
