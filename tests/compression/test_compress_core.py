@@ -1,0 +1,127 @@
+"""Compression maths and artifacts: rank budget, whitening, Cholesky fallback, manifest round trip, atomicity."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from compression.artifacts import MANIFEST, load_artifact, write_artifact
+from compression.rank import block_rank, low_rank_params, saves_parameters
+from compression.whiten import activation_rel_error, damped_cholesky, plain_factors, whitened_factors
+from server.config import ConfigError
+
+
+@pytest.mark.parametrize("in_f,out_f", [(576, 1536), (1536, 576), (64, 128), (4096, 11008)])
+@pytest.mark.parametrize("keep", [0.9, 0.8, 0.6, 0.3])
+@pytest.mark.parametrize("m", [1, 32, 128])
+def test_rank_formula_meets_budget(in_f, out_f, keep, m):
+    r = block_rank(in_f, out_f, keep, m)
+    assert r % m == 0 and r >= m
+    budget = in_f * out_f * keep
+    # Rounded to the nearest multiple: within half a rank step of the budget (unless clamped to m).
+    if r > m:
+        assert abs(low_rank_params(in_f, out_f, r) - budget) <= (in_f + out_f) * m / 2 + 1e-6
+
+
+def test_saves_parameters_keeps_dense_when_no_gain():
+    assert not saves_parameters(576, 1536, 512)  # 512*(576+1536) > 576*1536
+    assert not saves_parameters(64, 128, 64)  # full rank is no truncation
+    assert saves_parameters(576, 1536, 128)
+
+
+def _correlated_acts(n=2000, d=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(d, d, generator=g, dtype=torch.float64) * torch.logspace(0, -3, d, dtype=torch.float64)
+    return torch.randn(n, d, generator=g, dtype=torch.float64) @ mix
+
+
+def test_whitened_beats_plain_on_activation_error():
+    X = _correlated_acts()
+    W = torch.randn(40, 48, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    xtx = X.T @ X
+    L, _ = damped_cholesky(xtx)
+    for rank in (4, 12, 24):
+        e_w = activation_rel_error(W, *whitened_factors(W, L, rank), xtx)
+        e_p = activation_rel_error(W, *plain_factors(W, rank), xtx)
+        assert e_w < e_p
+        # The error from XᵀX equals the error measured directly on the activations.
+        A, B = whitened_factors(W, L, rank)
+        direct = (torch.linalg.norm(X @ (W - B @ A).T) / torch.linalg.norm(X @ W.T)).item()
+        assert abs(direct - e_w) < 1e-6
+
+
+def test_full_rank_factors_reproduce_dense():
+    X = _correlated_acts(d=32)
+    W = torch.randn(20, 32, dtype=torch.float64)
+    L, _ = damped_cholesky(X.T @ X)
+    A, B = whitened_factors(W, L, 20)
+    assert torch.allclose(B @ A, W, atol=1e-8)
+    A, B = plain_factors(W, 20)
+    assert torch.allclose(B @ A, W, atol=1e-10)
+
+
+def test_cholesky_fallback_on_singular(caplog):
+    x = torch.randn(100, 3, dtype=torch.float64)
+    X = torch.cat([x, x[:, :1], torch.zeros(100, 2, dtype=torch.float64)], dim=1)  # rank-deficient
+    xtx = X.T @ X
+    xtx[4, 4] = -1e-3  # not even PSD: the first tries must fail
+    L, lam = damped_cholesky(xtx)
+    assert lam > 1e-3 * 1e-6 * float(xtx.diagonal().mean())
+    assert torch.allclose(L @ L.T, xtx + lam * torch.eye(6, dtype=torch.float64))
+    with pytest.raises(ValueError):
+        damped_cholesky(torch.full((3, 3), float("nan"), dtype=torch.float64))
+
+
+def _manifest():
+    return {"format_version": 1, "source": {"sha256": "x"}, "modules": {
+        "model.layers.0.mlp.down_proj": {"rank": 4, "in": 16, "out": 8, "rel_error": 0.1},
+        "model.layers.0.mlp.up_proj": {"dense": True, "reason": "no gain", "in": 8, "out": 16}}}
+
+
+def _tensors():
+    torch.manual_seed(0)
+    return {"model.layers.0.mlp.down_proj.A": torch.randn(4, 16), "model.layers.0.mlp.down_proj.B": torch.randn(8, 4)}
+
+
+def test_manifest_round_trip_and_mismatch(tmp_path):
+    out = tmp_path / "art"
+    write_artifact(out, _manifest(), _tensors())
+    manifest, tensors = load_artifact(out)
+    assert manifest == _manifest()
+    want = _tensors()
+    assert set(tensors) == set(want) and all(torch.equal(tensors[k], want[k]) for k in want)
+    bad = _manifest()
+    bad["modules"]["model.layers.0.mlp.down_proj"]["rank"] = 5
+    (out / MANIFEST).write_text(json.dumps(bad))
+    with pytest.raises(ConfigError, match="do not match the manifest"):
+        load_artifact(out)
+    (out / MANIFEST).write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_artifact(out)
+    (out / MANIFEST).write_text(json.dumps({**_manifest(), "format_version": 99}))
+    with pytest.raises(ConfigError, match="format_version"):
+        load_artifact(out)
+    with pytest.raises(ConfigError, match="needs"):
+        load_artifact(tmp_path / "absent")
+
+
+def test_interrupted_write_leaves_nothing_half_written(tmp_path, monkeypatch):
+    out = tmp_path / "art"
+    write_artifact(out, _manifest(), _tensors())
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    import compression.artifacts as art
+
+    def boom(*_a, **_k):
+        raise KeyboardInterrupt  # as if the user pressed Ctrl-C mid-write
+
+    monkeypatch.setattr(art, "save_file", boom)
+    with pytest.raises(KeyboardInterrupt):
+        write_artifact(out, {**_manifest(), "method": "new"}, _tensors())
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(os.listdir(tmp_path)) == ["art"]
+    with pytest.raises(KeyboardInterrupt):
+        write_artifact(tmp_path / "fresh", _manifest(), _tensors())
+    assert not (tmp_path / "fresh").exists() and sorted(os.listdir(tmp_path)) == ["art"]
