@@ -57,7 +57,8 @@ def _compress(args, work: Path, keep: float) -> Path:
     artifact = work / f"whitened-k{keep}-m{args.rank_multiple}"
     if not (artifact / "manifest.json").is_file():
         cmd = NEURONMM + ["compress", "--config", args.config, "--keep-ratio", str(keep), "--method", "whitened",
-                          "--targets", "mlp", "--rank-multiple", str(args.rank_multiple), "--out", str(artifact)]
+                          "--targets", "mlp", "--rank-multiple", str(args.rank_multiple), "--calib-samples",
+                          str(args.calib_samples), "--out", str(artifact)]
         wall, rss = _run(cmd, work / f"{artifact.name}.log")
         print(f"  compress keep {keep}: {wall:.0f} s, peak {rss:.0f} MiB", flush=True)
     return artifact
@@ -115,7 +116,10 @@ def run(args) -> None:
     for keep in [float(k) for k in args.keeps.split(",")]:
         whitened = _compress(args, work, keep)
         w_ppl = _ppl(_eval(args, work, whitened.name, whitened))
-        rows.append({"label": "whitened uniform", "keep_ratio": keep, "artifact": whitened.name, "ppl": w_ppl})
+        manifest = json.loads((whitened / "manifest.json").read_text())
+        ranks = sorted({m.get("rank") for m in manifest.get("modules", {}).values() if isinstance(m, dict)}, key=str)
+        rows.append({"label": "whitened uniform", "keep_ratio": keep, "artifact": whitened.name, "ppl": w_ppl,
+                     "ranks": ranks, "calibration": manifest.get("calibration")})
         _write(args, rows, complete=False)
         recovered, block = _recover(args, work, whitened)
         r_ppl = _ppl(_eval(args, work, recovered.name, recovered))
@@ -134,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", default="configs/smollm2-135m.yaml")
     p.add_argument("--keeps", default="0.8")
     p.add_argument("--rank-multiple", type=int, default=32)
+    p.add_argument("--calib-samples", type=int, default=64, help="compression calibration windows (x 512)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seqlen", type=int, default=256)
