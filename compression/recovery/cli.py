@@ -18,6 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seqlen", type=int)
     p.add_argument("--batch-size", type=int)
     p.add_argument("--adapter-rank", type=int)
+    p.add_argument("--warmup-steps", type=int)
     p.add_argument("--checkpoint-every", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--device", help="auto (default), cpu or cuda")
@@ -36,7 +37,7 @@ def _run(args: argparse.Namespace) -> int:
     if not artifact.is_dir():
         raise ConfigError(f"--artifact {artifact}: no such directory")
     overrides = {k: getattr(args, k) for k in ("steps", "lr", "seqlen", "batch_size", "adapter_rank",
-                                               "checkpoint_every", "seed", "device") if getattr(args, k) is not None}
+                                               "warmup_steps", "checkpoint_every", "seed", "device") if getattr(args, k) is not None}
     rcfg = RecoveryConfig(**overrides)
     rcfg.validate()
     cfg = load_config(args.config)
