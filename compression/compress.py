@@ -15,7 +15,7 @@ from tqdm import tqdm
 from compression.artifacts import FORMAT_VERSION, file_sha256, weights_sha256, write_artifact
 from compression.calibration import calibration_windows, resolve_calib_path
 from compression.rank import block_rank, saves_parameters
-from compression.statistics import capture_layer0_inputs, input_grams, mlp_inputs
+from compression.statistics import capture_layer0_inputs, gram, input_grams, mlp_inputs
 from compression.whiten import activation_rel_error, damped_cholesky, plain_factors, whitened_factors
 from server.models.lowrank import LowRankLinear
 
@@ -103,18 +103,14 @@ def _mlp_pass(comp: _Compressor, layer: nn.Module, i: int, hidden, kwargs, bs: i
     """Compress gate/up, then down on the compressed gate/up's output; returns the next layer's input."""
     mlp, prefix = layer.mlp, f"model.layers.{i}.mlp"
     residual, normed = mlp_inputs(layer, hidden, kwargs, bs)
-    xtx = torch.zeros(normed.shape[-1], normed.shape[-1], dtype=torch.float64)
-    for start in range(0, normed.shape[0], bs):
-        flat = normed[start:start + bs].reshape(-1, normed.shape[-1]).to(torch.float64)
-        xtx += flat.T @ flat
+    xtx = sum(gram(normed[start:start + bs]) for start in range(0, normed.shape[0], bs))
     damps = [comp.group(mlp, ("gate_proj", "up_proj"), prefix, xtx)]
     inner, xtx_down = [], None
     with torch.no_grad():
         for start in range(0, normed.shape[0], bs):
             x = normed[start:start + bs]
             m = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
-            flat = m.reshape(-1, m.shape[-1]).to(torch.float64)
-            xtx_down = flat.T @ flat if xtx_down is None else xtx_down + flat.T @ flat
+            xtx_down = gram(m) if xtx_down is None else xtx_down + gram(m)
             inner.append(m)
     damps.append(comp.group(mlp, ("down_proj",), prefix, xtx_down))
     with torch.no_grad():

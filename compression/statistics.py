@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from scipy.linalg import blas
 from torch import nn
 
 
@@ -12,8 +14,11 @@ class _Stop(Exception):
 
 def gram(x: torch.Tensor) -> torch.Tensor:
     """XᵀX in float64 over all leading dims of x [..., features]."""
-    flat = x.reshape(-1, x.shape[-1]).to(torch.float64)
-    return flat.T @ flat
+    flat = x.detach().reshape(-1, x.shape[-1]).to(torch.float64).numpy()
+    # BLAS syrk computes one triangle only: half the flops of flat.T @ flat, the bulk of compression time.
+    # flat.T of a C-ordered array is Fortran-ordered, so SciPy passes it without a copy.
+    upper = blas.dsyrk(1.0, flat.T, trans=0)
+    return torch.from_numpy(np.triu(upper) + np.triu(upper, 1).T)
 
 
 def capture_layer0_inputs(model: nn.Module, windows: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, dict]:

@@ -125,3 +125,14 @@ def test_interrupted_write_leaves_nothing_half_written(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         write_artifact(tmp_path / "fresh", _manifest(), _tensors())
     assert not (tmp_path / "fresh").exists() and sorted(os.listdir(tmp_path)) == ["art"]
+
+
+def test_gram_is_float64_symmetric_xtx_over_leading_dims():
+    from compression.statistics import gram
+
+    x = torch.randn(3, 17, 9, dtype=torch.float32)
+    flat = x.reshape(-1, 9).to(torch.float64)
+    g = gram(x)
+    assert g.dtype == torch.float64 and g.shape == (9, 9)
+    assert torch.equal(g, g.T)
+    torch.testing.assert_close(g, flat.T @ flat, rtol=1e-12, atol=1e-10)
