@@ -79,6 +79,21 @@ def manifest_facts(manifest: dict) -> dict:
             "param_ratio": (after / before) if before and after else None}
 
 
+def _same_rank_artifact(work: Path, method: str, keep: float, multiple: int) -> Path | None:
+    """An artifact already in work with this method whose every rank equals what (keep, multiple) gives."""
+    from compression.rank import block_rank, saves_parameters
+
+    for manifest_path in sorted(work.glob(f"{method}-k*-m*/manifest.json")):
+        modules = json.loads(manifest_path.read_text()).get("modules", {})
+        if modules and all(
+                info.get("rank") == block_rank(info["in"], info["out"], keep, multiple)
+                if not info.get("dense") else
+                not saves_parameters(info["in"], info["out"], block_rank(info["in"], info["out"], keep, multiple))
+                for info in modules.values()):
+            return manifest_path.parent
+    return None
+
+
 def _eval_cmd(args, out: Path, label: str, compressed: Path | None) -> list[str]:
     cmd = NEURONMM + ["eval", "--config", args.config, "--seqlen", str(args.seqlen), "--ppl", args.ppl,
                       "--tasks", args.tasks, "--task-limit", str(args.task_limit), "--num-threads",
@@ -135,12 +150,17 @@ def run(args) -> dict:
         label = f"{method}-k{keep}-m{multiple}"
         artifact = work / label
         setting = {"method": method, "keep_ratio": keep, "rank_multiple": multiple}
-        if not (args.reuse and (artifact / "manifest.json").is_file()):
+        twin = _same_rank_artifact(work, method, keep, multiple)
+        if twin is not None and not (artifact / "manifest.json").is_file():
+            # Same method, calibration and ranks => identical factors: reuse instead of recompressing.
+            print(f"  {label}: same ranks as {twin.name}, reusing it", flush=True)
+            artifact = twin
+        elif not (args.reuse and (artifact / "manifest.json").is_file()):
             cmd = NEURONMM + ["compress", "--config", args.config, "--keep-ratio", str(keep), "--method", method,
                               "--targets", "mlp", "--rank-multiple", str(multiple), "--out", str(artifact)]
             wall, peak = _run(cmd, work / f"compress-{label}.log")
             (work / f"compress-{label}.time.json").write_text(json.dumps({"wall_s": wall, "peak_rss_mib": peak}))
-        timing = json.loads((work / f"compress-{label}.time.json").read_text())
+        timing = json.loads((work / f"compress-{artifact.name}.time.json").read_text())
         setting.update(compress_wall_s=round(timing["wall_s"], 1), compress_peak_rss_mib=round(timing["peak_rss_mib"]))
         setting.update(manifest_facts(json.loads((artifact / "manifest.json").read_text())))
         digest = _factors_digest(artifact)

@@ -1,0 +1,90 @@
+"""Decode step time of the torch backend in-process (no HTTP, no client): the engine's own ceiling.
+
+Fills `batch` cache slots with a 128-token random prompt each, then times single-token decode steps
+for all of them together (model forward + logits, no sampling). Compare with `bench.serve`, whose
+TPOT adds the sampler, detokenisation, SSE and a client sharing the same cores.
+
+    python -m bench.engine_step --batch-sizes 1 4 16 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def step_times(runner, batch_size: int, context: int, steps: int, seed: int) -> list[float]:
+    """Seconds per decode step for `batch_size` sequences that each hold `context` tokens."""
+    from server.backends.base import SeqChunk
+
+    rng = random.Random(seed)
+    for slot in range(batch_size):
+        prompt = [rng.randrange(1000, runner.vocab_size) for _ in range(context)]
+        runner.execute([SeqChunk(slot=slot, token_ids=prompt, start_pos=0)])
+    times = []
+    for i in range(steps):
+        chunks = [SeqChunk(slot=s, token_ids=[rng.randrange(1000, runner.vocab_size)], start_pos=context + i)
+                  for s in range(batch_size)]
+        start = time.perf_counter()
+        runner.execute(chunks)
+        times.append(time.perf_counter() - start)
+    for slot in range(batch_size):
+        runner.release_slot(slot)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: time decode steps per batch size, print a table, save JSON."""
+    from server.backends.torch_runner import TorchRunner
+    from server.config import load_config
+    from server.models.source import resolve_model_dir
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/smollm2-135m.yaml")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 32])
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--steps", type=int, default=30, help="timed steps per batch size (first 5 dropped)")
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(RESULTS / "engine_step.json"))
+    args = p.parse_args(argv)
+
+    cfg = load_config(args.config)
+    model_dir = resolve_model_dir(cfg.model, Path(cfg.cache_dir).expanduser())
+    runner = TorchRunner(model_dir, args.context + args.steps + 6, cfg.model.dtype, cfg.device,
+                         num_threads=args.num_threads)
+    runner.load()
+    runner.allocate_kv(max(args.batch_sizes))
+    rows = []
+    with torch.inference_mode():
+        for bs in tqdm(args.batch_sizes, desc="batch sizes"):
+            times = step_times(runner, bs, args.context, args.steps + 5, args.seed)[5:]
+            median = statistics.median(times)
+            rows.append({"batch_size": bs, "step_ms_p50": 1000 * median,
+                         "step_ms_min": 1000 * min(times), "tok_s": bs / median})
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
+              "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "config": args.config,
+              "context": args.context, "rows": rows}
+    print("| batch | step p50 ms | step min ms | decode tok/s |\n|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['batch_size']} | {r['step_ms_p50']:.1f} | {r['step_ms_min']:.1f} | {r['tok_s']:.1f} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
