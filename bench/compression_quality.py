@@ -118,7 +118,7 @@ def _settings(args) -> list[tuple[int, str, float]]:
 
 
 def _header(args) -> dict:
-    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), torch threads {args.num_threads}",
             "limits": {"seqlen": args.seqlen, "ppl_windows": args.ppl_limit, "task_items": args.task_limit},
             "command": shlex.join([sys.executable, "-m", "bench.compression_quality", *sys.argv[1:]])}

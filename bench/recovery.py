@@ -95,7 +95,7 @@ def markdown(result: dict) -> str:
 
 
 def _write(args, rows: list[dict], complete: bool) -> None:
-    result = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs shared with other jobs (timings noisy)",
               "command": shlex.join([sys.executable, "-m", "bench.recovery", *sys.argv[1:]]),
               "eval": {"seqlen": args.eval_seqlen, "ppl_windows": args.ppl_limit, "corpora": args.ppl},

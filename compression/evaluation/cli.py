@@ -144,7 +144,7 @@ def evaluate(cfg, compressed: str | None, tasks: list[str], ppl_limits: dict[str
         raise ConfigError(f"--seqlen: {seqlen} exceeds the model's {positions} positions")
     model, tokenizer, model_dir = load_eval_model(cfg, compressed, num_threads)
     result = {"model": cfg.model.name, "model_dir": str(model_dir), "compressed": compressed,
-              "num_parameters": count_parameters(model), "date": datetime.datetime.now(datetime.UTC).isoformat(
+              "num_parameters": count_parameters(model), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                   timespec="seconds"), "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
               "torch_threads": torch.get_num_threads(), "perplexity": {}, "zeroshot": {}, "seconds": {}}
     for name, limit in ppl_limits.items():
