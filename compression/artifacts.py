@@ -56,6 +56,18 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def swap_in_dir(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished dir tmp to out_dir (same parent); an existing out_dir stays whole until then."""
+    if out_dir.exists():
+        # Two renames: the old artifact stays whole until the new one is complete beside it.
+        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        os.rename(out_dir, old / "a")
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out_dir)
+
+
 def write_artifact(out_dir: Path, manifest: dict, tensors: dict[str, torch.Tensor]) -> Path:
     """Write manifest + factors into a temp dir beside out_dir, then rename it over out_dir.
 
@@ -68,14 +80,7 @@ def write_artifact(out_dir: Path, manifest: dict, tensors: dict[str, torch.Tenso
         save_file({k: v.detach().to(torch.float32).cpu().contiguous() for k, v in tensors.items()},
                   str(tmp / FACTORS), metadata={"format_version": str(FORMAT_VERSION)})
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-        if out_dir.exists():
-            # Two renames: the old artifact stays whole until the new one is complete beside it.
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.rename(out_dir, old / "a")
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
+        swap_in_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -7,7 +7,6 @@ pieces recovery needs: read factors, swap them into a HF model, write an updated
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,11 +15,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from compression.artifacts import FACTORS, MANIFEST, swap_in_dir
 from server.config import ConfigError
 from server.models.lowrank import LowRankLinear
 
-MANIFEST = "manifest.json"
-FACTORS = "factors.safetensors"
 
 
 def read_artifact(artifact_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -100,13 +98,7 @@ def write_artifact(src_dir: Path, out_dir: Path, manifest: dict, tensors: dict[s
                 shutil.copy2(item, tmp / item.name)
         save_file(tensors, str(tmp / FACTORS))
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
+        swap_in_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
