@@ -39,6 +39,7 @@ class CompressSettings:
     seed: int = 0
     allocation: str = "uniform"
     batch_size: int = 8
+    latency_model: str = "none"
 
 
 def _tool_version() -> str:
@@ -58,15 +59,22 @@ def _batch_size(num_samples: int, wanted: int) -> int:
 class _Compressor:
     """Compresses one matrix at a time and keeps the per-module record and factors."""
 
-    def __init__(self, settings: CompressSettings):
+    def __init__(self, settings: CompressSettings, ranks: dict[str, int | None] | None = None):
         self.s = settings
+        self.ranks = ranks  # per-module ranks from a sensitivity allocation (None: keep matrix dense); None: uniform
         self.modules: dict[str, dict] = {}
         self.tensors: dict[str, torch.Tensor] = {}
 
     def compress(self, parent: nn.Module, child: str, hf_name: str, xtx: torch.Tensor, L: torch.Tensor | None) -> None:
         linear = getattr(parent, child)
         out_f, in_f = linear.weight.shape
-        rank = block_rank(in_f, out_f, self.s.keep_ratio, self.s.rank_multiple)
+        if self.ranks is not None and hf_name in self.ranks and self.ranks[hf_name] is None:
+            reason = "sensitivity allocation kept it dense (its next rank step would not save parameters)"
+            log.info("%s kept dense: %s", hf_name, reason)
+            self.modules[hf_name] = {"dense": True, "reason": reason, "in": in_f, "out": out_f}
+            return
+        rank = self.ranks[hf_name] if self.ranks is not None and hf_name in self.ranks else \
+            block_rank(in_f, out_f, self.s.keep_ratio, self.s.rank_multiple)
         if not saves_parameters(in_f, out_f, rank):
             reason = f"rank {rank} would not save parameters ({rank * (in_f + out_f)} >= {in_f * out_f} or >= min dim)"
             log.info("%s kept dense: %s", hf_name, reason)
@@ -129,6 +137,33 @@ def _param_counts(model: nn.Module, modules: dict[str, dict]) -> dict:
             "model_ratio": round(total / (total + saved), 6), "mlp_ratio": round(mlp_after / mlp_before, 6)}
 
 
+def _allocate(model: nn.Module, hidden, kwargs, bs: int, settings: CompressSettings) -> tuple[dict, dict | None]:
+    """(manifest "allocation" record, per-module MLP ranks or None for the uniform formula)."""
+    record = {"method": settings.allocation, "latency_model": settings.latency_model}
+    if settings.allocation == "uniform":
+        return record, None
+    from compression.allocation import allocate
+    from compression.sensitivity import dense_mlp_spectra
+
+    spectra = dense_mlp_spectra(model, hidden, kwargs, bs, whitened=settings.method == "whitened")
+    step_latency = None
+    if settings.latency_model == "trn1":
+        from compression.latency import step_latency as make
+
+        step_latency = make(128)
+    try:
+        result = allocate(spectra, settings.keep_ratio, settings.rank_multiple, step_latency)
+    except ValueError as e:
+        from server.config import ConfigError
+
+        raise ConfigError(f"--allocation sensitivity: {e}") from e
+    record.update({"sensitivity": "normalised whitened truncation loss per parameter (greedy, one rank step)",
+                   "tie_break": "lowest modeled trn1 latency at 128 tokens among steps within 2 % of the best gain "
+                                "per parameter" if step_latency else "none",
+                   "mlp_budget": result["budget"], "mlp_params_used": result["used"], "loss": result["loss"]})
+    return record, result["ranks"]
+
+
 def compress_model(model_dir: Path, settings: CompressSettings, out_dir: Path, model_id: str) -> dict:
     """Compress the model in model_dir per settings and write the artifact to out_dir; returns the manifest."""
     from transformers import AutoTokenizer, LlamaForCausalLM
@@ -139,9 +174,12 @@ def compress_model(model_dir: Path, settings: CompressSettings, out_dir: Path, m
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     windows = calibration_windows(calib_path, tokenizer, settings.calib_samples, settings.calib_seqlen, settings.seed)
     bs = _batch_size(settings.calib_samples, settings.batch_size)
-    comp, damping = _Compressor(settings), {}
+    damping = {}
     with torch.no_grad():
         hidden, kwargs = capture_layer0_inputs(model, windows, bs)
+    allocation, ranks = _allocate(model, hidden, kwargs, bs, settings)
+    comp = _Compressor(settings, ranks)
+    with torch.no_grad():
         layers = model.model.layers
         for i in tqdm(range(len(layers)), desc=f"compress {settings.method} keep {settings.keep_ratio}", unit="layer"):
             layer, records = layers[i], []
@@ -150,11 +188,15 @@ def compress_model(model_dir: Path, settings: CompressSettings, out_dir: Path, m
             hidden, mlp_records = _mlp_pass(comp, layer, i, hidden, kwargs, bs)
             damping[str(i)] = {r["children"][0]: r["damp"] for r in records + mlp_records}
     counts = _param_counts(model, comp.modules)
+    if settings.latency_model == "trn1":
+        from compression.latency import model_latency
+
+        allocation["modeled_latency"] = model_latency(comp.modules)
     manifest = {
         "format_version": FORMAT_VERSION,
         "source": {"model_id": model_id, "model_dir_name": Path(model_dir).name, "sha256": weights_sha256(model_dir)},
         "method": settings.method, "keep_ratio": settings.keep_ratio, "rank_multiple": settings.rank_multiple,
-        "targets": settings.targets, "allocation": settings.allocation,
+        "targets": settings.targets, "allocation": allocation,
         "calibration": {"data": calib_path.name, "sha256": file_sha256(calib_path), "samples": settings.calib_samples,
                         "seqlen": settings.calib_seqlen, "seed": settings.seed, "statistics": "float64 XᵀX",
                         "sequential": True},

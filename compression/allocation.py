@@ -1,0 +1,108 @@
+"""Per-matrix rank allocation: spread a whole-MLP parameter budget over matrices by whitened truncation loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from compression.rank import low_rank_params, saves_parameters
+
+DENSE = None  # a rank of None means "keep the matrix dense"
+TIE_TOL = 0.02  # candidates whose gain per parameter is within 2 % of the best count as a tie (latency decides)
+
+
+@dataclass
+class Spectrum:
+    """One matrix: its name, shape and singular values (of W·L when whitened, of W when plain)."""
+
+    name: str
+    in_features: int
+    out_features: int
+    sigma: np.ndarray
+
+
+def normalised_tail(sigma: np.ndarray) -> np.ndarray:
+    """tail[r] = Σ_{i>r} σᵢ² / Σσᵢ² for r = 0..len(σ): the relative activation error squared at rank r."""
+    sq = np.asarray(sigma, dtype=np.float64) ** 2
+    total = sq.sum()
+    tail = np.concatenate([np.cumsum(sq[::-1])[::-1], [0.0]])
+    return tail / total if total > 0 else np.zeros_like(tail)
+
+
+def budget_for(spectra: list[Spectrum], keep_ratio: float) -> int:
+    """The whole-MLP budget: keep_ratio of the dense parameters Σ in·out, rounded down."""
+    return int(keep_ratio * sum(s.in_features * s.out_features for s in spectra))
+
+
+def _next_step(s: Spectrum, rank: int | None, m: int) -> tuple[int, int | None] | None:
+    """(parameter cost, new rank) of one step up from rank; the step goes dense when the next rank would not pay."""
+    if rank is DENSE:
+        return None
+    nxt = rank + m
+    if saves_parameters(s.in_features, s.out_features, nxt):
+        return m * (s.in_features + s.out_features), nxt
+    return s.in_features * s.out_features - low_rank_params(s.in_features, s.out_features, rank), DENSE
+
+
+def allocate(spectra: list[Spectrum], keep_ratio: float, rank_multiple: int,
+             step_latency: Callable[[Spectrum, int, int | None], float] | None = None) -> dict:
+    """Greedy ranks: every matrix starts at rank_multiple; repeatedly take the step with the largest drop in
+    normalised truncation loss per parameter that still fits the budget, until none fits.
+
+    step_latency(spectrum, old_rank, new_rank) -> modeled µs added by a step; when given, among steps whose gain per
+    parameter is within TIE_TOL of the best, the one the cost model says is cheapest wins (a tie-break only: it never
+    trades quality for latency beyond that tolerance). Returns {"ranks": {name: rank or None}, "budget", "used",
+    "loss": {name: normalised tail at the chosen rank}}.
+    """
+    if rank_multiple < 1:
+        raise ValueError(f"rank_multiple must be >= 1, got {rank_multiple}")
+    m = rank_multiple
+    budget = budget_for(spectra, keep_ratio)
+    tails = {s.name: normalised_tail(s.sigma) for s in spectra}
+    ranks: dict[str, int | None] = {}
+    used = 0
+    for s in spectra:
+        if saves_parameters(s.in_features, s.out_features, m):
+            ranks[s.name] = m
+            used += low_rank_params(s.in_features, s.out_features, m)
+        else:  # not even the smallest rank pays: the matrix stays dense
+            ranks[s.name] = DENSE
+            used += s.in_features * s.out_features
+    if used > budget:
+        raise ValueError(f"keep_ratio {keep_ratio} leaves {budget} parameters, below the {used} that rank "
+                         f"{m} in every matrix needs")
+
+    def tail(name: str, rank: int | None) -> float:
+        t = tails[name]
+        return 0.0 if rank is DENSE else float(t[min(rank, len(t) - 1)])
+
+    while True:
+        cands = []
+        for s in spectra:
+            step = _next_step(s, ranks[s.name], m)
+            if step is None or used + step[0] > budget:
+                continue
+            cost, new = step
+            gain = tail(s.name, ranks[s.name]) - tail(s.name, new)
+            cands.append((gain / cost, cost, new, s))
+        if not cands:
+            break
+        best = max(c[0] for c in cands)
+        if step_latency is not None and best > 0:
+            tied = [c for c in cands if c[0] >= best * (1 - TIE_TOL)]
+            pick = min(tied, key=lambda c: (step_latency(c[3], ranks[c[3].name], c[2]), -c[0]))
+        else:
+            pick = max(cands, key=lambda c: c[0])
+        _, cost, new, s = pick
+        ranks[s.name] = new
+        used += cost
+    return {"ranks": ranks, "budget": budget, "used": used,
+            "loss": {s.name: round(tail(s.name, ranks[s.name]), 6) for s in spectra}}
+
+
+def params_used(spectra: list[Spectrum], ranks: dict[str, int | None]) -> int:
+    """Parameters the chosen ranks use (dense matrices count in·out)."""
+    return sum(s.in_features * s.out_features if ranks[s.name] is DENSE
+               else low_rank_params(s.in_features, s.out_features, ranks[s.name]) for s in spectra)

@@ -1,0 +1,98 @@
+"""Per-matrix rank allocation: budget maths on synthetic spectra, and sensitivity compress end to end (tiny model)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from compression.allocation import Spectrum, allocate, budget_for, normalised_tail, params_used
+from compression.compress import CompressSettings, compress_model
+from compression.rank import block_rank, low_rank_params
+
+
+def _spec(name, in_f, out_f, decay, n=None):
+    n = n or min(in_f, out_f)
+    return Spectrum(name, in_f, out_f, np.exp(-decay * np.arange(n)))
+
+
+def _mix(seed=0, count=12):
+    rng = np.random.default_rng(seed)
+    shapes = [(576, 1536), (576, 1536), (1536, 576)]
+    return [_spec(f"m{i}", *shapes[i % 3], decay=float(rng.uniform(0.0, 0.05))) for i in range(count)]
+
+
+@pytest.mark.parametrize("keep,m", [(0.8, 32), (0.9, 32), (0.5, 64), (0.6, 128)])
+def test_budget_met_within_one_step_and_never_exceeded(keep, m):
+    spectra = _mix()
+    res = allocate(spectra, keep, m)
+    used = params_used(spectra, res["ranks"])
+    assert used == res["used"] <= res["budget"] == budget_for(spectra, keep)
+    open_steps = [m * (s.in_features + s.out_features) for s in spectra if res["ranks"][s.name] is not None]
+    assert res["budget"] - used < max(open_steps, default=1)
+    for r in res["ranks"].values():
+        assert r is None or (r >= m and r % m == 0)
+
+
+def test_flat_spectrum_gets_more_rank_than_fast_decay():
+    spectra = [_spec("flat", 576, 1536, 0.0), _spec("steep", 576, 1536, 0.2)]
+    ranks = allocate(spectra, 0.5, 32)["ranks"]
+    assert ranks["flat"] > ranks["steep"]
+
+
+def test_identical_spectra_reproduce_uniform_ranks():
+    spectra = [_spec(f"m{i}", 576, 1536, 0.01) for i in range(6)]
+    ranks = allocate(spectra, 0.8, 32)["ranks"]
+    uniform = block_rank(576, 1536, 0.8, 32)
+    assert all(abs(r - uniform) <= 32 for r in ranks.values())
+
+
+def test_matrix_goes_dense_when_its_rank_stops_paying():
+    # one nearly incompressible matrix and one trivially compressible: the flat one should end dense at high keep
+    spectra = [_spec("flat", 256, 256, 0.0), _spec("steep", 256, 256, 1.0)]
+    res = allocate(spectra, 0.95, 16)
+    assert res["ranks"]["flat"] is None and res["ranks"]["steep"] is not None
+    assert res["used"] <= res["budget"]
+
+
+def test_budget_too_small_raises():
+    with pytest.raises(ValueError, match="keep_ratio"):
+        allocate([_spec("a", 576, 1536, 0.01)], 0.01, 128)
+
+
+def test_normalised_tail_is_relative_error_squared():
+    t = normalised_tail(np.array([3.0, 2.0, 1.0]))
+    assert t[0] == pytest.approx(1.0) and t[1] == pytest.approx(5 / 14) and t[3] == 0.0
+
+
+def test_latency_tie_break_only_among_near_ties():
+    spectra = [_spec("a", 576, 1536, 0.0), _spec("b", 576, 1536, 0.0)]
+    calls = []
+
+    def lat(s, old, new):  # "a" is always cheaper to grow
+        calls.append(s.name)
+        return 1.0 if s.name == "a" else 5.0
+
+    plain = allocate(spectra, 0.3, 32)["ranks"]
+    tied = allocate(spectra, 0.3, 32, lat)["ranks"]
+    assert calls and tied["a"] >= plain["a"] and tied["a"] + tied["b"] == plain["a"] + plain["b"]
+
+
+@pytest.fixture(scope="module")
+def sensitivity_artifact(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("alloc") / "tiny-sens"
+    s = CompressSettings(keep_ratio=0.5, rank_multiple=8, calib_samples=4, calib_seqlen=32, batch_size=2,
+                         allocation="sensitivity", latency_model="trn1")
+    return compress_model(tiny_model_dir, s, out, model_id="tiny")
+
+
+def test_sensitivity_compress_within_budget_with_multiple_ranks(sensitivity_artifact):
+    man = sensitivity_artifact
+    mods, alloc = man["modules"], man["allocation"]
+    total = sum(i["in"] * i["out"] if i.get("dense") else low_rank_params(i["in"], i["out"], i["rank"])
+                for i in mods.values())
+    assert alloc["method"] == "sensitivity" and total == alloc["mlp_params_used"] <= alloc["mlp_budget"]
+    assert alloc["mlp_budget"] == int(0.5 * sum(i["in"] * i["out"] for i in mods.values()))
+    ranks = [i["rank"] for i in mods.values() if not i.get("dense")]
+    assert ranks and all(r % 8 == 0 for r in ranks) and len(set(ranks)) > 1
+    lat = alloc["modeled_latency"]["tokens"]
+    assert lat["128"]["model_us"] > 0 and set(lat["1"]["per_layer_us"]) == {"0", "1"}
