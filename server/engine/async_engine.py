@@ -49,7 +49,8 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stop = False
-        self.num_waiting = 0  # engine waiting + inbox, read by metrics and admission
+        self.num_waiting = 0  # sequences waiting in the engine, read by metrics
+        self.num_waiting_requests = 0  # requests waiting in the engine (n choices count once), for admission
         self.num_running = 0
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -81,7 +82,7 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            if self.num_waiting + len(self._inbox) >= self.max_queue:
+            if self.num_waiting_requests + len(self._inbox) >= self.max_queue:
                 raise QueueFullError(f"queue full ({self.max_queue} waiting requests)")
             self._queues[request_id] = (asyncio.get_running_loop(), queue)
             self._inbox.append(_Pending(request_id, prompt_ids, params, n))
@@ -126,6 +127,7 @@ class AsyncEngine:
     def _update_counts(self) -> None:
         sched = self.engine.scheduler
         self.num_waiting, self.num_running = sched.num_waiting, sched.num_running
+        self.num_waiting_requests = len({seq.request_id for seq in sched.waiting})
 
     def _loop(self) -> None:
         log.info("engine loop started")

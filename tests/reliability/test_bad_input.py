@@ -187,7 +187,9 @@ def test_wrong_method_and_unknown_path_get_the_envelope(live):
 
 @pytest.mark.parametrize("body", [
     {**CMPL, "prompt": "\x00\x01", "stop": ""},  # control characters, an empty stop string
-    {**CMPL, "prompt": ["a"] * 16, "n": 16},  # 256 sequences from one request, queued behind 4 slots
+    # 256 sequences from one request, queued behind 4 slots: the 16-request queue limit counts
+    # requests, not choices (n=16 used to fill it with one prompt and 429 the rest)
+    {**CMPL, "prompt": ["a"] * 16, "n": 16},
     {**CHAT, "messages": [{"role": "assistant", "content": ""}]},
     {**CHAT, "messages": [{"role": "user", "content": "{{ 7*7 }}{% for x in range(10**9) %}"}]},  # not a template
     {**CMPL, "temperature": 1e-300, "top_p": 1e-300, "presence_penalty": 2, "frequency_penalty": -2},
