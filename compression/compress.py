@@ -15,7 +15,7 @@ from tqdm import tqdm
 from compression.artifacts import FORMAT_VERSION, file_sha256, weights_sha256, write_artifact
 from compression.calibration import calibration_windows, resolve_calib_path
 from compression.rank import block_rank, saves_parameters
-from compression.statistics import capture_layer0_inputs, gram, input_grams, mlp_inputs
+from compression.statistics import batched_gram, capture_layer0_inputs, gram, input_grams, mlp_inputs
 from compression.whiten import activation_rel_error, damped_cholesky, plain_factors, whitened_factors
 from server.models.lowrank import LowRankLinear
 
@@ -68,13 +68,15 @@ class _Compressor:
     def compress(self, parent: nn.Module, child: str, hf_name: str, xtx: torch.Tensor, L: torch.Tensor | None) -> None:
         linear = getattr(parent, child)
         out_f, in_f = linear.weight.shape
-        if self.ranks is not None and hf_name in self.ranks and self.ranks[hf_name] is None:
-            reason = "sensitivity allocation kept it dense (its next rank step would not save parameters)"
-            log.info("%s kept dense: %s", hf_name, reason)
-            self.modules[hf_name] = {"dense": True, "reason": reason, "in": in_f, "out": out_f}
-            return
-        rank = self.ranks[hf_name] if self.ranks is not None and hf_name in self.ranks else \
-            block_rank(in_f, out_f, self.s.keep_ratio, self.s.rank_multiple)
+        if self.ranks is not None and hf_name in self.ranks:
+            rank = self.ranks[hf_name]
+            if rank is None:
+                reason = "sensitivity allocation kept it dense (its next rank step would not save parameters)"
+                log.info("%s kept dense: %s", hf_name, reason)
+                self.modules[hf_name] = {"dense": True, "reason": reason, "in": in_f, "out": out_f}
+                return
+        else:
+            rank = block_rank(in_f, out_f, self.s.keep_ratio, self.s.rank_multiple)
         if not saves_parameters(in_f, out_f, rank):
             reason = f"rank {rank} would not save parameters ({rank * (in_f + out_f)} >= {in_f * out_f} or >= min dim)"
             log.info("%s kept dense: %s", hf_name, reason)
@@ -111,7 +113,7 @@ def _mlp_pass(comp: _Compressor, layer: nn.Module, i: int, hidden, kwargs, bs: i
     """Compress gate/up, then down on the compressed gate/up's output; returns the next layer's input."""
     mlp, prefix = layer.mlp, f"model.layers.{i}.mlp"
     residual, normed = mlp_inputs(layer, hidden, kwargs, bs)
-    xtx = sum(gram(normed[start:start + bs]) for start in range(0, normed.shape[0], bs))
+    xtx = batched_gram(normed, bs)
     damps = [comp.group(mlp, ("gate_proj", "up_proj"), prefix, xtx)]
     inner, xtx_down = [], None
     with torch.no_grad():

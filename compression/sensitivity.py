@@ -9,7 +9,7 @@ from torch import nn
 from tqdm import tqdm
 
 from compression.allocation import Spectrum
-from compression.statistics import gram, mlp_inputs, run_layer
+from compression.statistics import batched_gram, gram, mlp_inputs, run_layer
 from compression.whiten import damped_cholesky
 
 
@@ -34,14 +34,9 @@ def dense_mlp_spectra(model: nn.Module, hidden: torch.Tensor, kwargs: dict, batc
             layer, prefix = layers[i], f"model.layers.{i}.mlp"
             mlp = layer.mlp
             _, normed = mlp_inputs(layer, hidden, kwargs, batch_size)
-            xtx, xtx_down = None, None
-            for start in range(0, normed.shape[0], batch_size):
-                x = normed[start:start + batch_size]
-                g = gram(x)
-                xtx = g if xtx is None else xtx + g
-                h = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
-                g = gram(h)
-                xtx_down = g if xtx_down is None else xtx_down + g
+            xtx = batched_gram(normed, batch_size)
+            xtx_down = sum(gram(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+                           for x in normed.split(batch_size))
             L = damped_cholesky(xtx)[0] if whitened else None
             Ld = damped_cholesky(xtx_down)[0] if whitened else None
             out += [_spectrum(f"{prefix}.gate_proj", mlp.gate_proj, L), _spectrum(f"{prefix}.up_proj", mlp.up_proj, L),

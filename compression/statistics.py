@@ -21,6 +21,11 @@ def gram(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.triu(upper) + np.triu(upper, 1).T)
 
 
+def batched_gram(x: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """gram(x) accumulated over batches of the leading dim (bounds the float64 copy to one batch)."""
+    return sum(gram(x[start:start + batch_size]) for start in range(0, x.shape[0], batch_size))
+
+
 def capture_layer0_inputs(model: nn.Module, windows: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, dict]:
     """(hidden states [num_samples, seqlen, hidden] entering layer 0, that layer's keyword arguments).
 
