@@ -1,11 +1,13 @@
-"""LoRA recovery on the default model: whitened uniform vs + recovery, perplexity and the gap closed.
+"""LoRA recovery and rank allocation on the default model: perplexity, zero-shot and the gap closed.
 
-For each keep ratio: `neuronmm compress` (whitened, MLP) into <work>/whitened-k<keep> unless it exists,
-a copy recovered with `neuronmm recover` (wall time and peak RSS of that process), then `neuronmm eval`
-on dense, whitened and recovered. Gap closed = (ppl_whitened - ppl_recovered) / (ppl_whitened - ppl_dense).
-Writes JSON (+ .md table) after every row, so an interrupted run keeps what finished.
+For each keep ratio and allocation (uniform, sensitivity): `neuronmm compress` (whitened, MLP) into
+<work>/<allocation>-k<keep>-m<multiple> unless it exists, a copy recovered with `neuronmm recover` (wall
+time and peak RSS of that process), then `neuronmm eval` on dense and on every artifact. The gap closed
+of a row is measured against the whitened-uniform row of its keep ratio, the issue's definition:
+(ppl_uniform - ppl_row) / (ppl_uniform - ppl_dense). Writes JSON (+ .md table) after every row, so an
+interrupted run keeps what finished.
 
-    .venv/bin/python -m bench.recovery --keeps 0.8 --steps 100 --out bench/results/recovery.json
+    .venv/bin/python -m bench.recovery --keeps 0.8,0.9 --allocations sensitivity,uniform --steps 200
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def _eval(args, work: Path, label: str, artifact: Path | None) -> dict:
     out = work / f"eval-{label}.json"
     if not (args.reuse and out.is_file()):
         cmd = NEURONMM + ["eval", "--config", args.config, "--seqlen", str(args.eval_seqlen), "--ppl", args.ppl,
-                          "--ppl-limit", str(args.ppl_limit), "--tasks", args.tasks, "--num-threads", "2",
+                          "--ppl-limit", args.ppl_limit, "--tasks", args.tasks, "--num-threads", "2",
                           "--label", label, "--out", str(out)]
         if args.tasks != "none":
             cmd += ["--task-limit", str(args.task_limit)]
@@ -53,14 +55,22 @@ def _ppl(result: dict) -> dict[str, float]:
     return found
 
 
-def _compress(args, work: Path, keep: float) -> Path:
-    artifact = work / f"whitened-k{keep}-m{args.rank_multiple}"
+def _zeroshot_mean(result: dict) -> float | None:
+    """Mean zero-shot accuracy of an eval result, None when no task ran."""
+    return result.get("zeroshot_mean_acc")
+
+
+def _compress(args, work: Path, keep: float, allocation: str) -> Path:
+    artifact = work / f"{allocation}-k{keep}-m{args.rank_multiple}"
     if not (artifact / "manifest.json").is_file():
         cmd = NEURONMM + ["compress", "--config", args.config, "--keep-ratio", str(keep), "--method", "whitened",
                           "--targets", "mlp", "--rank-multiple", str(args.rank_multiple), "--calib-samples",
-                          str(args.calib_samples), "--out", str(artifact)]
+                          str(args.calib_samples), "--allocation", allocation, "--out", str(artifact)]
+        if allocation == "sensitivity":
+            cmd += ["--latency-model", args.latency_model]
         wall, rss = _run(cmd, work / f"{artifact.name}.log")
-        print(f"  compress keep {keep}: {wall:.0f} s, peak {rss:.0f} MiB", flush=True)
+        print(f"  compress {allocation} keep {keep}: {wall:.0f} s, peak {rss:.0f} MiB", flush=True)
+        (artifact / "bench-process.json").write_text(json.dumps({"process_wall_s": wall, "peak_rss_mib": rss}))
     return artifact
 
 
@@ -79,16 +89,31 @@ def _recover(args, work: Path, whitened: Path) -> tuple[Path, dict]:
                            process_peak_rss_mib=round(proc["peak_rss_mib"], 1))
 
 
+def _gaps(rows: list[dict]) -> None:
+    """Fill each compressed row's gap_closed against dense and the whitened-uniform row of its keep ratio."""
+    dense = next((r["ppl"] for r in rows if r["label"] == "dense"), {})
+    for row in rows:
+        base = next((r["ppl"] for r in rows if r.get("keep_ratio") == row.get("keep_ratio")
+                     and r["label"] == "whitened uniform"), None)
+        if base is None or row["label"] in ("dense", "whitened uniform"):
+            continue
+        row["gap_closed"] = {c: (base[c] - row["ppl"][c]) / (base[c] - dense[c]) for c in row["ppl"]
+                             if c in base and c in dense and base[c] != dense[c]}
+
+
 def markdown(result: dict) -> str:
     """The results table."""
-    lines = ["| keep | row | " + " | ".join(CORPORA) + " | gap closed (wikitext2) | steps | tokens | recovery wall s | peak RSS MiB |",
-             "|---|---|" + "---|" * len(CORPORA) + "---|---|---|---|---|"]
+    lines = ["| keep | row | MLP params | " + " | ".join(CORPORA) + " | zero-shot mean acc | gap closed (wikitext2) "
+             "| steps | tokens | recovery wall s | peak RSS MiB |",
+             "|---|---|---|" + "---|" * len(CORPORA) + "---|---|---|---|---|---|"]
     for row in result["rows"]:
         ppl = row["ppl"]
         cells = [f"{ppl[c]:.2f}" if c in ppl else "-" for c in CORPORA]
         rec = row.get("recovery") or {}
         gap = row.get("gap_closed", {}).get("wikitext2")
-        lines.append(f"| {row.get('keep_ratio', '-')} | {row['label']} | " + " | ".join(cells) +
+        acc = row.get("zeroshot_mean_acc")
+        lines.append(f"| {row.get('keep_ratio', '-')} | {row['label']} | {row.get('mlp_params', '-')} | "
+                     + " | ".join(cells) + f" | {'-' if acc is None else f'{100 * acc:.1f}'}"
                      f" | {'-' if gap is None else f'{gap:.0%}'} | {rec.get('steps', '-')} | {rec.get('tokens', '-')}"
                      f" | {rec.get('process_wall_s', '-')} | {rec.get('process_peak_rss_mib', '-')} |")
     return "\n".join(lines)
@@ -98,36 +123,46 @@ def _write(args, rows: list[dict], complete: bool) -> None:
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs shared with other jobs (timings noisy)",
               "command": shlex.join([sys.executable, "-m", "bench.recovery", *sys.argv[1:]]),
-              "eval": {"seqlen": args.eval_seqlen, "ppl_windows": args.ppl_limit, "corpora": args.ppl},
+              "eval": {"seqlen": args.eval_seqlen, "ppl_windows": args.ppl_limit, "corpora": args.ppl,
+                       "tasks": args.tasks, "task_items": args.task_limit},
               "complete": complete, "rows": rows}
+    _gaps(rows)
     out = REPO / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(result) + "\n")
 
 
+def _row(label: str, keep: float | None, artifact: Path | None, result: dict) -> dict:
+    row = {"label": label, "keep_ratio": keep, "ppl": _ppl(result), "zeroshot_mean_acc": _zeroshot_mean(result),
+           "zeroshot": {t: r.get("acc") for t, r in (result.get("zeroshot") or {}).items()}}
+    if artifact is not None:
+        manifest = json.loads((artifact / "manifest.json").read_text())
+        row.update(artifact=artifact.name, mlp_params=manifest["parameters"]["mlp_after"],
+                   mlp_ratio=manifest["parameters"]["mlp_ratio"], allocation=manifest.get("allocation"),
+                   ranks={n: m.get("rank") for n, m in manifest["modules"].items()},
+                   calibration=manifest.get("calibration"))
+    return row
+
+
 def run(args) -> None:
-    """Compress, recover and evaluate every keep ratio; JSON after each row."""
+    """Compress, recover and evaluate every keep ratio and allocation; JSON after each row."""
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    dense = _ppl(_eval(args, work, "dense", None))
-    rows = [{"label": "dense", "ppl": dense}]
+    rows = [_row("dense", None, None, _eval(args, work, "dense", None))]
     _write(args, rows, complete=False)
     for keep in [float(k) for k in args.keeps.split(",")]:
-        whitened = _compress(args, work, keep)
-        w_ppl = _ppl(_eval(args, work, whitened.name, whitened))
-        manifest = json.loads((whitened / "manifest.json").read_text())
-        ranks = sorted({m.get("rank") for m in manifest.get("modules", {}).values() if isinstance(m, dict)}, key=str)
-        rows.append({"label": "whitened uniform", "keep_ratio": keep, "artifact": whitened.name, "ppl": w_ppl,
-                     "ranks": ranks, "calibration": manifest.get("calibration")})
-        _write(args, rows, complete=False)
-        recovered, block = _recover(args, work, whitened)
-        r_ppl = _ppl(_eval(args, work, recovered.name, recovered))
-        gap = {c: (w_ppl[c] - r_ppl[c]) / (w_ppl[c] - dense[c]) for c in r_ppl if c in w_ppl and c in dense
-               and w_ppl[c] != dense[c]}
-        rows.append({"label": "whitened uniform + LoRA recovery", "keep_ratio": keep, "artifact": recovered.name,
-                     "ppl": r_ppl, "gap_closed": gap, "recovery": block})
-        _write(args, rows, complete=False)
+        for allocation in args.allocations.split(","):
+            artifact = _compress(args, work, keep, allocation)
+            rows.append(_row(f"whitened {allocation}", keep, artifact, _eval(args, work, artifact.name, artifact)))
+            _write(args, rows, complete=False)
+            if args.steps <= 0:
+                continue
+            recovered, block = _recover(args, work, artifact)
+            row = _row(f"whitened {allocation} + LoRA recovery", keep, recovered,
+                       _eval(args, work, recovered.name, recovered))
+            rows.append(dict(row, recovery=block))
+            _write(args, rows, complete=False)
     _write(args, rows, complete=True)
     print(markdown(json.loads((REPO / args.out).read_text())))
 
@@ -137,18 +172,20 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/smollm2-135m.yaml")
     p.add_argument("--keeps", default="0.8")
+    p.add_argument("--allocations", default="uniform", help="comma list of uniform, sensitivity")
+    p.add_argument("--latency-model", default="trn1", choices=["none", "trn1"], help="for sensitivity rows")
     p.add_argument("--rank-multiple", type=int, default=32)
     p.add_argument("--calib-samples", type=int, default=64, help="compression calibration windows (x 512)")
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=200, help="recovery steps; 0 skips recovery")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seqlen", type=int, default=256)
     p.add_argument("--adapter-rank", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--eval-seqlen", type=int, default=512)
-    p.add_argument("--ppl", default="wikitext2")
-    p.add_argument("--ppl-limit", type=int, default=40)
-    p.add_argument("--tasks", default="none")
-    p.add_argument("--task-limit", type=int, default=50)
+    p.add_argument("--ppl", default="wikitext2,ptb,c4")
+    p.add_argument("--ppl-limit", default="wikitext2=40,ptb=10,c4=10", help="windows per corpus (as neuronmm eval)")
+    p.add_argument("--tasks", default="all")
+    p.add_argument("--task-limit", type=int, default=40)
     p.add_argument("--work-dir", default="/tmp/neuronmm-recovery-bench")
     p.add_argument("--reuse", action="store_true", help="reuse finished evals/recoveries in --work-dir")
     p.add_argument("--out", default="bench/results/recovery.json")

@@ -25,10 +25,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--calib-seqlen", type=int, help="tokens per calibration window")
     p.add_argument("--calib-data", help="calibration jsonl (default: the config's compression.calib_data)")
     p.add_argument("--seed", type=int)
-    p.add_argument("--allocation", choices=["uniform", "sensitivity"], default="uniform",
+    p.add_argument("--allocation", choices=["uniform", "sensitivity"],
                    help="rank allocation (uniform: the rank formula per matrix; sensitivity: spread the whole-MLP "
                         "budget by whitened truncation loss measured on the dense model)")
-    p.add_argument("--latency-model", choices=["none", "trn1"], default="none",
+    p.add_argument("--latency-model", choices=["none", "trn1"],
                    help="trn1: break allocation ties toward the kernels' cost model and record MODELED MLP latency")
     p.add_argument("--recover", choices=["lora"], help="after compressing, LoRA-recover the factors")
     p.add_argument("--num-threads", type=int, default=2, help="torch threads (the CPU is shared)")
@@ -47,7 +47,8 @@ def settings_from(args: argparse.Namespace, cfg):
                          calib_samples=pick(args.calib_samples, c.calib_samples),
                          calib_seqlen=pick(args.calib_seqlen, c.calib_seqlen),
                          calib_data=pick(args.calib_data, c.calib_data), seed=pick(args.seed, c.seed),
-                         allocation=args.allocation, latency_model=getattr(args, "latency_model", "none"))
+                         allocation=pick(args.allocation, c.allocation),
+                         latency_model=pick(getattr(args, "latency_model", None), c.latency_model))
     if not 0 < s.keep_ratio <= 1:
         raise ConfigError(f"--keep-ratio must be in (0, 1], got {s.keep_ratio}")
     if s.rank_multiple < 1 or s.calib_samples < 1 or s.calib_seqlen < 2:

@@ -17,3 +17,36 @@ def test_missing_calibration_data_is_one_line_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "calib_data" in err[0] and "nope.jsonl" in err[0]
     assert not out.exists()
+
+
+def _compress_args(argv):
+    import argparse
+
+    from compression.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return parser.parse_args(["compress", "--out", "x", *argv])
+
+
+def test_allocation_comes_from_the_config_unless_a_flag_overrides_it():
+    from compression.cli import settings_from
+    from server.config import load_config
+
+    cfg = load_config()
+    cfg.compression.allocation, cfg.compression.latency_model = "sensitivity", "trn1"
+    s = settings_from(_compress_args([]), cfg)
+    assert (s.allocation, s.latency_model) == ("sensitivity", "trn1")
+    s = settings_from(_compress_args(["--allocation", "uniform", "--latency-model", "none"]), cfg)
+    assert (s.allocation, s.latency_model) == ("uniform", "none")
+
+
+def test_unknown_allocation_in_the_config_is_rejected(tmp_path):
+    import pytest
+
+    from server.config import ConfigError, load_config
+
+    bad = tmp_path / "c.yaml"
+    bad.write_text("compression:\n  allocation: greedy\n")
+    with pytest.raises(ConfigError, match="allocation"):
+        load_config(bad)
