@@ -65,9 +65,12 @@ def _compress(args, work: Path, keep: float, allocation: str) -> Path:
     if not (artifact / "manifest.json").is_file():
         cmd = NEURONMM + ["compress", "--config", args.config, "--keep-ratio", str(keep), "--method", "whitened",
                           "--targets", "mlp", "--rank-multiple", str(args.rank_multiple), "--calib-samples",
-                          str(args.calib_samples), "--allocation", allocation, "--out", str(artifact)]
-        if allocation == "sensitivity":
-            cmd += ["--latency-model", args.latency_model]
+                          str(args.calib_samples), "--out", str(artifact)]
+        if allocation == "uniform":
+            cmd += ["--allocation", "uniform"]
+        else:  # sensitivity (Fisher-weighted) or sensitivity-normalised
+            measure = "normalised" if allocation.endswith("-normalised") else "fisher"
+            cmd += ["--allocation", "sensitivity", "--sensitivity", measure, "--latency-model", args.latency_model]
         wall, rss = _run(cmd, work / f"{artifact.name}.log")
         print(f"  compress {allocation} keep {keep}: {wall:.0f} s, peak {rss:.0f} MiB", flush=True)
         (artifact / "bench-process.json").write_text(json.dumps({"process_wall_s": wall, "peak_rss_mib": rss}))
@@ -172,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/smollm2-135m.yaml")
     p.add_argument("--keeps", default="0.8")
-    p.add_argument("--allocations", default="uniform", help="comma list of uniform, sensitivity")
+    p.add_argument("--allocations", default="uniform",
+                   help="comma list of uniform, sensitivity (Fisher-weighted), sensitivity-normalised")
     p.add_argument("--latency-model", default="trn1", choices=["none", "trn1"], help="for sensitivity rows")
     p.add_argument("--rank-multiple", type=int, default=32)
     p.add_argument("--calib-samples", type=int, default=64, help="compression calibration windows (x 512)")

@@ -15,12 +15,18 @@ TIE_TOL = 0.02  # candidates whose gain per parameter is within 2 % of the best 
 
 @dataclass
 class Spectrum:
-    """One matrix: its name, shape and singular values (of W·L when whitened, of W when plain)."""
+    """One matrix: its name, shape, singular values (of W·L when whitened, of W when plain) and loss weight.
+
+    weight None: the truncation loss is normalised by Σσᵢ² (each matrix's relative output error). weight w: the
+    loss is w·Σ_{i>r}σᵢ², w being the model loss per unit of squared output error (a Fisher estimate), which makes
+    losses of different matrices comparable in units of the model's own loss.
+    """
 
     name: str
     in_features: int
     out_features: int
     sigma: np.ndarray
+    weight: float | None = None
 
 
 def normalised_tail(sigma: np.ndarray) -> np.ndarray:
@@ -29,6 +35,14 @@ def normalised_tail(sigma: np.ndarray) -> np.ndarray:
     total = sq.sum()
     tail = np.concatenate([np.cumsum(sq[::-1])[::-1], [0.0]])
     return tail / total if total > 0 else np.zeros_like(tail)
+
+
+def truncation_loss(s: Spectrum) -> np.ndarray:
+    """loss[r] for r = 0..len(σ): the normalised tail, or weight · Σ_{i>r}σᵢ² when the spectrum has a weight."""
+    if s.weight is None:
+        return normalised_tail(s.sigma)
+    sq = np.asarray(s.sigma, dtype=np.float64) ** 2
+    return s.weight * np.concatenate([np.cumsum(sq[::-1])[::-1], [0.0]])
 
 
 def budget_for(spectra: list[Spectrum], keep_ratio: float) -> int:
@@ -49,18 +63,18 @@ def _next_step(s: Spectrum, rank: int | None, m: int) -> tuple[int, int | None] 
 def allocate(spectra: list[Spectrum], keep_ratio: float, rank_multiple: int,
              step_latency: Callable[[Spectrum, int, int | None], float] | None = None) -> dict:
     """Greedy ranks: every matrix starts at rank_multiple; repeatedly take the step with the largest drop in
-    normalised truncation loss per parameter that still fits the budget, until none fits.
+    truncation loss (see truncation_loss) per parameter that still fits the budget, until none fits.
 
     step_latency(spectrum, old_rank, new_rank) -> modeled µs added by a step; when given, among steps whose gain per
     parameter is within TIE_TOL of the best, the one the cost model says is cheapest wins (a tie-break only: it never
     trades quality for latency beyond that tolerance). Returns {"ranks": {name: rank or None}, "budget", "used",
-    "loss": {name: normalised tail at the chosen rank}}.
+    "loss": {name: truncation loss at the chosen rank}}.
     """
     if rank_multiple < 1:
         raise ValueError(f"rank_multiple must be >= 1, got {rank_multiple}")
     m = rank_multiple
     budget = budget_for(spectra, keep_ratio)
-    tails = {s.name: normalised_tail(s.sigma) for s in spectra}
+    tails = {s.name: truncation_loss(s) for s in spectra}
     ranks: dict[str, int | None] = {}
     used = 0
     for s in spectra:
@@ -99,7 +113,7 @@ def allocate(spectra: list[Spectrum], keep_ratio: float, rank_multiple: int,
         ranks[s.name] = new
         used += cost
     return {"ranks": ranks, "budget": budget, "used": used,
-            "loss": {s.name: round(tail(s.name, ranks[s.name]), 6) for s in spectra}}
+            "loss": {s.name: float(f"{tail(s.name, ranks[s.name]):.6g}") for s in spectra}}
 
 
 def params_used(spectra: list[Spectrum], ranks: dict[str, int | None]) -> int:

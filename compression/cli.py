@@ -28,6 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--allocation", choices=["uniform", "sensitivity"],
                    help="rank allocation (uniform: the rank formula per matrix; sensitivity: spread the whole-MLP "
                         "budget by whitened truncation loss measured on the dense model)")
+    p.add_argument("--sensitivity", choices=["fisher", "normalised"],
+                   help="allocation measure: fisher (truncation loss weighted by the output Fisher, default) or "
+                        "normalised (each matrix's relative output error)")
     p.add_argument("--latency-model", choices=["none", "trn1"],
                    help="trn1: break allocation ties toward the kernels' cost model and record MODELED MLP latency")
     p.add_argument("--recover", choices=["lora"], help="after compressing, LoRA-recover the factors")
@@ -48,7 +51,8 @@ def settings_from(args: argparse.Namespace, cfg):
                          calib_seqlen=pick(args.calib_seqlen, c.calib_seqlen),
                          calib_data=pick(args.calib_data, c.calib_data), seed=pick(args.seed, c.seed),
                          allocation=pick(args.allocation, c.allocation),
-                         latency_model=pick(getattr(args, "latency_model", None), c.latency_model))
+                         latency_model=pick(getattr(args, "latency_model", None), c.latency_model),
+                         sensitivity=pick(getattr(args, "sensitivity", None), c.sensitivity))
     if not 0 < s.keep_ratio <= 1:
         raise ConfigError(f"--keep-ratio must be in (0, 1], got {s.keep_ratio}")
     if s.rank_multiple < 1 or s.calib_samples < 1 or s.calib_seqlen < 2:

@@ -9,23 +9,63 @@ from torch import nn
 from tqdm import tqdm
 
 from compression.allocation import Spectrum
-from compression.statistics import batched_gram, gram, mlp_inputs, run_layer
+from compression.statistics import MLP, batched_gram, gram, mlp_inputs, run_layer
 from compression.whiten import damped_cholesky
 
 
-def _spectrum(name: str, linear: nn.Linear, L: torch.Tensor | None) -> Spectrum:
+def output_fisher(model: nn.Module, windows: torch.Tensor) -> dict[str, float]:
+    """{module name: mean over tokens of ‖∂ℓ_t/∂y_t‖² / out_features} for every MLP linear of the dense model.
+
+    ℓ_t is token t's next-token loss and y_t the module's output. With an isotropic Fisher this is the model loss
+    added per unit of squared output error (up to a factor shared by all modules), the weight that makes whitened
+    truncation losses of different matrices comparable. One window at a time: only input gradients flow (the
+    weights are frozen), so memory is one window's activations.
+    """
+    sums: dict[str, float] = {}
+    hooks = []
+
+    def capture(name: str, out_features: int):
+        def on_output(_module, _inputs, output):
+            output.register_hook(lambda g: sums.__setitem__(
+                name, sums.get(name, 0.0) + float(g.double().pow(2).sum()) / out_features))
+        return on_output
+
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in MLP:
+            hooks.append(module.register_forward_hook(capture(name, module.out_features)))
+    requires = [p.requires_grad for p in model.parameters()]
+    model.requires_grad_(False)
+    tokens = 0
+    try:
+        for ids in tqdm(windows, desc="sensitivity (output Fisher)", unit="window"):
+            ids = ids.unsqueeze(0)
+            with torch.enable_grad():  # callers may hold no_grad; this pass needs the backward
+                embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+                logits = model(inputs_embeds=embeds).logits[0, :-1].float()
+                torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").backward()
+            tokens += ids.shape[1] - 1
+    finally:
+        for h in hooks:
+            h.remove()
+        for p, r in zip(model.parameters(), requires):
+            p.requires_grad_(r)
+    return {name: total / tokens for name, total in sums.items()}
+
+
+def _spectrum(name: str, linear: nn.Linear, L: torch.Tensor | None, weights: dict[str, float] | None) -> Spectrum:
     W = linear.weight.detach().to(torch.float64)
     M = W @ L if L is not None else W
     sigma = scipy.linalg.svdvals(M.numpy(), check_finite=False)  # values only: far cheaper than the full SVD
     out_f, in_f = linear.weight.shape
-    return Spectrum(name, in_f, out_f, np.asarray(sigma))
+    return Spectrum(name, in_f, out_f, np.asarray(sigma), None if weights is None else weights[name])
 
 
 def dense_mlp_spectra(model: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int,
-                      whitened: bool = True) -> list[Spectrum]:
+                      whitened: bool = True, weights: dict[str, float] | None = None) -> list[Spectrum]:
     """Spectra of gate/up/down of every layer on the DENSE model's activations (float64 XᵀX, damped Cholesky).
 
-    gate and up share one XᵀX (the normed MLP input); down's input is act(gate)·up.
+    gate and up share one XᵀX (the normed MLP input); down's input is act(gate)·up. `weights` (e.g. from
+    output_fisher) become each Spectrum's loss weight; without them the allocation normalises per matrix.
     """
     out: list[Spectrum] = []
     layers = model.model.layers
@@ -39,8 +79,8 @@ def dense_mlp_spectra(model: nn.Module, hidden: torch.Tensor, kwargs: dict, batc
                            for x in normed.split(batch_size))
             L = damped_cholesky(xtx)[0] if whitened else None
             Ld = damped_cholesky(xtx_down)[0] if whitened else None
-            out += [_spectrum(f"{prefix}.gate_proj", mlp.gate_proj, L), _spectrum(f"{prefix}.up_proj", mlp.up_proj, L),
-                    _spectrum(f"{prefix}.down_proj", mlp.down_proj, Ld)]
+            out += [_spectrum(f"{prefix}.{kind}_proj", getattr(mlp, f"{kind}_proj"), Lk, weights)
+                    for kind, Lk in (("gate", L), ("up", L), ("down", Ld))]
             hidden = torch.cat([run_layer(layer, hidden[s:s + batch_size], kwargs)
                                 for s in range(0, hidden.shape[0], batch_size)])
     return out

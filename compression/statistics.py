@@ -7,6 +7,8 @@ import torch
 from scipy.linalg import blas
 from torch import nn
 
+MLP = ("gate_proj", "up_proj", "down_proj")  # the Llama MLP's linears, by attribute name
+
 
 class _Stop(Exception):
     """Raised from a hook to end a forward pass once the wanted input is captured."""

@@ -79,6 +79,7 @@ class CompressionConfig(_Strict):
     seed: int = 0
     allocation: Literal["uniform", "sensitivity"] = "uniform"
     latency_model: Literal["none", "trn1"] = "none"
+    sensitivity: Literal["fisher", "normalised"] = "fisher"
 
 
 class NeuronConfig(_Strict):

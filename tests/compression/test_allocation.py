@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from compression.allocation import Spectrum, allocate, budget_for, normalised_tail, params_used
+from compression.allocation import Spectrum, allocate, budget_for, normalised_tail, params_used, truncation_loss
 from compression.compress import CompressSettings, compress_model
 from compression.rank import block_rank, low_rank_params
 
@@ -64,6 +64,44 @@ def test_normalised_tail_is_relative_error_squared():
     assert t[0] == pytest.approx(1.0) and t[1] == pytest.approx(5 / 14) and t[3] == 0.0
 
 
+def test_weighted_loss_is_weight_times_absolute_tail_and_steers_rank():
+    sigma = np.array([3.0, 2.0, 1.0])
+    assert truncation_loss(Spectrum("w", 8, 8, sigma, weight=2.0)).tolist() == [28.0, 10.0, 2.0, 0.0]
+    assert truncation_loss(Spectrum("n", 8, 8, sigma)) == pytest.approx(normalised_tail(sigma))
+    # two identical matrices: the one whose errors cost the model more loss gets the larger rank
+    same = [_spec("a", 576, 1536, 0.01), _spec("b", 576, 1536, 0.01)]
+    even = allocate(same, 0.3, 32)["ranks"]
+    assert abs(even["a"] - even["b"]) <= 32
+    same[1].weight, same[0].weight = 10.0, 1.0
+    ranks = allocate(same, 0.3, 32)["ranks"]
+    assert ranks["b"] > ranks["a"]
+
+
+def test_output_fisher_matches_autograd_on_the_module_outputs(tiny_model_dir):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from compression.sensitivity import output_fisher
+
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    weights = output_fisher(model, ids)
+    assert len(weights) == 3 * model.config.num_hidden_layers and all(w > 0 for w in weights.values())
+    assert all(p.requires_grad for p in model.parameters())  # restored
+    assert not any(m._forward_hooks for m in model.modules())  # hooks removed
+    # reference: keep one module's output, backward the summed loss of each window, average by hand
+    target = model.model.layers[1].mlp.down_proj
+    total = 0.0
+    for row in ids:
+        kept = []
+        h = target.register_forward_hook(lambda _m, _i, out: kept.append(out) or out.retain_grad())
+        logits = model(row[None]).logits[0, :-1]
+        torch.nn.functional.cross_entropy(logits, row[1:], reduction="sum").backward()
+        h.remove()
+        total += float(kept[0].grad.double().pow(2).sum()) / target.out_features
+    assert weights["model.layers.1.mlp.down_proj"] == pytest.approx(total / (2 * 15), rel=1e-6)
+
+
 def test_latency_tie_break_only_among_near_ties():
     spectra = [_spec("a", 576, 1536, 0.0), _spec("b", 576, 1536, 0.0)]
     calls = []
@@ -81,7 +119,7 @@ def test_latency_tie_break_only_among_near_ties():
 def sensitivity_artifact(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("alloc") / "tiny-sens"
     s = CompressSettings(keep_ratio=0.5, rank_multiple=8, calib_samples=4, calib_seqlen=32, batch_size=2,
-                         allocation="sensitivity", latency_model="trn1")
+                         allocation="sensitivity", latency_model="trn1", fisher_windows=2)
     return compress_model(tiny_model_dir, s, out, model_id="tiny")
 
 
@@ -91,6 +129,7 @@ def test_sensitivity_compress_within_budget_with_multiple_ranks(sensitivity_arti
     total = sum(i["in"] * i["out"] if i.get("dense") else low_rank_params(i["in"], i["out"], i["rank"])
                 for i in mods.values())
     assert alloc["method"] == "sensitivity" and total == alloc["mlp_params_used"] <= alloc["mlp_budget"]
+    assert "Fisher" in alloc["sensitivity"]
     assert alloc["mlp_budget"] == int(0.5 * sum(i["in"] * i["out"] for i in mods.values()))
     ranks = [i["rank"] for i in mods.values() if not i.get("dense")]
     assert ranks and all(r % 8 == 0 for r in ranks) and len(set(ranks)) > 1
