@@ -107,17 +107,19 @@ def _gaps(rows: list[dict]) -> None:
 def markdown(result: dict) -> str:
     """The results table."""
     lines = ["| keep | row | MLP params | " + " | ".join(CORPORA) + " | zero-shot mean acc | gap closed (wikitext2) "
-             "| steps | tokens | recovery wall s | peak RSS MiB |",
-             "|---|---|---|" + "---|" * len(CORPORA) + "---|---|---|---|---|---|"]
+             "| compress wall s | steps | tokens | recovery wall s | recovery peak RSS MiB |",
+             "|---|---|---|" + "---|" * len(CORPORA) + "---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         ppl = row["ppl"]
         cells = [f"{ppl[c]:.2f}" if c in ppl else "-" for c in CORPORA]
         rec = row.get("recovery") or {}
         gap = row.get("gap_closed", {}).get("wikitext2")
         acc = row.get("zeroshot_mean_acc")
-        lines.append(f"| {row.get('keep_ratio', '-')} | {row['label']} | {row.get('mlp_params', '-')} | "
+        lines.append(f"| {row.get('keep_ratio') or '-'} | {row['label']} | {row.get('mlp_params', '-')} | "
                      + " | ".join(cells) + f" | {'-' if acc is None else f'{100 * acc:.1f}'}"
-                     f" | {'-' if gap is None else f'{gap:.0%}'} | {rec.get('steps', '-')} | {rec.get('tokens', '-')}"
+                     f" | {'-' if gap is None else f'{gap:.0%}'}"
+                     f" | {(row.get('compress') or {}).get('process_wall_s', '-')}"
+                     f" | {rec.get('steps', '-')} | {rec.get('tokens', '-')}"
                      f" | {rec.get('process_wall_s', '-')} | {rec.get('process_peak_rss_mib', '-')} |")
     return "\n".join(lines)
 
@@ -145,6 +147,11 @@ def _row(label: str, keep: float | None, artifact: Path | None, result: dict) ->
                    mlp_ratio=manifest["parameters"]["mlp_ratio"], allocation=manifest.get("allocation"),
                    ranks={n: m.get("rank") for n, m in manifest["modules"].items()},
                    calibration=manifest.get("calibration"))
+        process = artifact / "bench-process.json"  # written by _compress (and _recover, for recovered copies)
+        if "recovery" not in manifest and process.is_file():
+            proc = json.loads(process.read_text())
+            row["compress"] = {"process_wall_s": round(proc["process_wall_s"], 1),
+                               "process_peak_rss_mib": round(proc["peak_rss_mib"], 1)}
     return row
 
 
