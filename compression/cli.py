@@ -26,14 +26,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--calib-data", help="calibration jsonl (default: the config's compression.calib_data)")
     p.add_argument("--seed", type=int)
     p.add_argument("--allocation", choices=["uniform", "sensitivity"],
-                   help="rank allocation (uniform: the rank formula per matrix; sensitivity: spread the whole-MLP "
-                        "budget by whitened truncation loss measured on the dense model)")
+                   help="rank allocation (sensitivity, the default: spread the whole-MLP budget by whitened truncation "
+                        "loss measured on the dense model; uniform: the rank formula per matrix, faster)")
     p.add_argument("--sensitivity", choices=["fisher", "normalised"],
                    help="allocation measure: fisher (truncation loss weighted by the output Fisher, default) or "
                         "normalised (each matrix's relative output error)")
     p.add_argument("--latency-model", choices=["none", "trn1"],
                    help="trn1: break allocation ties toward the kernels' cost model and record MODELED MLP latency")
-    p.add_argument("--recover", choices=["lora"], help="after compressing, LoRA-recover the factors")
+    p.add_argument("--recover", choices=["lora"], help="after compressing, LoRA-recover the factors "
+                                                       "(`neuronmm recover` defaults; see its --help)")
+    p.add_argument("--recover-steps", type=int, default=200, help="with --recover lora: training steps")
     p.add_argument("--num-threads", type=int, default=2, help="torch threads (the CPU is shared)")
     p.add_argument("--out", required=True, help="artifact directory to write (replaced atomically)")
     p.set_defaults(func=_run)
@@ -62,10 +64,10 @@ def settings_from(args: argparse.Namespace, cfg):
 
 def _recover_fn():
     try:
-        from compression.recovery import recover_artifact
+        from compression.recovery import RecoveryConfig, recover_artifact
     except ImportError:
         return None
-    return recover_artifact
+    return recover_artifact, RecoveryConfig
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -81,12 +83,16 @@ def _run(args: argparse.Namespace) -> int:
     recover = _recover_fn() if args.recover else None
     if args.recover and recover is None:
         raise ConfigError("--recover lora: compression.recovery is not available in this build")
+    if recover is not None:  # check before the (minutes-long) compression, not after
+        recover_artifact, RecoveryConfig = recover
+        rcfg = RecoveryConfig(steps=args.recover_steps, num_threads=max(1, args.num_threads))
+        rcfg.validate()
     torch.set_num_threads(max(1, args.num_threads))
     model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
     out = Path(args.out).expanduser()
     manifest = compress_model(model_dir, settings, out, model_id=cfg.model.name)
     if recover is not None:
-        recover(out, model_dir, cfg)
+        recover_artifact(out, model_dir, rcfg)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     counts = manifest["parameters"]
     print(f"compressed {cfg.model.name} ({settings.method}, keep_ratio {settings.keep_ratio}, rank multiple "

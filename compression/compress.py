@@ -36,7 +36,7 @@ class CompressSettings:
     calib_seqlen: int = 512
     calib_data: str = "../shared/data/c4/c4-validation-sample.jsonl"
     seed: int = 0
-    allocation: str = "uniform"
+    allocation: str = "sensitivity"  # measured winner (docs/BENCHMARKS.md, issue 7); "uniform": one rank formula
     sensitivity: str = "fisher"  # allocation measure: "fisher" (loss-weighted) or "normalised" (relative error)
     fisher_windows: int = 16  # calibration windows the Fisher estimate back-propagates
     batch_size: int = 8

@@ -77,7 +77,7 @@ class CompressionConfig(_Strict):
     calib_seqlen: int = Field(512, ge=16)
     calib_data: str = "../shared/data/c4/c4-validation-sample.jsonl"
     seed: int = 0
-    allocation: Literal["uniform", "sensitivity"] = "uniform"
+    allocation: Literal["uniform", "sensitivity"] = "sensitivity"
     latency_model: Literal["none", "trn1"] = "none"
     sensitivity: Literal["fisher", "normalised"] = "fisher"
 

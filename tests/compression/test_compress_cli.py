@@ -50,3 +50,24 @@ def test_unknown_allocation_in_the_config_is_rejected(tmp_path):
     bad.write_text("compression:\n  allocation: greedy\n")
     with pytest.raises(ConfigError, match="allocation"):
         load_config(bad)
+
+
+def test_compress_with_recover_lora_writes_a_recovered_artifact(tmp_path, tiny_model_dir):
+    import json
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(f"model: {{name: tiny, source: safetensors, path: {tiny_model_dir}}}\n")
+    out = tmp_path / "art"
+    assert main(["compress", "--config", str(cfg), "--keep-ratio", "0.5", "--rank-multiple", "8", "--allocation",
+                 "uniform", "--calib-samples", "2", "--calib-seqlen", "32", "--recover", "lora", "--recover-steps", "2",
+                 "--num-threads", "1", "--out", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["recovery"]["steps"] == 2 and manifest["recovery"]["method"] == "lora-on-factors"
+    assert manifest["allocation"]["method"] == "uniform" and not (out / "recovery-checkpoint.pt").exists()
+
+
+def test_bad_recover_steps_fail_before_compressing(tmp_path, capsys):
+    out = tmp_path / "art"
+    assert main(["compress", "--recover", "lora", "--recover-steps", "0", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "steps" in err[0] and not out.exists()

@@ -15,7 +15,8 @@ from support import live_server, tiny_config
 @pytest.fixture(scope="module")
 def artifact(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("art") / "tiny-k05"
-    settings = CompressSettings(keep_ratio=0.5, rank_multiple=8, calib_samples=4, calib_seqlen=32, batch_size=2)
+    settings = CompressSettings(keep_ratio=0.5, rank_multiple=8, calib_samples=4, calib_seqlen=32, batch_size=2,
+                                allocation="uniform")
     manifest = compress_model(tiny_model_dir, settings, out, model_id="tiny")
     return out, manifest
 
