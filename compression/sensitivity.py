@@ -14,9 +14,10 @@ from compression.whiten import damped_cholesky
 
 
 def output_fisher(model: nn.Module, windows: torch.Tensor) -> dict[str, float]:
-    """{module name: mean over tokens of ‖∂ℓ_t/∂y_t‖² / out_features} for every MLP linear of the dense model.
+    """{module name: mean over tokens of ‖∂L/∂y_t‖² / out_features} for every MLP linear of the dense model.
 
-    ℓ_t is token t's next-token loss and y_t the module's output. With an isotropic Fisher this is the model loss
+    L is a window's summed next-token loss and y_t the module's output at token t (so the gradient carries y_t's
+    effect on every later token's loss too). With an isotropic Fisher this is the model loss
     added per unit of squared output error (up to a factor shared by all modules), the weight that makes whitened
     truncation losses of different matrices comparable. One window at a time: only input gradients flow (the
     weights are frozen), so memory is one window's activations.
@@ -25,9 +26,11 @@ def output_fisher(model: nn.Module, windows: torch.Tensor) -> dict[str, float]:
     hooks = []
 
     def capture(name: str, out_features: int):
+        def accumulate(grad: torch.Tensor) -> None:
+            sums[name] = sums.get(name, 0.0) + float(grad.double().pow(2).sum()) / out_features
+
         def on_output(_module, _inputs, output):
-            output.register_hook(lambda g: sums.__setitem__(
-                name, sums.get(name, 0.0) + float(g.double().pow(2).sum()) / out_features))
+            output.register_hook(accumulate)
         return on_output
 
     for name, module in model.named_modules():
