@@ -55,11 +55,6 @@ def _ppl(result: dict) -> dict[str, float]:
     return found
 
 
-def _zeroshot_mean(result: dict) -> float | None:
-    """Mean zero-shot accuracy of an eval result, None when no task ran."""
-    return result.get("zeroshot_mean_acc")
-
-
 def _compress(args, work: Path, keep: float, allocation: str) -> Path:
     artifact = work / f"{allocation}-k{keep}-m{args.rank_multiple}"
     if not (artifact / "manifest.json").is_file():
@@ -139,7 +134,7 @@ def _write(args, rows: list[dict], complete: bool) -> None:
 
 
 def _row(label: str, keep: float | None, artifact: Path | None, result: dict) -> dict:
-    row = {"label": label, "keep_ratio": keep, "ppl": _ppl(result), "zeroshot_mean_acc": _zeroshot_mean(result),
+    row = {"label": label, "keep_ratio": keep, "ppl": _ppl(result), "zeroshot_mean_acc": result.get("zeroshot_mean_acc"),
            "zeroshot": {t: r.get("acc") for t, r in (result.get("zeroshot") or {}).items()}}
     if artifact is not None:
         manifest = json.loads((artifact / "manifest.json").read_text())

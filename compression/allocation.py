@@ -29,20 +29,21 @@ class Spectrum:
     weight: float | None = None
 
 
+def _squared_tail(sigma: np.ndarray) -> np.ndarray:
+    """tail[r] = Σ_{i>r} σᵢ² for r = 0..len(σ): the squared output error of the rank-r truncation."""
+    sq = np.asarray(sigma, dtype=np.float64) ** 2
+    return np.concatenate([np.cumsum(sq[::-1])[::-1], [0.0]])
+
+
 def normalised_tail(sigma: np.ndarray) -> np.ndarray:
     """tail[r] = Σ_{i>r} σᵢ² / Σσᵢ² for r = 0..len(σ): the relative activation error squared at rank r."""
-    sq = np.asarray(sigma, dtype=np.float64) ** 2
-    total = sq.sum()
-    tail = np.concatenate([np.cumsum(sq[::-1])[::-1], [0.0]])
-    return tail / total if total > 0 else np.zeros_like(tail)
+    tail = _squared_tail(sigma)
+    return tail / tail[0] if tail[0] > 0 else np.zeros_like(tail)
 
 
 def truncation_loss(s: Spectrum) -> np.ndarray:
     """loss[r] for r = 0..len(σ): the normalised tail, or weight · Σ_{i>r}σᵢ² when the spectrum has a weight."""
-    if s.weight is None:
-        return normalised_tail(s.sigma)
-    sq = np.asarray(s.sigma, dtype=np.float64) ** 2
-    return s.weight * np.concatenate([np.cumsum(sq[::-1])[::-1], [0.0]])
+    return normalised_tail(s.sigma) if s.weight is None else s.weight * _squared_tail(s.sigma)
 
 
 def budget_for(spectra: list[Spectrum], keep_ratio: float) -> int:

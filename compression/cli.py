@@ -53,8 +53,8 @@ def settings_from(args: argparse.Namespace, cfg):
                          calib_seqlen=pick(args.calib_seqlen, c.calib_seqlen),
                          calib_data=pick(args.calib_data, c.calib_data), seed=pick(args.seed, c.seed),
                          allocation=pick(args.allocation, c.allocation),
-                         latency_model=pick(getattr(args, "latency_model", None), c.latency_model),
-                         sensitivity=pick(getattr(args, "sensitivity", None), c.sensitivity))
+                         latency_model=pick(args.latency_model, c.latency_model),
+                         sensitivity=pick(args.sensitivity, c.sensitivity))
     if not 0 < s.keep_ratio <= 1:
         raise ConfigError(f"--keep-ratio must be in (0, 1], got {s.keep_ratio}")
     if s.rank_multiple < 1 or s.calib_samples < 1 or s.calib_seqlen < 2:
