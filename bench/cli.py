@@ -7,7 +7,7 @@ import importlib
 import pkgutil
 from pathlib import Path
 
-from server.config import ConfigError
+from server.errors import ConfigError
 
 
 def _available() -> list[str]:

@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from server.config import ConfigError
+from server.errors import ConfigError
 from server.models.lowrank import LowRankLinear
 
 log = logging.getLogger(__name__)

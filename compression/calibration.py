@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from server.config import ConfigError
+from server.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

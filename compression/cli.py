@@ -8,7 +8,7 @@ import resource
 import time
 from pathlib import Path
 
-from server.config import ConfigError
+from server.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

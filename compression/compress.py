@@ -159,7 +159,7 @@ def _allocate(model: nn.Module, windows: torch.Tensor, hidden, kwargs, bs: int,
     try:
         result = allocate(spectra, settings.keep_ratio, settings.rank_multiple, step_latency)
     except ValueError as e:
-        from server.config import ConfigError
+        from server.errors import ConfigError
 
         raise ConfigError(f"--allocation sensitivity: {e}") from e
     measure = (f"whitened truncation loss weighted by the output Fisher (mean ‖∂loss/∂y‖² per output, "

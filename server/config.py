@@ -8,9 +8,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-
-class ConfigError(ValueError):
-    """A config that cannot be used; the message names the key or path at fault."""
+from server.errors import ConfigError, first_error
 
 
 class _Strict(BaseModel):
@@ -113,15 +111,6 @@ class Config(_Strict):
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smollm2-135m.yaml"
 
 
-def _first_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    key = ".".join(str(p) for p in err["loc"]) or "<root>"
-    msg = err["msg"]
-    if err["type"] == "extra_forbidden":
-        msg = "unknown key"
-    return f"{key}: {msg}"
-
-
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node = data
     parts = dotted.split(".")
@@ -149,4 +138,4 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{path}: {_first_error(exc)}") from None
+        raise ConfigError(f"{path}: {first_error(exc)}") from None

@@ -10,7 +10,7 @@ import platform
 import time
 from pathlib import Path
 
-from server.config import ConfigError
+from server.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 from compression.evaluation.datadir import data_file
-from server.config import ConfigError
+from server.errors import ConfigError
 
 CORPORA = ("wikitext2", "ptb", "c4")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from server.config import ConfigError
+from server.errors import ConfigError
 
 _REPO = Path(__file__).resolve().parents[2]
 

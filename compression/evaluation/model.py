@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from server.config import Config, ConfigError
+from server.config import Config
+from server.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

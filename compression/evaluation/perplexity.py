@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from server.config import ConfigError
+from server.errors import ConfigError
 
 
 @dataclass(frozen=True)

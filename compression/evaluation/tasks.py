@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from compression.evaluation.datadir import data_file
-from server.config import ConfigError
+from server.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from compression.artifacts import FACTORS, MANIFEST, swap_in_dir
-from server.config import ConfigError
+from server.errors import ConfigError
 from server.models.lowrank import LowRankLinear
 
 

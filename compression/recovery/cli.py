@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from server.config import ConfigError
+from server.errors import ConfigError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

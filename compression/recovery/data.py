@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from server.config import ConfigError
+from server.errors import ConfigError
 
 
 def read_documents(path: Path) -> tuple[list[str], str]:

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from compression.recovery.adapter import adapter_parameters
 from compression.recovery.checkpoint import load_checkpoint, save_checkpoint
 from compression.recovery.data import batch_indices
-from server.config import ConfigError
+from server.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from server.config import ConfigError, ModelConfig
+from server.config import ModelConfig
+from server.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,8 @@ def test_allocation_comes_from_the_config_unless_a_flag_overrides_it():
 def test_unknown_allocation_in_the_config_is_rejected(tmp_path):
     import pytest
 
-    from server.config import ConfigError, load_config
+    from server.config import load_config
+    from server.errors import ConfigError
 
     bad = tmp_path / "c.yaml"
     bad.write_text("compression:\n  allocation: greedy\n")

@@ -11,7 +11,7 @@ import torch
 from compression.artifacts import MANIFEST, load_artifact, write_artifact
 from compression.rank import block_rank, low_rank_params, saves_parameters
 from compression.whiten import activation_rel_error, damped_cholesky, plain_factors, whitened_factors
-from server.config import ConfigError
+from server.errors import ConfigError
 
 
 @pytest.mark.parametrize("in_f,out_f", [(576, 1536), (1536, 576), (64, 128), (4096, 11008)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from compression.evaluation import corpora, tasks
-from server.config import ConfigError
+from server.errors import ConfigError
 
 EXPECTED_ITEMS = {"arc_easy": 1188, "arc_challenge": 586, "piqa": 919, "hellaswag": 5021, "winogrande": 633,
                   "boolq": 1635, "openbookqa": 250}

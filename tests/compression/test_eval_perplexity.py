@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from compression.evaluation.perplexity import perplexity, token_windows, windows_nll
-from server.config import ConfigError
+from server.errors import ConfigError
 
 
 def test_windows_are_non_overlapping_and_drop_the_tail():

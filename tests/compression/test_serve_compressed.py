@@ -8,7 +8,7 @@ import torch
 
 from compression.artifacts import apply_artifact_to_hf, load_artifact
 from compression.compress import CompressSettings, compress_model
-from server.config import ConfigError
+from server.errors import ConfigError
 from support import live_server, tiny_config
 
 
