@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import importlib.util
 import json
 import os
@@ -22,6 +21,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from compression.evaluation.report import TASK_TITLES, mean_accuracy, write_json
+from compression.rank import block_rank, saves_parameters
+from server.fileio import files_sha256
+from server.models.artifact import MANIFEST, Manifest, read_manifest
 
 REPO = Path(__file__).resolve().parent.parent
 NEURONMM = [sys.executable, "-m", "server.cli"]
@@ -42,38 +46,12 @@ def _run(cmd: list[str], log_path: Path) -> tuple[float, float]:
     return wall, usage.ru_maxrss / 1024  # Linux reports KiB
 
 
-def _factors_digest(artifact: Path) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(artifact.glob("*.safetensors")):
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-def _find(manifest: dict, *names: str):
-    """First value under any of `names`, searched at the top level and one level down."""
-    for name in names:
-        if name in manifest:
-            return manifest[name]
-    for value in manifest.values():
-        if isinstance(value, dict):
-            for name in names:
-                if name in value:
-                    return value[name]
-    return None
-
-
-def manifest_facts(manifest: dict) -> dict:
+def manifest_facts(manifest: Manifest) -> dict:
     """Ranks per MLP projection kind and whole-model parameter counts, from an artifact manifest."""
-    modules = _find(manifest, "modules", "layers") or {}
     ranks: dict[str, set] = {}
-    items = modules.items() if isinstance(modules, dict) else ((m.get("name", ""), m) for m in modules)
-    for name, info in items:
-        rank = info.get("rank") if isinstance(info, dict) else None
-        kind = name.rsplit(".", 1)[-1] if name else "?"
-        ranks.setdefault(kind, set()).add(rank if rank is not None else "dense")
-    before = _find(manifest, "params_before", "num_params_before", "parameters_before", "param_count_before")
-    after = _find(manifest, "params_after", "num_params_after", "parameters_after", "param_count_after")
+    for name, info in manifest.modules.items():
+        ranks.setdefault(name.rsplit(".", 1)[-1], set()).add("dense" if info.dense else info.rank)
+    before, after = manifest.params_before, manifest.params_after
     return {"ranks": {k: sorted(v, key=str) for k, v in sorted(ranks.items())},
             "params_before": before, "params_after": after,
             "param_ratio": (after / before) if before and after else None}
@@ -81,14 +59,12 @@ def manifest_facts(manifest: dict) -> dict:
 
 def _same_rank_artifact(work: Path, method: str, keep: float, multiple: int) -> Path | None:
     """An artifact already in work with this method whose every rank equals what (keep, multiple) gives."""
-    from compression.rank import block_rank, saves_parameters
-
-    for manifest_path in sorted(work.glob(f"{method}-k*-m*/manifest.json")):
-        modules = json.loads(manifest_path.read_text()).get("modules", {})
+    for manifest_path in sorted(work.glob(f"{method}-k*-m*/{MANIFEST}")):
+        modules = read_manifest(manifest_path.parent).modules
         if modules and all(
-                info.get("rank") == block_rank(info["in"], info["out"], keep, multiple)
-                if not info.get("dense") else
-                not saves_parameters(info["in"], info["out"], block_rank(info["in"], info["out"], keep, multiple))
+                info.rank == block_rank(info.in_features, info.out_features, keep, multiple) if not info.dense else
+                not saves_parameters(info.in_features, info.out_features,
+                                     block_rank(info.in_features, info.out_features, keep, multiple))
                 for info in modules.values()):
             return manifest_path.parent
     return None
@@ -126,8 +102,6 @@ def _header(args) -> dict:
 
 def _checkpoint(args, rows: list[dict], complete: bool, missing: str | None = None) -> dict:
     """Write what is done so far (so an interrupted run still leaves its finished rows)."""
-    from compression.evaluation.report import write_json
-
     result = dict(_header(args), complete=complete, rows=rows)
     if missing:
         result["missing"] = missing
@@ -151,19 +125,19 @@ def run(args) -> dict:
         artifact = work / label
         setting = {"method": method, "keep_ratio": keep, "rank_multiple": multiple}
         twin = _same_rank_artifact(work, method, keep, multiple)
-        if twin is not None and not (artifact / "manifest.json").is_file():
+        if twin is not None and not (artifact / MANIFEST).is_file():
             # Same method, calibration and ranks => identical factors: reuse instead of recompressing.
             print(f"  {label}: same ranks as {twin.name}, reusing it", flush=True)
             artifact = twin
-        elif not (args.reuse and (artifact / "manifest.json").is_file()):
+        elif not (args.reuse and (artifact / MANIFEST).is_file()):
             cmd = NEURONMM + ["compress", "--config", args.config, "--keep-ratio", str(keep), "--method", method,
                               "--targets", "mlp", "--rank-multiple", str(multiple), "--out", str(artifact)]
             wall, peak = _run(cmd, work / f"compress-{label}.log")
             (work / f"compress-{label}.time.json").write_text(json.dumps({"wall_s": wall, "peak_rss_mib": peak}))
         timing = json.loads((work / f"compress-{artifact.name}.time.json").read_text())
         setting.update(compress_wall_s=round(timing["wall_s"], 1), compress_peak_rss_mib=round(timing["peak_rss_mib"]))
-        setting.update(manifest_facts(json.loads((artifact / "manifest.json").read_text())))
-        digest = _factors_digest(artifact)
+        setting.update(manifest_facts(read_manifest(artifact)))
+        digest = files_sha256(artifact.glob("*.safetensors"))
         if digest in evaluated:
             result = dict(evaluated[digest], label=label)
             setting["same_factors_as"] = evaluated[digest]["label"]
@@ -185,11 +159,9 @@ def _cell_ppl(row: dict, corpus: str) -> str:
 
 def markdown(result: dict) -> str:
     """The results table: one row per setting."""
-    from compression.evaluation.report import _TASK_TITLES, mean_accuracy
-
-    tasks = [t for t in _TASK_TITLES if any(t in r.get("zeroshot", {}) for r in result["rows"])]
+    tasks = [t for t in TASK_TITLES if any(t in r.get("zeroshot", {}) for r in result["rows"])]
     head = ["method", "keep", "mult", "ranks gate/up/down", "params", "compress s / MiB",
-            "Wiki2", "PTB", "C4"] + [_TASK_TITLES[t] for t in tasks] + ["mean acc"]
+            "Wiki2", "PTB", "C4"] + [TASK_TITLES[t] for t in tasks] + ["mean acc"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in result["rows"]:
         s = row["setting"]

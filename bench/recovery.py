@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from bench.compression_quality import NEURONMM, REPO, _run
+from server.models.artifact import MANIFEST, read_manifest
 
 CORPORA = ("wikitext2", "ptb", "c4")
 
@@ -57,7 +58,7 @@ def _ppl(result: dict) -> dict[str, float]:
 
 def _compress(args, work: Path, keep: float, allocation: str) -> Path:
     artifact = work / f"{allocation}-k{keep}-m{args.rank_multiple}"
-    if not (artifact / "manifest.json").is_file():
+    if not (artifact / MANIFEST).is_file():
         cmd = NEURONMM + ["compress", "--config", args.config, "--keep-ratio", str(keep), "--method", "whitened",
                           "--targets", "mlp", "--rank-multiple", str(args.rank_multiple), "--calib-samples",
                           str(args.calib_samples), "--out", str(artifact)]
@@ -74,7 +75,7 @@ def _compress(args, work: Path, keep: float, allocation: str) -> Path:
 
 def _recover(args, work: Path, whitened: Path) -> tuple[Path, dict]:
     recovered = work / f"{whitened.name}-lora{args.steps}"
-    if not (args.reuse and (recovered / "manifest.json").is_file()):
+    if not (args.reuse and (recovered / MANIFEST).is_file()):
         cmd = NEURONMM + ["recover", "--artifact", str(whitened), "--config", args.config, "--out", str(recovered),
                           "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seqlen",
                           str(args.seqlen), "--adapter-rank", str(args.adapter_rank), "--lr", str(args.lr)]
@@ -82,7 +83,7 @@ def _recover(args, work: Path, whitened: Path) -> tuple[Path, dict]:
         print(f"  recover: {wall:.0f} s, peak RSS {rss:.0f} MiB", flush=True)
         (recovered / "bench-process.json").write_text(json.dumps({"process_wall_s": wall, "peak_rss_mib": rss}))
     proc = json.loads((recovered / "bench-process.json").read_text())
-    block = json.loads((recovered / "manifest.json").read_text())["recovery"]
+    block = read_manifest(recovered).recovery
     return recovered, dict(block, process_wall_s=round(proc["process_wall_s"], 1),
                            process_peak_rss_mib=round(proc["peak_rss_mib"], 1))
 
@@ -137,13 +138,13 @@ def _row(label: str, keep: float | None, artifact: Path | None, result: dict) ->
     row = {"label": label, "keep_ratio": keep, "ppl": _ppl(result), "zeroshot_mean_acc": result.get("zeroshot_mean_acc"),
            "zeroshot": {t: r.get("acc") for t, r in (result.get("zeroshot") or {}).items()}}
     if artifact is not None:
-        manifest = json.loads((artifact / "manifest.json").read_text())
-        row.update(artifact=artifact.name, mlp_params=manifest["parameters"]["mlp_after"],
-                   mlp_ratio=manifest["parameters"]["mlp_ratio"], allocation=manifest.get("allocation"),
-                   ranks={n: m.get("rank") for n, m in manifest["modules"].items()},
-                   calibration=manifest.get("calibration"))
+        manifest = read_manifest(artifact)
+        row.update(artifact=artifact.name, mlp_params=manifest.parameters.mlp_after,
+                   mlp_ratio=manifest.parameters.mlp_ratio, allocation=manifest.allocation,
+                   ranks={n: m.rank for n, m in manifest.modules.items()},
+                   calibration=manifest.to_dict().get("calibration"))
         process = artifact / "bench-process.json"  # written by _compress (and _recover, for recovered copies)
-        if "recovery" not in manifest and process.is_file():
+        if manifest.recovery is None and process.is_file():
             proc = json.loads(process.read_text())
             row["compress"] = {"process_wall_s": round(proc["process_wall_s"], 1),
                                "process_peak_rss_mib": round(proc["peak_rss_mib"], 1)}

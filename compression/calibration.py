@@ -7,6 +7,7 @@ import logging
 import os
 import random
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -44,17 +45,26 @@ def _texts(path: Path) -> list[str]:
     return texts
 
 
-def calibration_windows(path: Path, tokenizer, num_samples: int, seqlen: int, seed: int) -> torch.Tensor:
-    """[num_samples, seqlen] token ids; documents shuffled by seed, joined by EOS, cut end to end."""
+class Calibration(NamedTuple):
+    """Calibration token windows [num_samples, seqlen] and the documents they came from (line order, sorted)."""
+
+    windows: torch.Tensor
+    document_ids: list[int]
+
+
+def calibration_windows(path: Path, tokenizer, num_samples: int, seqlen: int, seed: int) -> Calibration:
+    """Documents shuffled by seed, joined by EOS, cut end to end into [num_samples, seqlen] token ids."""
     texts = _texts(path)
-    random.Random(seed).shuffle(texts)
-    need, ids = num_samples * seqlen, []
+    order = list(range(len(texts)))
+    random.Random(seed).shuffle(order)
+    need, ids, used = num_samples * seqlen, [], []
     sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    for text in texts:
-        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + sep)
+    for i in order:
+        ids.extend(tokenizer(texts[i], add_special_tokens=False)["input_ids"] + sep)
+        used.append(i)
         if len(ids) >= need:
             break
     if len(ids) < need:
         raise ConfigError(f"compression: {path} has {len(ids)} tokens, need {num_samples} x {seqlen} = {need}")
     log.info("calibration: %d windows x %d tokens from %s (seed %d)", num_samples, seqlen, path.name, seed)
-    return torch.tensor(ids[:need], dtype=torch.long).view(num_samples, seqlen)
+    return Calibration(torch.tensor(ids[:need], dtype=torch.long).view(num_samples, seqlen), sorted(used))

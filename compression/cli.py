@@ -94,8 +94,8 @@ def _run(args: argparse.Namespace) -> int:
     if recover is not None:
         recover_artifact(out, model_dir, rcfg)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-    counts = manifest["parameters"]
+    counts = manifest.parameters
     print(f"compressed {cfg.model.name} ({settings.method}, keep_ratio {settings.keep_ratio}, rank multiple "
-          f"{settings.rank_multiple}) -> {out}: model parameters {counts['model_before']} -> {counts['model_after']} "
-          f"({counts['model_ratio']:.3f}); wall {time.perf_counter() - started:.1f} s, peak RSS {peak_mib:.0f} MiB")
+          f"{settings.rank_multiple}) -> {out}: model parameters {counts.model_before} -> {counts.model_after} "
+          f"({counts.model_ratio:.3f}); wall {time.perf_counter() - started:.1f} s, peak RSS {peak_mib:.0f} MiB")
     return 0

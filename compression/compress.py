@@ -12,11 +12,17 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from compression.artifacts import FORMAT_VERSION, file_sha256, weights_sha256, write_artifact
+from compression import latency
+from compression.allocation import allocate
 from compression.calibration import calibration_windows, resolve_calib_path
 from compression.rank import block_rank, saves_parameters
 from compression.statistics import MLP, batched_gram, capture_layer0_inputs, gram, input_grams, mlp_inputs
+from compression.sensitivity import dense_mlp_spectra, output_fisher
 from compression.whiten import activation_rel_error, damped_cholesky, plain_factors, whitened_factors
+from server.errors import ConfigError
+from server.fileio import file_sha256
+from server.models.artifact import (FORMAT_VERSION, CalibrationRecord, Manifest, ModuleRecord, ParameterCounts,
+                                    SourceRecord, factor_keys, save_artifact, weights_sha256)
 from server.models.lowrank import LowRankLinear
 
 log = logging.getLogger(__name__)
@@ -63,7 +69,7 @@ class _Compressor:
     def __init__(self, settings: CompressSettings, ranks: dict[str, int | None] | None = None):
         self.s = settings
         self.ranks = ranks  # per-module ranks from a sensitivity allocation (None: keep matrix dense); None: uniform
-        self.modules: dict[str, dict] = {}
+        self.modules: dict[str, ModuleRecord] = {}
         self.tensors: dict[str, torch.Tensor] = {}
 
     def compress(self, parent: nn.Module, child: str, hf_name: str, xtx: torch.Tensor, L: torch.Tensor | None) -> None:
@@ -74,21 +80,21 @@ class _Compressor:
             if rank is None:
                 reason = "sensitivity allocation kept it dense (its next rank step would not save parameters)"
                 log.info("%s kept dense: %s", hf_name, reason)
-                self.modules[hf_name] = {"dense": True, "reason": reason, "in": in_f, "out": out_f}
+                self.modules[hf_name] = ModuleRecord(dense=True, reason=reason, in_features=in_f, out_features=out_f)
                 return
         else:
             rank = block_rank(in_f, out_f, self.s.keep_ratio, self.s.rank_multiple)
         if not saves_parameters(in_f, out_f, rank):
             reason = f"rank {rank} would not save parameters ({rank * (in_f + out_f)} >= {in_f * out_f} or >= min dim)"
             log.info("%s kept dense: %s", hf_name, reason)
-            self.modules[hf_name] = {"dense": True, "reason": reason, "in": in_f, "out": out_f}
+            self.modules[hf_name] = ModuleRecord(dense=True, reason=reason, in_features=in_f, out_features=out_f)
             return
         W = linear.weight.detach()
         A, B = whitened_factors(W, L, rank) if self.s.method == "whitened" else plain_factors(W, rank)
         rel = activation_rel_error(W, A, B, xtx)
-        self.modules[hf_name] = {"rank": rank, "in": in_f, "out": out_f, "rel_error": round(rel, 6)}
-        self.tensors[f"{hf_name}.A"] = A.to(torch.float32)
-        self.tensors[f"{hf_name}.B"] = B.to(torch.float32)
+        self.modules[hf_name] = ModuleRecord(rank=rank, in_features=in_f, out_features=out_f, rel_error=round(rel, 6))
+        a_key, b_key = factor_keys(hf_name)
+        self.tensors[a_key], self.tensors[b_key] = A.to(torch.float32), B.to(torch.float32)
         setattr(parent, child, LowRankLinear(A.to(W.dtype), B.to(W.dtype), linear.bias))
 
     def group(self, parent: nn.Module, children: tuple[str, ...], prefix: str, xtx: torch.Tensor) -> dict:
@@ -129,15 +135,15 @@ def _mlp_pass(comp: _Compressor, layer: nn.Module, i: int, hidden, kwargs, bs: i
     return out, damps
 
 
-def _param_counts(model: nn.Module, modules: dict[str, dict]) -> dict:
+def _param_counts(model: nn.Module, modules: dict[str, ModuleRecord]) -> ParameterCounts:
     total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     mlp = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in MLP]
     mlp_after = sum(m.weight.numel() if isinstance(m, nn.Linear) else m.A.numel() + m.B.numel() for m in mlp)
     mlp_before = sum(m.in_features * m.out_features for m in mlp)
-    saved = sum(info["in"] * info["out"] - info["rank"] * (info["in"] + info["out"])
-                for info in modules.values() if not info.get("dense"))
-    return {"model_before": total + saved, "model_after": total, "mlp_before": mlp_before, "mlp_after": mlp_after,
-            "model_ratio": round(total / (total + saved), 6), "mlp_ratio": round(mlp_after / mlp_before, 6)}
+    saved = sum(m.in_features * m.out_features - m.rank * (m.in_features + m.out_features)
+                for m in modules.values() if not m.dense)
+    return ParameterCounts(model_before=total + saved, model_after=total, mlp_before=mlp_before, mlp_after=mlp_after,
+                           model_ratio=round(total / (total + saved), 6), mlp_ratio=round(mlp_after / mlp_before, 6))
 
 
 def _allocate(model: nn.Module, windows: torch.Tensor, hidden, kwargs, bs: int,
@@ -146,21 +152,14 @@ def _allocate(model: nn.Module, windows: torch.Tensor, hidden, kwargs, bs: int,
     record = {"method": settings.allocation, "latency_model": settings.latency_model}
     if settings.allocation == "uniform":
         return record, None
-    from compression.allocation import allocate
-    from compression.sensitivity import dense_mlp_spectra, output_fisher
-
     weights = output_fisher(model, windows[:settings.fisher_windows]) if settings.sensitivity == "fisher" else None
     spectra = dense_mlp_spectra(model, hidden, kwargs, bs, whitened=settings.method == "whitened", weights=weights)
     step_latency = None
     if settings.latency_model == "trn1":
-        from compression.latency import step_latency as make
-
-        step_latency = make(128)
+        step_latency = latency.step_latency(128)
     try:
         result = allocate(spectra, settings.keep_ratio, settings.rank_multiple, step_latency)
     except ValueError as e:
-        from server.errors import ConfigError
-
         raise ConfigError(f"--allocation sensitivity: {e}") from e
     measure = (f"whitened truncation loss weighted by the output Fisher (mean ‖∂loss/∂y‖² per output, "
                f"{settings.fisher_windows} calibration windows)" if weights is not None
@@ -172,7 +171,7 @@ def _allocate(model: nn.Module, windows: torch.Tensor, hidden, kwargs, bs: int,
     return record, result["ranks"]
 
 
-def compress_model(model_dir: Path, settings: CompressSettings, out_dir: Path, model_id: str) -> dict:
+def compress_model(model_dir: Path, settings: CompressSettings, out_dir: Path, model_id: str) -> Manifest:
     """Compress the model in model_dir per settings and write the artifact to out_dir; returns the manifest."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -180,7 +179,8 @@ def compress_model(model_dir: Path, settings: CompressSettings, out_dir: Path, m
     calib_path = resolve_calib_path(settings.calib_data)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
-    windows = calibration_windows(calib_path, tokenizer, settings.calib_samples, settings.calib_seqlen, settings.seed)
+    calib = calibration_windows(calib_path, tokenizer, settings.calib_samples, settings.calib_seqlen, settings.seed)
+    windows = calib.windows
     bs = _batch_size(settings.calib_samples, settings.batch_size)
     damping = {}
     with torch.no_grad():
@@ -197,23 +197,21 @@ def compress_model(model_dir: Path, settings: CompressSettings, out_dir: Path, m
             damping[str(i)] = {r["children"][0]: r["damp"] for r in records + mlp_records}
     counts = _param_counts(model, comp.modules)
     if settings.latency_model == "trn1":
-        from compression.latency import model_latency
-
-        allocation["modeled_latency"] = model_latency(comp.modules)
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "source": {"model_id": model_id, "model_dir_name": Path(model_dir).name, "sha256": weights_sha256(model_dir)},
-        "method": settings.method, "keep_ratio": settings.keep_ratio, "rank_multiple": settings.rank_multiple,
-        "targets": settings.targets, "allocation": allocation,
-        "calibration": {"data": calib_path.name, "sha256": file_sha256(calib_path), "samples": settings.calib_samples,
-                        "seqlen": settings.calib_seqlen, "seed": settings.seed, "statistics": "float64 XᵀX",
-                        "sequential": True},
-        "seed": settings.seed, "tool_version": _tool_version(), "settings": asdict(settings),
-        "parameters": counts, "params_before": counts["model_before"], "params_after": counts["model_after"],
-        "damping": damping, "compress_wall_s": round(time.perf_counter() - started, 1),
-        "modules": comp.modules,
-    }
-    write_artifact(out_dir, manifest, comp.tensors)
+        allocation["modeled_latency"] = latency.model_latency(comp.modules)
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        source=SourceRecord(model_id=model_id, model_dir_name=Path(model_dir).name, sha256=weights_sha256(model_dir)),
+        method=settings.method, keep_ratio=settings.keep_ratio, rank_multiple=settings.rank_multiple,
+        targets=settings.targets, allocation=allocation,
+        calibration=CalibrationRecord(data=calib_path.name, sha256=file_sha256(calib_path),
+                                      samples=settings.calib_samples, seqlen=settings.calib_seqlen, seed=settings.seed,
+                                      statistics="float64 XᵀX", sequential=True, document_ids=calib.document_ids),
+        seed=settings.seed, tool_version=_tool_version(), settings=asdict(settings),
+        parameters=counts, params_before=counts.model_before, params_after=counts.model_after,
+        damping=damping, compress_wall_s=round(time.perf_counter() - started, 1),
+        modules=comp.modules,
+    )
+    save_artifact(out_dir, manifest, comp.tensors)
     log.info("wrote %s: %d low-rank modules, model parameters %d -> %d (%.3f)", out_dir, len(comp.tensors) // 2,
-             counts["model_before"], counts["model_after"], counts["model_ratio"])
+             counts.model_before, counts.model_after, counts.model_ratio)
     return manifest

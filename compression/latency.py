@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from neuronmm_kernels.cost_model import model_dense_matmul, model_lowrank_matmul
+from server.models.artifact import ModuleRecord
+
 TILE = 128  # the kernels take ranks in whole 128-row tiles; a smaller multiple is modeled padded up to the tile
 
 
@@ -15,8 +18,6 @@ def padded(rank: int) -> int:
 @lru_cache(maxsize=None)
 def matrix_us(num_tokens: int, in_f: int, out_f: int, rank: int | None) -> float:
     """Modeled µs of one projection: dense_matmul when rank is None, else the fused lowrank_matmul."""
-    from neuronmm_kernels.cost_model import model_dense_matmul, model_lowrank_matmul
-
     if rank is None:
         return model_dense_matmul(num_tokens, in_f, out_f).total_us
     return model_lowrank_matmul(num_tokens, in_f, padded(rank), out_f).total_us
@@ -30,7 +31,7 @@ def step_latency(num_tokens: int = 128):
     return delta
 
 
-def model_latency(modules: dict[str, dict], token_counts=(128, 1)) -> dict:
+def model_latency(modules: dict[str, ModuleRecord], token_counts=(128, 1)) -> dict:
     """Modeled MLP matmul latency per layer and whole model (bf16, sum of per-projection kernel calls; SwiGLU excluded)."""
     out = {"note": "MODELED trn1 (neuronmm_kernels.cost_model), bf16, per-projection kernels, ranks padded to 128, "
                    "SwiGLU elementwise excluded", "tokens": {}}
@@ -40,8 +41,8 @@ def model_latency(modules: dict[str, dict], token_counts=(128, 1)) -> dict:
             if ".mlp." not in name:
                 continue
             layer = name.split(".")[2]
-            rank = None if info.get("dense") else info["rank"]
-            per_layer[layer] = per_layer.get(layer, 0.0) + matrix_us(t, info["in"], info["out"], rank)
+            rank = None if info.dense else info.rank
+            per_layer[layer] = per_layer.get(layer, 0.0) + matrix_us(t, info.in_features, info.out_features, rank)
         out["tokens"][str(t)] = {"model_us": round(sum(per_layer.values()), 2),
                                  "per_layer_us": {k: round(v, 2) for k, v in per_layer.items()}}
     return out

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
 import platform
 import time
 from pathlib import Path
 
+import torch
+
+from compression.evaluation.corpora import CORPORA, corpus_text
+from compression.evaluation.model import count_parameters, load_eval_model, max_positions
+from compression.evaluation.perplexity import perplexity
+from compression.evaluation.report import markdown_table, mean_accuracy, table_legend, write_json
+from compression.evaluation.tasks import TASKS, get_task
+from compression.evaluation.zeroshot import evaluate_task
+from server.config import load_config
 from server.errors import ConfigError
+from server.models.artifact import read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -80,21 +89,8 @@ def parse_ppl_limits(value: str | None, default: int | None, corpora: list[str])
     return limits
 
 
-def _manifest_summary(compressed: str | None) -> dict | None:
-    if not compressed:
-        return None
-    try:
-        manifest = json.loads((Path(compressed).expanduser() / "manifest.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--compressed: cannot read manifest.json ({exc.__class__.__name__})") from None
-    return manifest
-
-
 def run_eval(args: argparse.Namespace) -> int:
     """Evaluate and print the markdown table; JSON to --out."""
-    from compression.evaluation.corpora import CORPORA
-    from compression.evaluation.tasks import TASKS
-
     tasks = parse_list("--tasks", args.tasks, tuple(TASKS), all_word="all")
     corpora = parse_list("--ppl", args.ppl, CORPORA)
     seqlen = positive_int("--seqlen", args.seqlen)
@@ -110,15 +106,11 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.compressed and not Path(args.compressed).expanduser().is_dir():
         raise ConfigError(f"--compressed: not a directory: {args.compressed}")
 
-    from server.config import load_config
-
     cfg = load_config(args.config)
-    manifest = _manifest_summary(args.compressed)
+    manifest = read_manifest(Path(args.compressed)).to_dict() if args.compressed else None
     result = evaluate(cfg, args.compressed, tasks, ppl_limits, seqlen, task_limit, batch_size, threads)
     result["label"] = args.label or (Path(args.compressed).name if args.compressed else "dense")
     result["manifest"] = manifest
-    from compression.evaluation.report import markdown_table, table_legend, write_json
-
     table = markdown_table([result]) + "\n\n" + table_legend([result]) + "\n"
     print(table)
     if args.out:
@@ -131,15 +123,6 @@ def run_eval(args: argparse.Namespace) -> int:
 def evaluate(cfg, compressed: str | None, tasks: list[str], ppl_limits: dict[str, int | None], seqlen: int,
              task_limit: int | None, batch_size: int = 4, num_threads: int = 2) -> dict:
     """The result dict of one evaluation (perplexities per corpus with its window limit, task accuracies)."""
-    import torch
-
-    from compression.evaluation.corpora import corpus_text
-    from compression.evaluation.model import count_parameters, load_eval_model, max_positions
-    from compression.evaluation.perplexity import perplexity
-    from compression.evaluation.report import mean_accuracy
-    from compression.evaluation.tasks import get_task
-    from compression.evaluation.zeroshot import evaluate_task
-
     if ppl_limits and seqlen > (positions := max_positions(cfg)):
         raise ConfigError(f"--seqlen: {seqlen} exceeds the model's {positions} positions")
     model, tokenizer, model_dir = load_eval_model(cfg, compressed, num_threads)

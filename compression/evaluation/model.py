@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -10,6 +11,9 @@ import torch
 
 from server.config import Config
 from server.errors import ConfigError
+from server.models.artifact import MANIFEST
+from server.models.compressed import apply_artifact_to_hf
+from server.models.source import resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -19,8 +23,6 @@ def load_eval_model(cfg: Config, compressed: str | Path | None = None, num_threa
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from server.models.source import resolve_model_dir
-
     # The CPU is shared; more threads than this only adds contention.
     torch.set_num_threads(max(1, min(num_threads, 2)))
     model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
@@ -28,12 +30,8 @@ def load_eval_model(cfg: Config, compressed: str | Path | None = None, num_threa
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if compressed:
         path = Path(compressed).expanduser()
-        if not (path / "manifest.json").is_file():
-            raise ConfigError(f"--compressed: no manifest.json in {path}")
-        try:
-            from compression.artifacts import apply_artifact_to_hf
-        except ImportError:
-            raise ConfigError("--compressed: compression.artifacts is not available in this build") from None
+        if not (path / MANIFEST).is_file():
+            raise ConfigError(f"--compressed: no {MANIFEST} in {path}")
         apply_artifact_to_hf(model, path)
         log.info("applied compressed artifact %s", path)
     return model, tokenizer, model_dir
@@ -41,10 +39,6 @@ def load_eval_model(cfg: Config, compressed: str | Path | None = None, num_threa
 
 def max_positions(cfg: Config) -> int:
     """The model's position limit, read from its config.json without loading weights."""
-    import json
-
-    from server.models.source import resolve_model_dir
-
     config = json.loads((resolve_model_dir(cfg.model, cfg.cache_path) / "config.json").read_text())
     return int(config.get("max_position_embeddings", 2048))
 

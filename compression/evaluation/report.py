@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 _CORPUS_TITLES = {"wikitext2": "WikiText-2", "ptb": "PTB", "c4": "C4"}
-_TASK_TITLES = {"arc_easy": "ARC-E", "arc_challenge": "ARC-C", "piqa": "PIQA", "hellaswag": "HellaSwag",
+TASK_TITLES = {"arc_easy": "ARC-E", "arc_challenge": "ARC-C", "piqa": "PIQA", "hellaswag": "HellaSwag",
                 "winogrande": "WinoGrande", "boolq": "BoolQ", "openbookqa": "OBQA"}
 
 
@@ -52,8 +52,8 @@ def _fmt_task(result: dict | None) -> str:
 def markdown_table(runs: list[dict]) -> str:
     """One row per run (each a `neuronmm eval` result dict with a `label`); columns for what any run has."""
     corpora = [c for c in _CORPUS_TITLES if any(c in r.get("perplexity", {}) for r in runs)]
-    tasks = [t for t in _TASK_TITLES if any(t in r.get("zeroshot", {}) for r in runs)]
-    head = ["model", "params"] + [f"{_CORPUS_TITLES[c]} ppl" for c in corpora] + [_TASK_TITLES[t] for t in tasks]
+    tasks = [t for t in TASK_TITLES if any(t in r.get("zeroshot", {}) for r in runs)]
+    head = ["model", "params"] + [f"{_CORPUS_TITLES[c]} ppl" for c in corpora] + [TASK_TITLES[t] for t in tasks]
     if tasks:
         head.append("mean acc")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

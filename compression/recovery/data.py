@@ -1,10 +1,10 @@
 """Recovery training text: C4 sample documents that compression calibration did not use, as windows.
 
 Split (documented in docs/BENCHMARKS.md): compression.calibration shuffles the documents with the
-calibration seed and consumes them until samples x seqlen tokens; we replay that selection (same
-seed, same tokenizer, same EOS separator) and exclude those documents, then take the rest in file
-order. WikiText-2 and PTB are untouched; `neuronmm eval`'s C4 perplexity reads every document of
-the sample, so C4 perplexity after recovery is partly in-sample - WikiText-2/PTB are the held-out
+calibration seed and consumes them until samples x seqlen tokens, and the manifest records which
+(`calibration.document_ids`); we exclude those documents and take the rest in file order.
+WikiText-2 and PTB are untouched; `neuronmm eval`'s C4 perplexity reads every document of the
+sample, so C4 perplexity after recovery is partly in-sample - WikiText-2/PTB are the held-out
 measures.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 from pathlib import Path
 
 import torch
@@ -35,32 +34,13 @@ def read_documents(path: Path) -> tuple[list[str], str]:
     return docs, hashlib.sha256(raw).hexdigest()
 
 
-def calibration_document_ids(docs: list[str], tokenizer, num_samples: int, seqlen: int, seed: int) -> set[int]:
-    """Indices of the documents compression.calibration_windows consumes (its selection, replayed)."""
-    order = list(range(len(docs)))
-    random.Random(seed).shuffle(order)  # same permutation as shuffling the texts themselves
-    need, count, used = num_samples * seqlen, 0, set()
-    sep = 1 if tokenizer.eos_token_id is not None else 0
-    for i in order:
-        if count >= need:
-            break
-        used.add(i)
-        count += len(tokenizer(docs[i], add_special_tokens=False)["input_ids"]) + sep
-    return used
-
-
-def recovery_documents(path: Path, tokenizer=None, calib: dict | None = None) -> tuple[list[str], str, int]:
-    """(documents not used by calibration in file order, file sha256, number excluded).
-
-    `calib` = {"samples", "seqlen", "seed"} of the compression run; None excludes nothing.
-    """
+def recovery_documents(path: Path, exclude: set[int] = frozenset()) -> tuple[list[str], str, int]:
+    """(documents of `path` whose line index is not in `exclude`, in file order; file sha256; number excluded)."""
     docs, sha = read_documents(path)
-    used = set() if calib is None else calibration_document_ids(docs, tokenizer, calib["samples"],
-                                                                  calib["seqlen"], calib["seed"])
-    rest = [d for i, d in enumerate(docs) if i not in used]
+    rest = [d for i, d in enumerate(docs) if i not in exclude]
     if not rest:
         raise ConfigError(f"{path}: every document went to calibration; none left for recovery")
-    return rest, sha, len(used)
+    return rest, sha, len(docs) - len(rest)
 
 
 def token_windows(tokenizer, docs: list[str], seqlen: int, max_windows: int | None = None) -> torch.Tensor:

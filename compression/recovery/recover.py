@@ -11,12 +11,14 @@ from pathlib import Path
 
 import torch
 
+from compression.calibration import calibration_windows
+from compression.evaluation.datadir import data_dir
 from compression.recovery.adapter import attach_adapters, merge_adapters
-from compression.recovery.artifact_io import (check_source, factor_tensors, install_factors, read_artifact,
-                                              write_artifact)
 from compression.recovery.checkpoint import CHECKPOINT_NAME
 from compression.recovery.data import recovery_documents, token_windows
 from compression.recovery.train import RecoveryConfig, train_adapters
+from server.models.artifact import FACTORS, MANIFEST, Manifest, check_model_hash, load_artifact, save_artifact
+from server.models.compressed import factor_tensors, swap_in_factors
 
 log = logging.getLogger(__name__)
 
@@ -34,28 +36,28 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
-def calibration_params(manifest: dict) -> dict:
-    """{"samples", "seqlen", "seed"} of the compression run (manifest, else the config defaults)."""
-    from server.config import CompressionConfig
+def calibration_document_ids(manifest: Manifest, path: Path, tokenizer) -> set[int]:
+    """The documents (line indices of `path`) compression calibrated on, as its manifest records them.
 
-    defaults = CompressionConfig()
-    found = {"samples": defaults.calib_samples, "seqlen": defaults.calib_seqlen, "seed": defaults.seed}
-    aliases = {"samples": ("calib_samples", "samples", "num_samples"), "seqlen": ("calib_seqlen", "seqlen"),
-               "seed": ("seed", "calib_seed")}
-    for scope in (manifest, manifest.get("calibration") if isinstance(manifest.get("calibration"), dict) else {}):
-        for field, names in aliases.items():
-            for name in names:
-                if isinstance(scope.get(name), int):
-                    found[field] = scope[name]
-    return found
+    Artifacts written before the ids were recorded get calibration's own selection replayed from their
+    samples/seqlen/seed; a manifest without a calibration record (made by hand) excludes nothing.
+    """
+    calib = manifest.calibration
+    if calib is None:
+        return set()
+    if calib.document_ids is not None:
+        return set(calib.document_ids)
+    log.warning("manifest records no calibration document ids; replaying the calibration selection")
+    return set(calibration_windows(path, tokenizer, calib.samples, calib.seqlen, calib.seed).document_ids)
 
 
-def load_adapted_model(model_dir: Path, tensors: dict, rcfg: RecoveryConfig, device: torch.device):
+def load_adapted_model(model_dir: Path, manifest: Manifest, tensors: dict, rcfg: RecoveryConfig,
+                       device: torch.device):
     """The HF model (float32) with the artifact's factors installed and adapters attached; (model, names)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    names = install_factors(model, tensors)
+    names = swap_in_factors(model, manifest, tensors)
     model.to(device)
     attach_adapters(model, rcfg.adapter_rank, rcfg.alpha, rcfg.seed)
     return model, names
@@ -70,22 +72,19 @@ def recover_artifact(artifact_dir: Path, model_dir: Path, cfg=None, *, out_dir: 
     """
     from transformers import AutoTokenizer
 
-    from compression.evaluation.datadir import data_dir
-
     rcfg = cfg if isinstance(cfg, RecoveryConfig) else RecoveryConfig()
     rcfg.validate()
     artifact_dir, out_dir = Path(artifact_dir), Path(out_dir or artifact_dir)
-    manifest, tensors = read_artifact(artifact_dir)
-    check_source(manifest, Path(model_dir), artifact_dir)
+    manifest, tensors = load_artifact(artifact_dir)
+    check_model_hash(manifest, Path(model_dir), f"recover {artifact_dir}")
     torch.set_num_threads(rcfg.num_threads)
     device = _pick_device(rcfg.device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    calib = calibration_params(manifest)
-    docs, data_sha, num_excluded = recovery_documents(Path(data_path) if data_path else data_dir() / DEFAULT_DATA,
-                                                      tokenizer, calib)
+    path = Path(data_path) if data_path else data_dir() / DEFAULT_DATA
+    docs, data_sha, num_excluded = recovery_documents(path, calibration_document_ids(manifest, path, tokenizer))
     windows = token_windows(tokenizer, docs, rcfg.seqlen, max_windows=rcfg.steps * rcfg.batch_size)
     torch.manual_seed(rcfg.seed)
-    model, names = load_adapted_model(Path(model_dir), tensors, rcfg, device)
+    model, names = load_adapted_model(Path(model_dir), manifest, tensors, rcfg, device)
     t0 = time.perf_counter()
     ckpt = artifact_dir / CHECKPOINT_NAME
     run = train_adapters(model, windows, rcfg, ckpt, resume=resume, stop_after=stop_after)
@@ -102,7 +101,9 @@ def recover_artifact(artifact_dir: Path, model_dir: Path, cfg=None, *, out_dir: 
         "optimizer": f"AdamW(weight_decay={rcfg.weight_decay}), grad-norm clip {rcfg.max_grad_norm}",
         "initial_loss": losses[0], "final_loss": sum(tail) / len(tail),
         "data": "c4-validation-sample.jsonl minus the compression calibration documents, file order",
-        "data_sha256": data_sha, "calibration_documents_excluded": num_excluded, "calibration": calib,
+        "data_sha256": data_sha, "calibration_documents_excluded": num_excluded,
+        "calibration": manifest.calibration.model_dump(include={"samples", "seqlen", "seed"})
+        if manifest.calibration else None,
         "num_windows": len(windows), "seed": rcfg.seed, "device": str(device),
         "wall_s": round(run["wall_s"], 2), "total_wall_s": round(time.perf_counter() - t0, 2),
         "peak_rss_mib": round(_peak_rss_mib(), 1),
@@ -110,8 +111,9 @@ def recover_artifact(artifact_dir: Path, model_dir: Path, cfg=None, *, out_dir: 
     }
     if device.type == "cuda":
         block["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-    new_manifest = dict(manifest, recovery=block)
-    write_artifact(artifact_dir, out_dir, new_manifest, factor_tensors(model, names))
+    carry = tuple(item for item in artifact_dir.iterdir() if item.is_file() and item.name not in (MANIFEST, FACTORS)
+                  and not item.name.startswith("recovery-"))
+    save_artifact(out_dir, manifest.model_copy(update={"recovery": block}), factor_tensors(model, names), carry)
     ckpt.unlink(missing_ok=True)  # in-place: already gone with the old dir; --out: the source keeps none
     log.info("recovered %d modules: loss %.3f -> %.3f in %.0f s", len(names), losses[0], block["final_loss"],
              run["wall_s"])

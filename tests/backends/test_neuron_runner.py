@@ -8,13 +8,13 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from server.api.metrics import ServerMetrics
 from server.backends.base import SeqChunk
 from server.backends.neuron.layout import layer_keys
 from server.backends.neuron.runner import NeuronRunner
 from server.config import ConfigError, load_config
+from server.models.artifact import FORMAT_VERSION, Manifest, ModuleRecord, save_artifact
 
 VOCAB = 50
 HF = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64, "intermediate_size": 160,
@@ -107,18 +107,15 @@ def test_too_many_slots_or_tokens_fail_clearly(model_dir, tmp_path):
         runner.execute([SeqChunk(0, [1], 2048)])
 
 
-def test_compressed_artifact_is_prepared_once_at_load(model_dir, tmp_path, monkeypatch):
-    # our own fixture files: read through the runner's direct reader, not compression.artifacts
-    monkeypatch.setitem(sys.modules, "compression.artifacts", None)
+def test_compressed_artifact_is_prepared_once_at_load(model_dir, tmp_path):
     art = tmp_path / "art"
-    art.mkdir()
-    (art / "manifest.json").write_text(json.dumps({"keep_ratio": 0.8}))
-    tensors = {}
+    tensors, modules = {}, {}
     for proj in ("gate", "up", "down"):
         in_dim, out_dim = (160, 64) if proj == "down" else (64, 160)
         a, b = layer_keys(1, proj)
         tensors[a], tensors[b] = torch.randn(100, in_dim).bfloat16(), torch.randn(out_dim, 100).bfloat16()
-    save_file(tensors, str(art / "factors.safetensors"))
+        modules[a[:-2]] = ModuleRecord(rank=100, in_features=in_dim, out_features=out_dim)
+    save_artifact(art, Manifest(format_version=FORMAT_VERSION, modules=modules, keep_ratio=0.8), tensors)
     runner, seen = _runner(model_dir, tmp_path, compressed=art)
     assert list(seen["factors"]) == [1]
     f = seen["factors"][1]

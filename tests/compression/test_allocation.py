@@ -120,7 +120,7 @@ def sensitivity_artifact(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("alloc") / "tiny-sens"
     s = CompressSettings(keep_ratio=0.5, rank_multiple=8, calib_samples=4, calib_seqlen=32, batch_size=2,
                          allocation="sensitivity", latency_model="trn1", fisher_windows=2)
-    return compress_model(tiny_model_dir, s, out, model_id="tiny")
+    return compress_model(tiny_model_dir, s, out, model_id="tiny").to_dict()
 
 
 def test_sensitivity_compress_within_budget_with_multiple_ranks(sensitivity_artifact):

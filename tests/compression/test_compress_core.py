@@ -1,17 +1,12 @@
-"""Compression maths and artifacts: rank budget, whitening, Cholesky fallback, manifest round trip, atomicity."""
+"""Compression maths: rank budget, whitening, Cholesky fallback, float64 statistics."""
 
 from __future__ import annotations
-
-import json
-import os
 
 import pytest
 import torch
 
-from compression.artifacts import MANIFEST, load_artifact, write_artifact
 from compression.rank import block_rank, low_rank_params, saves_parameters
 from compression.whiten import activation_rel_error, damped_cholesky, plain_factors, whitened_factors
-from server.errors import ConfigError
 
 
 @pytest.mark.parametrize("in_f,out_f", [(576, 1536), (1536, 576), (64, 128), (4096, 11008)])
@@ -73,58 +68,6 @@ def test_cholesky_fallback_on_singular(caplog):
     assert torch.allclose(L @ L.T, xtx + lam * torch.eye(6, dtype=torch.float64))
     with pytest.raises(ValueError):
         damped_cholesky(torch.full((3, 3), float("nan"), dtype=torch.float64))
-
-
-def _manifest():
-    return {"format_version": 1, "source": {"sha256": "x"}, "modules": {
-        "model.layers.0.mlp.down_proj": {"rank": 4, "in": 16, "out": 8, "rel_error": 0.1},
-        "model.layers.0.mlp.up_proj": {"dense": True, "reason": "no gain", "in": 8, "out": 16}}}
-
-
-def _tensors():
-    torch.manual_seed(0)
-    return {"model.layers.0.mlp.down_proj.A": torch.randn(4, 16), "model.layers.0.mlp.down_proj.B": torch.randn(8, 4)}
-
-
-def test_manifest_round_trip_and_mismatch(tmp_path):
-    out = tmp_path / "art"
-    write_artifact(out, _manifest(), _tensors())
-    manifest, tensors = load_artifact(out)
-    assert manifest == _manifest()
-    want = _tensors()
-    assert set(tensors) == set(want) and all(torch.equal(tensors[k], want[k]) for k in want)
-    bad = _manifest()
-    bad["modules"]["model.layers.0.mlp.down_proj"]["rank"] = 5
-    (out / MANIFEST).write_text(json.dumps(bad))
-    with pytest.raises(ConfigError, match="do not match the manifest"):
-        load_artifact(out)
-    (out / MANIFEST).write_text("{not json")
-    with pytest.raises(ConfigError, match="not valid JSON"):
-        load_artifact(out)
-    (out / MANIFEST).write_text(json.dumps({**_manifest(), "format_version": 99}))
-    with pytest.raises(ConfigError, match="format_version"):
-        load_artifact(out)
-    with pytest.raises(ConfigError, match="needs"):
-        load_artifact(tmp_path / "absent")
-
-
-def test_interrupted_write_leaves_nothing_half_written(tmp_path, monkeypatch):
-    out = tmp_path / "art"
-    write_artifact(out, _manifest(), _tensors())
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
-    import compression.artifacts as art
-
-    def boom(*_a, **_k):
-        raise KeyboardInterrupt  # as if the user pressed Ctrl-C mid-write
-
-    monkeypatch.setattr(art, "save_file", boom)
-    with pytest.raises(KeyboardInterrupt):
-        write_artifact(out, {**_manifest(), "method": "new"}, _tensors())
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert sorted(os.listdir(tmp_path)) == ["art"]
-    with pytest.raises(KeyboardInterrupt):
-        write_artifact(tmp_path / "fresh", _manifest(), _tensors())
-    assert not (tmp_path / "fresh").exists() and sorted(os.listdir(tmp_path)) == ["art"]
 
 
 def test_gram_is_float64_symmetric_xtx_over_leading_dims():

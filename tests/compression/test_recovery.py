@@ -7,14 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from compression.recovery import RecoveryConfig, recover_artifact
 from compression.recovery.adapter import adapter_parameters, attach_adapters, merge_adapters
-from compression.recovery.artifact_io import install_factors
 from compression.recovery.checkpoint import CHECKPOINT_NAME
 from compression.recovery.data import batch_indices
 from compression.recovery.train import lr_factor, train_adapters
+from server.models.artifact import FORMAT_VERSION, Manifest, ModuleRecord, SourceRecord, save_artifact, weights_sha256
+from server.models.compressed import swap_in_factors
 from server.models.lowrank import LowRankLinear
 
 C4 = Path(__file__).resolve().parents[3] / "shared" / "data" / "c4" / "c4-validation-sample.jsonl"
@@ -35,20 +36,26 @@ def _factorize(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _manifest(model_dir: Path, tensors: dict[str, torch.Tensor]) -> Manifest:
+    """A hand-made artifact's manifest (no calibration record: recovery then excludes no documents)."""
+    modules = {key[:-2]: ModuleRecord(rank=RANK, in_features=a.shape[1], out_features=tensors[key[:-2] + ".B"].shape[0])
+               for key, a in tensors.items() if key.endswith(".A")}
+    return Manifest(format_version=FORMAT_VERSION, modules=modules, keep_ratio=0.5, method="plain",
+                    source=SourceRecord(sha256=weights_sha256(model_dir)))
+
+
 @pytest.fixture
 def artifact(tmp_path, tiny_model_dir) -> Path:
-    d = tmp_path / "art"
-    d.mkdir()
-    save_file(_factorize(tiny_model_dir), str(d / "factors.safetensors"))
-    (d / "manifest.json").write_text(json.dumps({"format_version": 1, "keep_ratio": 0.5, "method": "plain"}))
-    return d
+    tensors = _factorize(tiny_model_dir)
+    return save_artifact(tmp_path / "art", _manifest(tiny_model_dir, tensors), tensors)
 
 
 def _tiny_adapted(tiny_model_dir: Path, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    install_factors(model, _factorize(tiny_model_dir))
+    tensors = _factorize(tiny_model_dir)
+    swap_in_factors(model, _manifest(tiny_model_dir, tensors), tensors)
     attach_adapters(model, adapter_rank=4, alpha=8.0, seed=seed)
     return model
 
@@ -150,8 +157,8 @@ def test_recovery_text_excludes_calibration_documents(tiny_model_dir):
     from compression.recovery.data import read_documents, recovery_documents
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    calib = calibration_windows(C4, tok, 4, 64, 3)
-    rest, _, excluded = recovery_documents(C4, tok, {"samples": 4, "seqlen": 64, "seed": 3})
+    calib, document_ids = calibration_windows(C4, tok, 4, 64, 3)
+    rest, _, excluded = recovery_documents(C4, set(document_ids))
     everything, _ = read_documents(C4)
     assert excluded >= 1 and len(rest) == len(everything) - excluded
     used = [d for d in everything if d not in set(rest)]

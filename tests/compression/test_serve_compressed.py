@@ -6,9 +6,10 @@ import httpx
 import pytest
 import torch
 
-from compression.artifacts import apply_artifact_to_hf, load_artifact
 from compression.compress import CompressSettings, compress_model
 from server.errors import ConfigError
+from server.models.artifact import load_artifact
+from server.models.compressed import apply_artifact_to_hf
 from support import live_server, tiny_config
 
 
@@ -25,13 +26,15 @@ def test_manifest_records_ranks_errors_and_counts(artifact):
     out, manifest = artifact
     loaded, tensors = load_artifact(out)
     assert loaded == manifest
-    mods = manifest["modules"]
+    mods = manifest.modules
     assert len(mods) == 2 * 3  # 2 layers x gate/up/down
     for name, info in mods.items():
-        assert info["rank"] % 8 == 0 and 0 <= info["rel_error"] < 1
-        assert tensors[f"{name}.A"].shape == (info["rank"], info["in"])
-    assert manifest["parameters"]["model_after"] < manifest["parameters"]["model_before"]
-    assert len(manifest["calibration"]["sha256"]) == 64 and manifest["calibration"]["samples"] == 4
+        assert info.rank % 8 == 0 and 0 <= info.rel_error < 1
+        assert tensors[f"{name}.A"].shape == (info.rank, info.in_features)
+    assert manifest.parameters.model_after < manifest.parameters.model_before
+    assert len(manifest.calibration.sha256) == 64 and manifest.calibration.samples == 4
+    ids = manifest.calibration.document_ids
+    assert ids and ids == sorted(set(ids))  # the documents calibration read, recorded for recovery
 
 
 def test_apply_to_hf_matches_serving_model(artifact, tiny_model_dir):

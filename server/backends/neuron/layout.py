@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from server.models.artifact import factor_keys
+
 TILE = 128  # partition tile: the kernel wants ranks (and we keep shard widths) in multiples of it
 PROJECTIONS = ("gate", "up", "down")
 # Dimension tnx splits each factor along (None = replicated); mirrors the layout described above.
@@ -52,8 +54,7 @@ class LayerFactors:
 
 def layer_keys(layer: int, proj: str) -> tuple[str, str]:
     """Artifact keys of one projection's factors (A [rank, in], B [out, rank])."""
-    base = f"model.layers.{layer}.mlp.{proj}_proj"
-    return f"{base}.A", f"{base}.B"
+    return factor_keys(f"model.layers.{layer}.mlp.{proj}_proj")
 
 
 def compressed_layers(tensors: dict[str, np.ndarray], num_layers: int) -> list[int]:

@@ -21,18 +21,9 @@ from server.backends.base import SeqChunk
 from server.backends.neuron.buckets import PaddingStats, bucket_for
 from server.backends.neuron.translate import TnxArgs, build_tnx_config, translate
 from server.config import Config, ConfigError
+from server.models.artifact import load_artifact
 
 log = logging.getLogger(__name__)
-
-
-def _read_factors(path: Path) -> tuple[dict, dict]:
-    """manifest.json + factors.safetensors, read directly (same file names as compression.artifacts)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if not (path / "manifest.json").is_file():
-        raise ConfigError(f"model.compressed: no manifest.json in {path}")
-    return json.loads((path / "manifest.json").read_text()), load_file(str(path / "factors.safetensors"))
 
 
 def load_factors(compressed: Path, num_layers: int, tp_degree: int) -> dict:
@@ -41,10 +32,6 @@ def load_factors(compressed: Path, num_layers: int, tp_degree: int) -> dict:
 
     from server.backends.neuron.layout import compressed_layers, prepare_layer
 
-    try:
-        from compression.artifacts import load_artifact
-    except ImportError:  # the compression package is optional on a serving-only image
-        load_artifact = _read_factors
     _, tensors = load_artifact(compressed)
     tensors = {k: (v.float().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)) for k, v in tensors.items()}
     layers = compressed_layers(tensors, num_layers)

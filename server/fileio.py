@@ -1,0 +1,88 @@
+"""Atomic writes (temp beside the target, then a rename) and sha256 of files: the one place for both.
+
+A reader never sees a half-written file or folder: an exception, Ctrl-C or kill before the rename
+leaves the target as it was (absent, or the previous version).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+_CHUNK = 1 << 22
+
+
+def _update(digest, path: Path) -> None:
+    with open(path, "rb") as fh:
+        while block := fh.read(_CHUNK):
+            digest.update(block)
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of one file, streamed."""
+    digest = hashlib.sha256()
+    _update(digest, Path(path))
+    return digest.hexdigest()
+
+
+def files_sha256(paths: Iterable[Path]) -> str:
+    """Hex sha256 over several files: each one's name then its bytes, in sorted path order."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(p) for p in paths):
+        digest.update(path.name.encode())
+        _update(digest, path)
+    return digest.hexdigest()
+
+
+@contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """Yield a temp path beside `path` to write; a clean exit renames it over `path`, an error removes it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, data) -> Path:
+    """Write `data` as indented JSON (+ newline) through atomic_file; returns the path."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    return Path(path)
+
+
+def swap_in_dir(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished folder tmp to out_dir (same parent); an existing out_dir stays whole until then."""
+    if out_dir.exists():
+        # Two renames: the old folder stays whole until the new one is complete beside it.
+        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        os.rename(out_dir, old / "a")
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out_dir)
+
+
+@contextmanager
+def atomic_dir(out_dir: Path) -> Iterator[Path]:
+    """Yield a temp folder beside out_dir to fill; a clean exit swaps it in, an error removes it."""
+    out_dir = Path(out_dir).expanduser().resolve()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        yield tmp
+        swap_in_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
