@@ -22,9 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from compression.evaluation.report import TASK_TITLES, mean_accuracy, write_json
+from compression.evaluation.report import TASK_TITLES, mean_accuracy
 from compression.rank import block_rank, saves_parameters
-from server.fileio import files_sha256
+from server.fileio import files_sha256, write_json_atomic
 from server.models.artifact import MANIFEST, Manifest, read_manifest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -105,7 +105,7 @@ def _checkpoint(args, rows: list[dict], complete: bool, missing: str | None = No
     result = dict(_header(args), complete=complete, rows=rows)
     if missing:
         result["missing"] = missing
-    out = write_json(REPO / args.out, result)
+    out = write_json_atomic(REPO / args.out, result)
     out.with_suffix(".md").write_text(markdown(result) + "\n")
     return result
 

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from bench.compression_quality import NEURONMM, REPO, _run
+from server.fileio import write_json_atomic
 from server.models.artifact import MANIFEST, read_manifest
 
 CORPORA = ("wikitext2", "ptb", "c4")
@@ -128,9 +129,7 @@ def _write(args, rows: list[dict], complete: bool) -> None:
                        "tasks": args.tasks, "task_items": args.task_limit},
               "complete": complete, "rows": rows}
     _gaps(rows)
-    out = REPO / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_json_atomic(REPO / args.out, result)
     out.with_suffix(".md").write_text(markdown(result) + "\n")
 
 

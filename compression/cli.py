@@ -8,7 +8,14 @@ import resource
 import time
 from pathlib import Path
 
-from server.errors import ConfigError
+import torch
+from pydantic import ValidationError
+
+from compression.compress import CompressSettings, compress_model
+from compression.recovery import recover_artifact
+from server.config import CompressionConfig, Config, RecoveryConfig, load_config, validate_section
+from server.errors import ConfigError, first_error
+from server.models.source import resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -16,7 +23,8 @@ log = logging.getLogger(__name__)
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `compress` subcommand."""
     p = subparsers.add_parser("compress", help="low-rank compress a model's MLP (whitened SVD) into an artifact")
-    p.add_argument("--config", help="YAML config (default: configs/smollm2-135m.yaml); its `compression:` block gives defaults")
+    p.add_argument("--config", help="YAML config (default: the packaged configs/smollm2-135m.yaml); its `compression:` "
+                                    "block gives defaults")
     p.add_argument("--keep-ratio", type=float, help="fraction of each matrix's parameters kept, in (0, 1]")
     p.add_argument("--method", choices=["whitened", "plain"])
     p.add_argument("--targets", choices=["mlp", "mlp+attn"])
@@ -41,57 +49,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def settings_from(args: argparse.Namespace, cfg):
-    """CompressSettings: CLI flags over the config's compression block."""
-    from compression.compress import CompressSettings
-
-    c = cfg.compression
-    pick = lambda flag, default: default if flag is None else flag  # noqa: E731
-    s = CompressSettings(keep_ratio=pick(args.keep_ratio, c.keep_ratio), method=pick(args.method, c.method),
-                         targets=pick(args.targets, c.targets), rank_multiple=pick(args.rank_multiple, c.rank_multiple),
-                         calib_samples=pick(args.calib_samples, c.calib_samples),
-                         calib_seqlen=pick(args.calib_seqlen, c.calib_seqlen),
-                         calib_data=pick(args.calib_data, c.calib_data), seed=pick(args.seed, c.seed),
-                         allocation=pick(args.allocation, c.allocation),
-                         latency_model=pick(args.latency_model, c.latency_model),
-                         sensitivity=pick(args.sensitivity, c.sensitivity))
-    if not 0 < s.keep_ratio <= 1:
-        raise ConfigError(f"--keep-ratio must be in (0, 1], got {s.keep_ratio}")
-    if s.rank_multiple < 1 or s.calib_samples < 1 or s.calib_seqlen < 2:
-        raise ConfigError("--rank-multiple, --calib-samples must be >= 1 and --calib-seqlen >= 2")
-    return s
-
-
-def _recover_fn():
+def settings_from(args: argparse.Namespace, cfg: Config) -> CompressSettings:
+    """CompressSettings: CLI flags over the config's compression block (a bad value names its flag)."""
+    flags = {name: getattr(args, name) for name in CompressionConfig.model_fields if getattr(args, name) is not None}
     try:
-        from compression.recovery import RecoveryConfig, recover_artifact
-    except ImportError:
-        return None
-    return recover_artifact, RecoveryConfig
+        return CompressSettings.model_validate({**cfg.compression.model_dump(), **flags})
+    except ValidationError as exc:
+        name = str(exc.errors()[0]["loc"][0])
+        raise ConfigError("--" + first_error(exc).replace(name, name.replace("_", "-"), 1)) from None
 
 
 def _run(args: argparse.Namespace) -> int:
-    import torch
-
-    from compression.compress import compress_model
-    from server.config import load_config
-    from server.models.source import resolve_model_dir
-
     started = time.perf_counter()
-    cfg = load_config(args.config) if args.config else load_config()
+    cfg = load_config(args.config)
     settings = settings_from(args, cfg)
-    recover = _recover_fn() if args.recover else None
-    if args.recover and recover is None:
-        raise ConfigError("--recover lora: compression.recovery is not available in this build")
-    if recover is not None:  # check before the (minutes-long) compression, not after
-        recover_artifact, RecoveryConfig = recover
-        rcfg = RecoveryConfig(steps=args.recover_steps, num_threads=max(1, args.num_threads))
-        rcfg.validate()
+    if args.recover:  # check before the (minutes-long) compression, not after
+        rcfg = validate_section(RecoveryConfig, {**cfg.recovery.model_dump(), "steps": args.recover_steps,
+                                                 "num_threads": max(1, args.num_threads)}, "--recover lora")
     torch.set_num_threads(max(1, args.num_threads))
     model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
     out = Path(args.out).expanduser()
     manifest = compress_model(model_dir, settings, out, model_id=cfg.model.name)
-    if recover is not None:
+    if args.recover:
         recover_artifact(out, model_dir, rcfg)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     counts = manifest.parameters

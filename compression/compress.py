@@ -5,20 +5,21 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from pydantic import Field
 from torch import nn
 from tqdm import tqdm
 
 from compression import latency
 from compression.allocation import allocate
-from compression.calibration import calibration_windows, resolve_calib_path
+from compression.calibration import calibration_windows
 from compression.rank import block_rank, saves_parameters
-from compression.statistics import MLP, batched_gram, capture_layer0_inputs, gram, input_grams, mlp_inputs
 from compression.sensitivity import dense_mlp_spectra, output_fisher
+from compression.statistics import MLP, batched_gram, capture_layer0_inputs, gram, input_grams, mlp_inputs
 from compression.whiten import activation_rel_error, damped_cholesky, plain_factors, whitened_factors
+from server.config import CompressionConfig, data_path
 from server.errors import ConfigError
 from server.fileio import file_sha256
 from server.models.artifact import (FORMAT_VERSION, CalibrationRecord, Manifest, ModuleRecord, ParameterCounts,
@@ -30,23 +31,12 @@ log = logging.getLogger(__name__)
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-@dataclass
-class CompressSettings:
-    """Everything that decides the factors (recorded in the manifest)."""
+class CompressSettings(CompressionConfig):
+    """Everything that decides the factors (recorded in the manifest): the config's compression block plus
+    two knobs of the calibration passes."""
 
-    keep_ratio: float = 0.8
-    method: str = "whitened"
-    targets: str = "mlp"
-    rank_multiple: int = 128
-    calib_samples: int = 64
-    calib_seqlen: int = 512
-    calib_data: str = "../shared/data/c4/c4-validation-sample.jsonl"
-    seed: int = 0
-    allocation: str = "sensitivity"  # measured winner (docs/BENCHMARKS.md, issue 7); "uniform": one rank formula
-    sensitivity: str = "fisher"  # allocation measure: "fisher" (loss-weighted) or "normalised" (relative error)
-    fisher_windows: int = 16  # calibration windows the Fisher estimate back-propagates
-    batch_size: int = 8
-    latency_model: str = "none"
+    fisher_windows: int = Field(16, ge=1)  # calibration windows the Fisher estimate back-propagates
+    batch_size: int = Field(8, ge=1)  # windows per forward pass of the calibration passes
 
 
 def _tool_version() -> str:
@@ -176,7 +166,7 @@ def compress_model(model_dir: Path, settings: CompressSettings, out_dir: Path, m
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     started = time.perf_counter()
-    calib_path = resolve_calib_path(settings.calib_data)
+    calib_path = data_path(settings.calib_data, "compression.calib_data")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     calib = calibration_windows(calib_path, tokenizer, settings.calib_samples, settings.calib_seqlen, settings.seed)
@@ -206,7 +196,7 @@ def compress_model(model_dir: Path, settings: CompressSettings, out_dir: Path, m
         calibration=CalibrationRecord(data=calib_path.name, sha256=file_sha256(calib_path),
                                       samples=settings.calib_samples, seqlen=settings.calib_seqlen, seed=settings.seed,
                                       statistics="float64 XᵀX", sequential=True, document_ids=calib.document_ids),
-        seed=settings.seed, tool_version=_tool_version(), settings=asdict(settings),
+        seed=settings.seed, tool_version=_tool_version(), settings=settings.model_dump(),
         parameters=counts, params_before=counts.model_before, params_after=counts.model_after,
         damping=damping, compress_wall_s=round(time.perf_counter() - started, 1),
         modules=comp.modules,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -13,6 +14,9 @@ from server.errors import ConfigError, first_error
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+_Section = TypeVar("_Section", bound=BaseModel)
 
 
 class ModelConfig(_Strict):
@@ -73,11 +77,34 @@ class CompressionConfig(_Strict):
     rank_multiple: int = Field(128, ge=1)
     calib_samples: int = Field(64, ge=1)
     calib_seqlen: int = Field(512, ge=16)
-    calib_data: str = "../shared/data/c4/c4-validation-sample.jsonl"
+    calib_data: str = "../shared/data/c4/c4-validation-sample.jsonl"  # ../shared/data/ means data_dir()
     seed: int = 0
     allocation: Literal["uniform", "sensitivity"] = "sensitivity"
     latency_model: Literal["none", "trn1"] = "none"
     sensitivity: Literal["fisher", "normalised"] = "fisher"
+
+
+class RecoveryConfig(_Strict):
+    """Defaults for `neuronmm recover` (LoRA on the factors); its CLI flags map 1:1 onto these."""
+
+    steps: int = Field(200, ge=1)
+    lr: float = Field(1e-3, gt=0, allow_inf_nan=False)
+    seqlen: int = Field(256, ge=1)
+    batch_size: int = Field(4, ge=1)
+    adapter_rank: int = Field(8, ge=1)
+    alpha: float = 16.0
+    warmup_steps: int = Field(10, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    checkpoint_every: int = Field(25, ge=1)
+    seed: int = 0
+    num_threads: int = Field(2, ge=1)
+    device: str = "auto"
+
+    def fingerprint(self) -> dict:
+        """The fields a resumed run must share with the run that wrote the checkpoint."""
+        return self.model_dump(exclude={"num_threads", "device", "checkpoint_every"})
 
 
 class NeuronConfig(_Strict):
@@ -92,7 +119,7 @@ class NeuronConfig(_Strict):
 
 
 class Config(_Strict):
-    """One deployment: model, backend, engine limits, server, offline compression defaults."""
+    """One deployment: model, backend, engine limits, server, offline compression and recovery defaults."""
 
     model: ModelConfig
     backend: Literal["torch", "neuron"] = "torch"
@@ -101,6 +128,7 @@ class Config(_Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     neuron: NeuronConfig = Field(default_factory=NeuronConfig)
 
     @property
@@ -108,7 +136,35 @@ class Config(_Strict):
         return Path(self.cache_dir).expanduser()
 
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smollm2-135m.yaml"
+# Package data (a link to configs/smollm2-135m.yaml in a checkout, a copy in the wheel).
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "default_config.yaml"
+_CHECKOUT = Path(__file__).resolve().parent.parent
+_SHARED_DATA = "../shared/data/"
+
+
+def data_dir() -> Path:
+    """The shared data root (calibration, evaluation, recovery text): $NEURONMM_DATA_DIR, else ../shared/data."""
+    env = os.environ.get("NEURONMM_DATA_DIR")
+    return Path(env).expanduser() if env else (_CHECKOUT.parent / "shared" / "data").resolve()
+
+
+def data_path(value: str | Path, what: str) -> Path:
+    """A data file named by a config key or flag (`what`, for the error): `../shared/data/...` lies under
+    data_dir(), another relative path under the checkout; a missing file is a ConfigError."""
+    text = str(value)
+    if text.startswith(_SHARED_DATA):
+        path = data_dir() / text[len(_SHARED_DATA):]
+    else:
+        path = Path(text).expanduser()
+        path = path if path.is_absolute() else _CHECKOUT / path
+    if not path.is_file():
+        raise ConfigError(f"{what} not found: {path} (set NEURONMM_DATA_DIR)")
+    return path.resolve()
+
+
+def data_file(*parts: str, what: str = "evaluation data") -> Path:
+    """A file under data_dir() by its parts (e.g. "c4", "c4-validation-sample.jsonl"); missing: ConfigError."""
+    return data_path(data_dir().joinpath(*parts), what)
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -135,7 +191,12 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     for key, value in (overrides or {}).items():
         if value is not None:
             _set_dotted(data, key, value)
+    return validate_section(Config, data, str(path))
+
+
+def validate_section(cls: type[_Section], data: dict[str, Any], where: str) -> _Section:
+    """cls.model_validate(data) for any part of the config tree; a failure is a ConfigError `where: key ...`."""
     try:
-        return Config.model_validate(data)
+        return cls.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{path}: {first_error(exc)}") from None
+        raise ConfigError(f"{where}: {first_error(exc)}") from None

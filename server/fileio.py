@@ -1,4 +1,4 @@
-"""Atomic writes (temp beside the target, then a rename) and sha256 of files: the one place for both.
+"""File helpers used everywhere: atomic writes (temp beside the target, then a rename), sha256, JSON lines.
 
 A reader never sees a half-written file or folder: an exception, Ctrl-C or kill before the rename
 leaves the target as it was (absent, or the previous version).
@@ -14,6 +14,8 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from server.errors import ConfigError
 
 _CHUNK = 1 << 22
 
@@ -86,3 +88,24 @@ def atomic_dir(out_dir: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) of each non-blank line of a JSON-lines file; bad JSON is a ConfigError."""
+    with open(path, encoding="utf-8") as fh:
+        for num, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    yield num, json.loads(line)
+                except json.JSONDecodeError:
+                    raise ConfigError(f"{path}:{num}: not valid JSON") from None
+
+
+def read_jsonl_texts(path: Path) -> list[str]:
+    """The `text` field of every record of a JSON-lines file (a document corpus such as the C4 sample), in order."""
+    texts = []
+    for num, record in read_jsonl(path):
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ConfigError(f"{path}:{num}: not a JSON object with a `text` field")
+        texts.append(record["text"])
+    return texts

@@ -14,11 +14,12 @@ import torch
 from compression.evaluation.corpora import CORPORA, corpus_text
 from compression.evaluation.model import count_parameters, load_eval_model, max_positions
 from compression.evaluation.perplexity import perplexity
-from compression.evaluation.report import markdown_table, mean_accuracy, table_legend, write_json
+from compression.evaluation.report import markdown_table, mean_accuracy, table_legend
 from compression.evaluation.tasks import TASKS, get_task
 from compression.evaluation.zeroshot import evaluate_task
 from server.config import load_config
 from server.errors import ConfigError
+from server.fileio import write_json_atomic
 from server.models.artifact import read_manifest
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def run_eval(args: argparse.Namespace) -> int:
     table = markdown_table([result]) + "\n\n" + table_legend([result]) + "\n"
     print(table)
     if args.out:
-        out = write_json(args.out, result)
+        out = write_json_atomic(Path(args.out), result)
         out.with_suffix(".md").write_text(table)
         log.info("results written to %s", out)
     return 0

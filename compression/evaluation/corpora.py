@@ -11,10 +11,9 @@
 
 from __future__ import annotations
 
-import json
-
-from compression.evaluation.datadir import data_file
+from server.config import data_file
 from server.errors import ConfigError
+from server.fileio import read_jsonl_texts
 
 CORPORA = ("wikitext2", "ptb", "c4")
 
@@ -33,16 +32,7 @@ def ptb_text() -> str:
 
 def c4_text() -> str:
     """The local C4 validation sample, documents "\\n\\n"-joined."""
-    path = data_file("c4", "c4-validation-sample.jsonl")
-    docs = []
-    with open(path, encoding="utf-8") as fh:
-        for num, line in enumerate(fh, 1):
-            if line.strip():
-                try:
-                    docs.append(json.loads(line)["text"])
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise ConfigError(f"{path}:{num}: not a JSON object with a `text` field") from None
-    return "\n\n".join(docs)
+    return "\n\n".join(read_jsonl_texts(data_file("c4", "c4-validation-sample.jsonl")))
 
 
 def corpus_text(name: str) -> str:

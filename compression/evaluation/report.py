@@ -1,11 +1,6 @@
-"""Evaluation results as JSON (written atomically) and as a markdown table."""
+"""Evaluation results as a markdown table (the JSON goes through server.fileio.write_json_atomic)."""
 
 from __future__ import annotations
-
-import json
-import os
-import tempfile
-from pathlib import Path
 
 _CORPUS_TITLES = {"wikitext2": "WikiText-2", "ptb": "PTB", "c4": "C4"}
 TASK_TITLES = {"arc_easy": "ARC-E", "arc_challenge": "ARC-C", "piqa": "PIQA", "hellaswag": "HellaSwag",
@@ -16,22 +11,6 @@ def mean_accuracy(zeroshot: dict[str, dict]) -> float | None:
     """Unweighted mean of `acc` over the tasks run (None when none ran)."""
     accs = [r["acc"] for r in zeroshot.values()]
     return sum(accs) / len(accs) if accs else None
-
-
-def write_json(path: str | Path, data: dict) -> Path:
-    """Write JSON via a temp file in the same folder and a rename: never a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2, sort_keys=False)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def _fmt_ppl(value: float | None) -> str:

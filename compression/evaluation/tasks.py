@@ -14,14 +14,14 @@ harness's task YAMLs (target delimiter " " between context and choice):
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from compression.evaluation.datadir import data_file
+from server.config import data_file
 from server.errors import ConfigError
+from server.fileio import read_jsonl
 
 
 @dataclass(frozen=True)
@@ -42,16 +42,6 @@ class TaskSpec:
     has_acc_norm: bool
 
 
-def _jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    with open(path, encoding="utf-8") as fh:
-        for num, line in enumerate(fh, 1):
-            if line.strip():
-                try:
-                    yield num, json.loads(line)
-                except json.JSONDecodeError:
-                    raise ConfigError(f"{path}:{num}: not valid JSON") from None
-
-
 def _labels(path: Path) -> list[str]:
     return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
@@ -63,7 +53,7 @@ def _choice_item(context: str, choices: list[str], gold: int) -> MCItem:
 def _ai2_items(path: Path, template: str) -> list[MCItem]:
     """ARC and OpenBookQA share the AI2 layout: question.stem, question.choices[], answerKey."""
     items = []
-    for num, doc in _jsonl(path):
+    for num, doc in read_jsonl(path):
         try:
             choices = doc["question"]["choices"]
             labels = [c["label"] for c in choices]
@@ -92,7 +82,7 @@ def openbookqa() -> list[MCItem]:
 def piqa() -> list[MCItem]:
     """PIQA validation with its separate labels file."""
     path, label_path = data_file("piqa", "valid.jsonl"), data_file("piqa", "valid-labels.lst")
-    docs, labels = list(_jsonl(path)), _labels(label_path)
+    docs, labels = list(read_jsonl(path)), _labels(label_path)
     if len(docs) != len(labels):
         raise ConfigError(f"{label_path}: {len(labels)} labels for {len(docs)} PIQA items")
     try:
@@ -106,7 +96,7 @@ def boolq() -> list[MCItem]:
     """BoolQ (SuperGLUE validation): choices " no" (0) and " yes" (1)."""
     path = data_file("boolq", "val.jsonl")
     items = []
-    for num, doc in _jsonl(path):
+    for num, doc in read_jsonl(path):
         label = str(doc.get("label", "")).lower()
         if label not in ("true", "false") or "passage" not in doc or "question" not in doc:
             raise ConfigError(f"{path}:{num}: BoolQ record needs passage, question and a true/false label")
@@ -153,7 +143,7 @@ def hellaswag() -> list[MCItem]:
 def winogrande() -> list[MCItem]:
     """WinoGrande dev, partial scoring: each option completes the context, the shared rest is scored."""
     path, label_path = data_file("winogrande", "winogrande.llmfoundry.jsonl"), data_file("winogrande", "dev-labels.lst")
-    docs, labels = list(_jsonl(path)), _labels(label_path)
+    docs, labels = list(read_jsonl(path)), _labels(label_path)
     if len(docs) != len(labels):
         raise ConfigError(f"{label_path}: {len(labels)} labels for {len(docs)} WinoGrande items")
     items = []

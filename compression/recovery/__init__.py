@@ -1,6 +1,5 @@
-"""LoRA recovery of compressed low-rank factors (merged back into plain A, B)."""
+"""LoRA recovery of compressed low-rank factors (merged back into plain A, B); settings: server.config.RecoveryConfig."""
 
 from compression.recovery.recover import recover_artifact
-from compression.recovery.train import RecoveryConfig
 
-__all__ = ["RecoveryConfig", "recover_artifact"]
+__all__ = ["recover_artifact"]

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import torch
+
+from server.fileio import atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -14,11 +15,9 @@ CHECKPOINT_NAME = "recovery-checkpoint.pt"
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
-    """Write `state` to a temp file beside `path`, then os.replace: a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    """Write `state` through server.fileio.atomic_file: a crash never leaves half a file."""
+    with atomic_file(path) as tmp:
+        torch.save(state, tmp)
     log.info("checkpoint at step %d -> %s", state["step"], path)
 
 

@@ -5,14 +5,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from compression.recovery.recover import recover_artifact
+from server.config import RecoveryConfig, load_config, validate_section
 from server.errors import ConfigError
+from server.models.source import resolve_model_dir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `recover` subcommand."""
     p = subparsers.add_parser("recover", help="LoRA fine-tune a compressed artifact's factors and merge them")
     p.add_argument("--artifact", required=True, help="compressed artifact directory (manifest.json + factors)")
-    p.add_argument("--config", help="YAML config naming the source model (default: configs/smollm2-135m.yaml)")
+    p.add_argument("--config", help="YAML config naming the source model; its `recovery:` block gives defaults "
+                                          "(default: the packaged configs/smollm2-135m.yaml)")
     p.add_argument("--steps", type=int)
     p.add_argument("--lr", type=float)
     p.add_argument("--seqlen", type=int)
@@ -29,18 +33,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from compression.recovery import RecoveryConfig, recover_artifact
-    from server.config import load_config
-    from server.models.source import resolve_model_dir
-
     artifact = Path(args.artifact)
     if not artifact.is_dir():
         raise ConfigError(f"--artifact {artifact}: no such directory")
+    cfg = load_config(args.config)
     overrides = {k: getattr(args, k) for k in ("steps", "lr", "seqlen", "batch_size", "adapter_rank",
                                                "warmup_steps", "checkpoint_every", "seed", "device") if getattr(args, k) is not None}
-    rcfg = RecoveryConfig(**overrides)
-    rcfg.validate()
-    cfg = load_config(args.config)
+    rcfg = validate_section(RecoveryConfig, {**cfg.recovery.model_dump(), **overrides}, "recovery")
     model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
     block = recover_artifact(artifact, model_dir, rcfg, out_dir=Path(args.out) if args.out else None,
                              resume=args.resume, data_path=Path(args.data) if args.data else None)

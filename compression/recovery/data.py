@@ -10,28 +10,19 @@ measures.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import torch
 
+from server.config import data_path
 from server.errors import ConfigError
+from server.fileio import file_sha256, read_jsonl_texts
 
 
 def read_documents(path: Path) -> tuple[list[str], str]:
     """Every document text of a C4 jsonl file (file order) and the sha256 of the whole file."""
-    if not path.is_file():
-        raise ConfigError(f"recovery data not found: {path} (set NEURONMM_DATA_DIR)")
-    raw = path.read_bytes()
-    docs = []
-    for num, line in enumerate(raw.decode("utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                docs.append(json.loads(line)["text"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ConfigError(f"{path}:{num}: not a JSON object with a `text` field") from None
-    return docs, hashlib.sha256(raw).hexdigest()
+    path = data_path(path, "recovery data")
+    return read_jsonl_texts(path), file_sha256(path)
 
 
 def recovery_documents(path: Path, exclude: set[int] = frozenset()) -> tuple[list[str], str, int]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import resource
 import sys
@@ -12,11 +11,11 @@ from pathlib import Path
 import torch
 
 from compression.calibration import calibration_windows
-from compression.evaluation.datadir import data_dir
 from compression.recovery.adapter import attach_adapters, merge_adapters
 from compression.recovery.checkpoint import CHECKPOINT_NAME
 from compression.recovery.data import recovery_documents, token_windows
-from compression.recovery.train import RecoveryConfig, train_adapters
+from compression.recovery.train import train_adapters
+from server.config import RecoveryConfig, data_dir
 from server.models.artifact import FACTORS, MANIFEST, Manifest, check_model_hash, load_artifact, save_artifact
 from server.models.compressed import factor_tensors, swap_in_factors
 
@@ -63,17 +62,16 @@ def load_adapted_model(model_dir: Path, manifest: Manifest, tensors: dict, rcfg:
     return model, names
 
 
-def recover_artifact(artifact_dir: Path, model_dir: Path, cfg=None, *, out_dir: Path | None = None,
-                     resume: bool = False, data_path: Path | None = None, stop_after: int | None = None) -> dict:
+def recover_artifact(artifact_dir: Path, model_dir: Path, cfg: RecoveryConfig | None = None, *,
+                     out_dir: Path | None = None, resume: bool = False, data_path: Path | None = None, stop_after: int | None = None) -> dict:
     """LoRA-recover an artifact's factors and rewrite it (atomically) with a manifest "recovery" block.
 
-    `cfg` is a RecoveryConfig, or anything else (e.g. the server Config) for the defaults. Returns the
-    recovery block; if `stop_after` interrupts training, the artifact is left untouched (checkpoint only).
+    `cfg` None means RecoveryConfig's defaults. Returns the recovery block; if `stop_after` interrupts
+    training, the artifact is left untouched (checkpoint only).
     """
     from transformers import AutoTokenizer
 
-    rcfg = cfg if isinstance(cfg, RecoveryConfig) else RecoveryConfig()
-    rcfg.validate()
+    rcfg = cfg or RecoveryConfig()
     artifact_dir, out_dir = Path(artifact_dir), Path(out_dir or artifact_dir)
     manifest, tensors = load_artifact(artifact_dir)
     check_model_hash(manifest, Path(model_dir), f"recover {artifact_dir}")
@@ -107,7 +105,7 @@ def recover_artifact(artifact_dir: Path, model_dir: Path, cfg=None, *, out_dir: 
         "num_windows": len(windows), "seed": rcfg.seed, "device": str(device),
         "wall_s": round(run["wall_s"], 2), "total_wall_s": round(time.perf_counter() - t0, 2),
         "peak_rss_mib": round(_peak_rss_mib(), 1),
-        "config": dataclasses.asdict(rcfg),
+        "config": rcfg.model_dump(),
     }
     if device.type == "cuda":
         block["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)

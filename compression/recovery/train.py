@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,46 +14,10 @@ from tqdm import tqdm
 from compression.recovery.adapter import adapter_parameters
 from compression.recovery.checkpoint import load_checkpoint, save_checkpoint
 from compression.recovery.data import batch_indices
+from server.config import RecoveryConfig
 from server.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RecoveryConfig:
-    """Hyper-parameters of one recovery run (CLI flags map 1:1 onto these)."""
-
-    steps: int = 200
-    lr: float = 1e-3
-    seqlen: int = 256
-    batch_size: int = 4
-    adapter_rank: int = 8
-    alpha: float = 16.0
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    checkpoint_every: int = 25
-    seed: int = 0
-    num_threads: int = 2
-    device: str = "auto"
-
-    def validate(self) -> None:
-        """One-line ConfigError for values a run cannot use."""
-        for name in ("steps", "seqlen", "batch_size", "adapter_rank", "checkpoint_every", "num_threads"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"recovery: {name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ConfigError(f"recovery: lr must be a positive number, got {self.lr}")
-        if self.warmup_steps < 0 or self.max_grad_norm <= 0:
-            raise ConfigError("recovery: warmup-steps must be >= 0 and max-grad-norm > 0")
-
-    def fingerprint(self) -> dict:
-        """The fields a resumed run must share with the run that wrote the checkpoint."""
-        d = dataclasses.asdict(self)
-        for volatile in ("num_threads", "device", "checkpoint_every"):
-            d.pop(volatile)
-        return d
 
 
 def lr_factor(step: int, cfg: RecoveryConfig) -> float:

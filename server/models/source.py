@@ -7,16 +7,15 @@ conversion never leaves a folder that later loads.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from server.config import ModelConfig
 from server.errors import ConfigError
+from server.fileio import atomic_dir, file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +41,6 @@ def gguf_path(cfg: ModelConfig) -> Path:
     return path
 
 
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file, streamed."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _convert_gguf(src: Path, dest: Path, sha: str) -> None:
     """De-quantise a GGUF into an fp32 safetensors folder, atomically."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -64,16 +54,10 @@ def _convert_gguf(src: Path, dest: Path, sha: str) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".tmp-", dir=dest.parent))
-    try:
+    with atomic_dir(dest) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / _COMPLETE_MARKER).write_text(f'{{"source": "{src.name}", "sha256": "{sha}"}}\n')
-        os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("converted model cached at %s", dest)
 
 

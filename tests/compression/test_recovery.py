@@ -9,16 +9,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from compression.recovery import RecoveryConfig, recover_artifact
+from compression.recovery import recover_artifact
 from compression.recovery.adapter import adapter_parameters, attach_adapters, merge_adapters
 from compression.recovery.checkpoint import CHECKPOINT_NAME
 from compression.recovery.data import batch_indices
 from compression.recovery.train import lr_factor, train_adapters
+from server.config import RecoveryConfig, data_dir
 from server.models.artifact import FORMAT_VERSION, Manifest, ModuleRecord, SourceRecord, save_artifact, weights_sha256
 from server.models.compressed import swap_in_factors
 from server.models.lowrank import LowRankLinear
 
-C4 = Path(__file__).resolve().parents[3] / "shared" / "data" / "c4" / "c4-validation-sample.jsonl"
+C4 = data_dir() / "c4" / "c4-validation-sample.jsonl"
 needs_c4 = pytest.mark.skipif(not C4.is_file(), reason="shared C4 sample not present")
 RANK = 16
 
