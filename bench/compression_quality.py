@@ -12,38 +12,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
-import time
 from pathlib import Path
 
+from bench.harness import NEURONMM, REPO, run_logged
 from compression.evaluation.report import TASK_TITLES, mean_accuracy
 from compression.rank import block_rank, saves_parameters
 from server.fileio import files_sha256, write_json_atomic
 from server.models.artifact import MANIFEST, Manifest, read_manifest
-
-REPO = Path(__file__).resolve().parent.parent
-NEURONMM = [sys.executable, "-m", "server.cli"]
-
-
-def _run(cmd: list[str], log_path: Path) -> tuple[float, float]:
-    """Run a command with output to a log; (wall seconds, peak RSS MiB of that process). Fails loudly."""
-    print("$ " + shlex.join(cmd), flush=True)
-    start = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    code = os.waitstatus_to_exitcode(status)
-    if code != 0:
-        tail = log_path.read_text().strip().splitlines()[-5:]
-        raise SystemExit(f"command failed ({code}): {shlex.join(cmd)}\n" + "\n".join(tail))
-    return wall, usage.ru_maxrss / 1024  # Linux reports KiB
 
 
 def manifest_facts(manifest: Manifest) -> dict:
@@ -83,7 +63,7 @@ def _eval_cmd(args, out: Path, label: str, compressed: Path | None) -> list[str]
 def _evaluate(args, work: Path, label: str, compressed: Path | None) -> dict:
     out = work / f"eval-{label}.json"
     if not (args.reuse and out.is_file()):
-        wall, _ = _run(_eval_cmd(args, out, label, compressed), work / f"eval-{label}.log")
+        wall, _ = run_logged(_eval_cmd(args, out, label, compressed), work / f"eval-{label}.log")
         print(f"  eval {label}: {wall:.0f} s", flush=True)
     return json.loads(out.read_text())
 
@@ -100,11 +80,9 @@ def _header(args) -> dict:
             "command": shlex.join([sys.executable, "-m", "bench.compression_quality", *sys.argv[1:]])}
 
 
-def _checkpoint(args, rows: list[dict], complete: bool, missing: str | None = None) -> dict:
+def _checkpoint(args, rows: list[dict], complete: bool) -> dict:
     """Write what is done so far (so an interrupted run still leaves its finished rows)."""
     result = dict(_header(args), complete=complete, rows=rows)
-    if missing:
-        result["missing"] = missing
     out = write_json_atomic(REPO / args.out, result)
     out.with_suffix(".md").write_text(markdown(result) + "\n")
     return result
@@ -115,10 +93,6 @@ def run(args) -> dict:
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     rows = [dict(_evaluate(args, work, "dense", None), setting={"method": "dense"})]
-    if importlib.util.find_spec("compression.cli") is None:
-        missing = "`neuronmm compress` (compression.cli) is not in this tree yet: compressed rows not run"
-        print(missing, flush=True)
-        return _checkpoint(args, rows, complete=False, missing=missing)
     evaluated: dict[str, dict] = {}
     for multiple, method, keep in _settings(args):
         label = f"{method}-k{keep}-m{multiple}"
@@ -132,7 +106,7 @@ def run(args) -> dict:
         elif not (args.reuse and (artifact / MANIFEST).is_file()):
             cmd = NEURONMM + ["compress", "--config", args.config, "--keep-ratio", str(keep), "--method", method,
                               "--targets", "mlp", "--rank-multiple", str(multiple), "--out", str(artifact)]
-            wall, peak = _run(cmd, work / f"compress-{label}.log")
+            wall, peak = run_logged(cmd, work / f"compress-{label}.log")
             (work / f"compress-{label}.time.json").write_text(json.dumps({"wall_s": wall, "peak_rss_mib": peak}))
         timing = json.loads((work / f"compress-{artifact.name}.time.json").read_text())
         setting.update(compress_wall_s=round(timing["wall_s"], 1), compress_peak_rss_mib=round(timing["peak_rss_mib"]))

@@ -15,122 +15,23 @@ import argparse
 import asyncio
 import collections
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.harness import REPO, ServerProcess, make_tiny_model, write_config
+from server.config import DEFAULT_CONFIG, load_config
+from server.models.source import resolve_model_dir
+
+__all__ = ["ServerProcess", "check", "one_run", "run_load", "write_config"]  # tests drive the load through these
 WORDS = ("the quick brown fox jumps over a lazy dog while seven small robots count prime numbers "
          "near the quiet river bank at dawn").split()
-
-
-# ---- the server under test ---------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def write_config(path: Path, model_dir: Path | None, engine: dict | None = None, server: dict | None = None,
-                 base: Path | None = None) -> Path:
-    """A serve config: the tiny safetensors model in `model_dir`, or the `base` config's model."""
-    data = yaml.safe_load((base or REPO / "configs" / "smollm2-135m.yaml").read_text())
-    if model_dir is not None:
-        data["model"] = {"name": "tiny", "source": "safetensors", "path": str(model_dir)}
-    data.setdefault("engine", {}).update(engine or {})
-    data.setdefault("server", {}).update(server or {})
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
-class ServerProcess:
-    """`neuronmm serve` in a subprocess on a free loopback port, stdout+stderr to a log file."""
-
-    def __init__(self, config: Path, log_path: Path, api_key: str | None = None, num_threads: int | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--config", str(config), "--port", str(self.port)]
-        if num_threads:
-            cmd += ["--num-threads", str(num_threads)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if api_key:
-            env["NEURONMM_API_KEY"] = api_key  # not on the command line, where `ps` would show it
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server not healthy after {timeout} s: {self.log_text()[-2000:]}")
-
-    def rss_mb(self) -> float:
-        import psutil
-
-        return psutil.Process(self.proc.pid).memory_info().rss / 2**20
-
-    def metric(self, name: str, **labels: str) -> float:
-        """Sum of the /metrics samples called `name` whose labels include `labels`."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
-        return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
-
-    def wait_idle(self, timeout: float = 30.0) -> float:
-        """Seconds until running and waiting are both 0 (raises if they are not within timeout)."""
-        start = time.monotonic()
-        while time.monotonic() - start < timeout:
-            if (self.metric("neuronmm_num_requests_running") == 0
-                    and self.metric("neuronmm_num_requests_waiting") == 0):
-                return time.monotonic() - start
-            time.sleep(0.05)
-        raise RuntimeError("server did not go idle")
-
-    def signal(self, sig: int = signal.SIGTERM) -> None:
-        self.proc.send_signal(sig)
-
-    def wait(self, timeout: float) -> int:
-        return self.proc.wait(timeout)
-
-    def log_text(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-    def __enter__(self) -> "ServerProcess":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 # ---- the load ----------------------------------------------------------------------------------
@@ -285,7 +186,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["tiny", "real"], default="tiny",
                    help="tiny: a 2-layer random Llama with SmolLM2's tokenizer; real: configs/smollm2-135m.yaml")
-    p.add_argument("--config", type=Path, default=REPO / "configs" / "smollm2-135m.yaml")
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--runs", type=int, default=2)
@@ -301,31 +202,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def make_tiny_model(out: Path) -> Path:
-    """The test suite's tiny random Llama (2 layers, hidden 64) with SmolLM2's tokenizer."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from server.config import load_config
-    from server.models.source import resolve_model_dir
-
-    cfg = load_config()
-    tok = AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model, cfg.cache_path))
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="neuronmm-load-") as tmp:
         tmp = Path(tmp)
-        model_dir = make_tiny_model(tmp / "tiny") if args.model == "tiny" else None
+        model_dir = None
+        if args.model == "tiny":
+            cfg = load_config()
+            model_dir = make_tiny_model(tmp / "tiny", resolve_model_dir(cfg.model, cfg.cache_path))
         engine = {"max_num_seqs": args.max_num_seqs, "max_queue": args.max_queue,
                   "max_num_batched_tokens": max(512, args.max_num_seqs)}
         config = write_config(tmp / "serve.yaml", model_dir, engine=engine, base=args.config)

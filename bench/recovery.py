@@ -18,11 +18,10 @@ import json
 import os
 import platform
 import shlex
-import shutil
 import sys
 from pathlib import Path
 
-from bench.compression_quality import NEURONMM, REPO, _run
+from bench.harness import NEURONMM, REPO, run_logged
 from server.fileio import write_json_atomic
 from server.models.artifact import MANIFEST, read_manifest
 
@@ -39,7 +38,7 @@ def _eval(args, work: Path, label: str, artifact: Path | None) -> dict:
             cmd += ["--task-limit", str(args.task_limit)]
         if artifact:
             cmd += ["--compressed", str(artifact)]
-        wall, _ = _run(cmd, work / f"eval-{label}.log")
+        wall, _ = run_logged(cmd, work / f"eval-{label}.log")
         print(f"  eval {label}: {wall:.0f} s", flush=True)
     return json.loads(out.read_text())
 
@@ -68,7 +67,7 @@ def _compress(args, work: Path, keep: float, allocation: str) -> Path:
         else:  # sensitivity (Fisher-weighted) or sensitivity-normalised
             measure = "normalised" if allocation.endswith("-normalised") else "fisher"
             cmd += ["--allocation", "sensitivity", "--sensitivity", measure, "--latency-model", args.latency_model]
-        wall, rss = _run(cmd, work / f"{artifact.name}.log")
+        wall, rss = run_logged(cmd, work / f"{artifact.name}.log")
         print(f"  compress {allocation} keep {keep}: {wall:.0f} s, peak {rss:.0f} MiB", flush=True)
         (artifact / "bench-process.json").write_text(json.dumps({"process_wall_s": wall, "peak_rss_mib": rss}))
     return artifact
@@ -80,7 +79,7 @@ def _recover(args, work: Path, whitened: Path) -> tuple[Path, dict]:
         cmd = NEURONMM + ["recover", "--artifact", str(whitened), "--config", args.config, "--out", str(recovered),
                           "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seqlen",
                           str(args.seqlen), "--adapter-rank", str(args.adapter_rank), "--lr", str(args.lr)]
-        wall, rss = _run(cmd, work / f"{recovered.name}.log")
+        wall, rss = run_logged(cmd, work / f"{recovered.name}.log")
         print(f"  recover: {wall:.0f} s, peak RSS {rss:.0f} MiB", flush=True)
         (recovered / "bench-process.json").write_text(json.dumps({"process_wall_s": wall, "peak_rss_mib": rss}))
     proc = json.loads((recovered / "bench-process.json").read_text())

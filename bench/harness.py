@@ -1,0 +1,167 @@
+"""Bench and test harness: a `neuronmm serve` subprocess, the wait for /health, the tiny random model, child commands.
+
+bench/load.py and tests/support.py start servers through this module; benches run their `neuronmm`
+child commands through `run_logged`.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import torch
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from server.config import DEFAULT_CONFIG
+
+REPO = Path(__file__).resolve().parent.parent
+NEURONMM = [sys.executable, "-m", "server.cli"]
+
+
+def wait_healthy(url: str, timeout: float, alive: Callable[[], str | None] = lambda: None) -> None:
+    """Poll `url`/health until it answers 200; RuntimeError after `timeout` s or when alive() names a failure."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        failure = alive()
+        if failure:
+            raise RuntimeError(failure)
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"server at {url} not healthy after {timeout} s")
+
+
+def make_tiny_model(out: Path, tokenizer_dir: Path) -> Path:
+    """The test suite's tiny random Llama (2 layers, hidden 64, seed 0) with the tokenizer of tokenizer_dir."""
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def run_logged(cmd: list[str], log_path: Path) -> tuple[float, float]:
+    """Run a command with output to a log; (wall seconds, peak RSS MiB of that process). Fails loudly."""
+    print("$ " + shlex.join(cmd), flush=True)
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        tail = log_path.read_text().strip().splitlines()[-5:]
+        raise SystemExit(f"command failed ({code}): {shlex.join(cmd)}\n" + "\n".join(tail))
+    return wall, usage.ru_maxrss / 1024  # Linux reports KiB
+
+
+def free_port() -> int:
+    """A loopback TCP port free at the time of the call."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_config(path: Path, model_dir: Path | None, engine: dict | None = None, server: dict | None = None,
+                 base: Path | None = None) -> Path:
+    """A serve config: the tiny safetensors model in `model_dir`, or the `base` config's model."""
+    data = yaml.safe_load((base or DEFAULT_CONFIG).read_text())
+    if model_dir is not None:
+        data["model"] = {"name": "tiny", "source": "safetensors", "path": str(model_dir)}
+    data.setdefault("engine", {}).update(engine or {})
+    data.setdefault("server", {}).update(server or {})
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+class ServerProcess:
+    """`neuronmm serve` in a subprocess on a free loopback port, stdout+stderr to a log file."""
+
+    def __init__(self, config: Path, log_path: Path, api_key: str | None = None, num_threads: int | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        cmd = NEURONMM + ["serve", "--config", str(config), "--port", str(self.port)]
+        if num_threads:
+            cmd += ["--num-threads", str(num_threads)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if api_key:
+            env["NEURONMM_API_KEY"] = api_key  # not on the command line, where `ps` would show it
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Return once /health is 200; RuntimeError with the log's tail if the process exits or times out."""
+        try:
+            wait_healthy(self.url, timeout,
+                         lambda: None if self.proc.poll() is None else f"server exited with {self.proc.returncode}")
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}: {self.log_text()[-2000:]}") from None
+
+    def rss_mb(self) -> float:
+        """Resident memory of the server process, MiB (psutil: a dev dependency)."""
+        import psutil
+
+        return psutil.Process(self.proc.pid).memory_info().rss / 2**20
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the /metrics samples called `name` whose labels include `labels`."""
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
+        return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    def wait_idle(self, timeout: float = 30.0) -> float:
+        """Seconds until running and waiting are both 0 (raises if they are not within timeout)."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if (self.metric("neuronmm_num_requests_running") == 0
+                    and self.metric("neuronmm_num_requests_waiting") == 0):
+                return time.monotonic() - start
+            time.sleep(0.05)
+        raise RuntimeError("server did not go idle")
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
