@@ -9,7 +9,7 @@ Weights, config and rotary tables still come from transformers, so outputs match
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -17,116 +17,66 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from server.models.fused_ops import REFERENCE_KERNELS, Kernels
+from server.models.lowrank import LowRankLinear
+
 
 @dataclass
 class FlatBatch:
-    """A forward's inputs: every scheduled token of every sequence, concatenated.
+    """A forward's inputs: every scheduled token of every sequence, concatenated (num_tokens in all).
 
-    input_ids, positions: [num_tokens]; per sequence i: cache slot `slots[i]`, first position
-    `starts[i]`, `lengths[i]` new tokens, and whether its last position needs logits.
+    Per token: its id, position, cache slot (block * block_size + offset), the row of `block_tables`
+    of its sequence, and how many cached positions the fused attention reads for it (0: the token
+    belongs to a long prefill chunk, attended by SDPA through `sdpa_chunks` instead).
     """
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    token_slots: torch.Tensor
-    slots: list[int]
-    starts: list[int]
-    lengths: list[int]
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    seq_index: torch.Tensor  # [num_tokens] int32
+    context_lens: torch.Tensor  # [num_tokens] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     logits_index: torch.Tensor  # flat indices of the tokens whose logits are returned
-    decode: "DecodeGroup | None" = None
+    sdpa_chunks: list["PrefillChunk"] = field(default_factory=list)
 
 
 @dataclass
-class DecodeGroup:
-    """Single-token (decode) sequences attended together over the slot range [slot_lo, slot_lo + num_rows).
+class PrefillChunk:
+    """A prefill chunk long enough that SDPA beats the per-token fused attention."""
 
-    Slots are handed out lowest-first, so running sequences occupy a dense range and the cache view
-    needs no copy; rows of the range that are not decoding this step are computed and discarded.
-    """
-
-    token_index: torch.Tensor  # [num_decode] flat positions of the decode tokens
-    rows: torch.Tensor  # [num_decode] slot - slot_lo
-    slot_lo: int
-    num_rows: int
-    max_len: int  # longest context among the decode sequences
-    mask: torch.Tensor  # [num_rows, 1, 1, max_len] bool, True where a key is attended
-
-
-def make_decode_group(slots: list[int], starts: list[int], lengths: list[int],
-                      device: torch.device | str = "cpu") -> DecodeGroup | None:
-    """Group the decode sequences of a batch (None when fewer than two: the per-sequence path is as fast)."""
-    offsets, offset = [], 0
-    for n in lengths:
-        offsets.append(offset)
-        offset += n
-    dec = [(slots[i], starts[i], offsets[i]) for i in range(len(slots)) if lengths[i] == 1]
-    if len(dec) < 2:
-        return None
-    lo, hi = min(d[0] for d in dec), max(d[0] for d in dec)
-    max_len = max(d[1] for d in dec) + 1
-    ctx = torch.ones(hi - lo + 1, dtype=torch.long)  # idle rows attend one key: no all-masked NaN rows
-    for slot, start, _ in dec:
-        ctx[slot - lo] = start + 1
-    mask = (torch.arange(max_len).unsqueeze(0) < ctx.unsqueeze(1)).view(hi - lo + 1, 1, 1, max_len)
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    return DecodeGroup(as_long([d[2] for d in dec]), as_long([d[0] - lo for d in dec]), lo, hi - lo + 1,
-                       max_len, mask.to(device))
+    offset: int  # first flat token index
+    length: int
+    seq_row: int  # row of block_tables
+    start: int  # position of its first token
 
 
 class KVCache:
-    """Per-layer K/V tensors [num_slots, num_kv_heads, max_model_len, head_dim]; one slot per sequence.
+    """Per-layer K/V tensors [num_blocks, num_kv_heads, block_size, head_dim].
 
     Allocated with torch.empty: the OS commits pages only as positions are written, so the resident
-    size follows the tokens actually cached rather than num_slots x max_model_len.
+    size follows the tokens actually cached. Attention reads only positions already written, so the
+    unwritten rest never needs zeroing.
     """
 
-    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
+    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.num_slots = num_slots
-        self.max_len = max_len
-        self._finite_len = [0] * num_slots  # per slot: positions [0, n) hold finite values
-
-    # Batched decode attends over padded rows; masked keys get weight 0, but 0 * NaN is NaN, so the
-    # padding must never be uninitialised memory. Zero it lazily, a stride ahead, not all up front.
-    _ZERO_STRIDE = 256
-
-    def ensure_finite(self, slot_lo: int, num_rows: int, length: int) -> None:
-        """Make positions [0, length) of slots [slot_lo, slot_lo + num_rows) safe to read.
-
-        Zeroes only positions never made finite before, so it must run before the forward that writes
-        them: positions already written always lie below the slot's finite length.
-        """
-        for slot in range(slot_lo, slot_lo + num_rows):
-            done = self._finite_len[slot]
-            if done >= length:
-                continue
-            end = min(self.max_len, max(length, done + self._ZERO_STRIDE))
-            for t in self.k + self.v:
-                t[slot, :, done:end].zero_()
-            self._finite_len[slot] = end
+        self.num_blocks = num_blocks
+        self.block_size = block_size
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
 class RMSNorm(nn.Module):
-    """Llama RMSNorm, computed in fp32 like the reference."""
+    """Llama RMSNorm (HF's rounding: normalise in fp32, scale in the model dtype); the model calls the kernel."""
 
     def __init__(self, hidden: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op instead of five on the hot path
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 class Rotary(nn.Module):
@@ -149,19 +99,8 @@ class Rotary(nn.Module):
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [num_tokens, 1, head_dim] for the batch's positions (looked up once per forward)."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [num_tokens, heads, head_dim] by the tables of its positions."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate x [num_tokens, heads, head_dim] to its positions."""
-        return self.rotate(x, *self.tables(positions, x.dtype))
+        """cos, sin [num_tokens, head_dim] for the batch's positions, in the model dtype (as HF casts them)."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
 def _fuse_linears(mods: list[nn.Module]) -> nn.Linear | None:
@@ -174,8 +113,39 @@ def _fuse_linears(mods: list[nn.Module]) -> nn.Linear | None:
     return fused
 
 
+class LowRankPair(nn.Module):
+    """Two low-rank projections of the same input (gate and up) with their first factors stacked.
+
+    y = [ (x A0ᵀ) B0ᵀ , (x A1ᵀ) B1ᵀ ]: one GEMM for x·[A0; A1]ᵀ, then one per second factor.
+    """
+
+    def __init__(self, first: LowRankLinear, second: LowRankLinear):
+        super().__init__()
+        self.rank0 = first.rank
+        self.A = nn.Linear(first.in_features, first.rank + second.rank, bias=False, dtype=first.A.dtype)
+        self.A.weight = nn.Parameter(torch.cat([first.A.data, second.A.data]), requires_grad=False)
+        self.B0 = nn.Linear(first.rank, first.out_features, bias=False, dtype=first.B.dtype)
+        self.B0.weight = nn.Parameter(first.B.data, requires_grad=False)
+        self.B1 = nn.Linear(second.rank, second.out_features, bias=False, dtype=second.B.dtype)
+        self.B1.weight = nn.Parameter(second.B.data, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xa = self.A(x)
+        return torch.cat([self.B0(xa[:, :self.rank0]), self.B1(xa[:, self.rank0:])], dim=-1)
+
+
+def _fuse_lowrank(first: nn.Module, second: nn.Module) -> LowRankPair | None:
+    """A LowRankPair for two bias-free LowRankLinears, else None."""
+    if not all(isinstance(m, LowRankLinear) and m.bias is None for m in (first, second)):
+        return None
+    return LowRankPair(first, second)
+
+
 class Attention(nn.Module):
-    """GQA self-attention over a flat batch, writing new K/V into the slot cache."""
+    """GQA self-attention over a flat batch: QKV GEMM, fused rotary + cache write + attention, output GEMM."""
+
+    # Prefill chunks at least this long are attended by SDPA (a GEMM over the chunk) instead of token by token.
+    SDPA_MIN_CHUNK = 32
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -195,57 +165,34 @@ class Attention(nn.Module):
         if self.qkv_proj is not None:  # drop the parts so weights are held once
             self.q_proj = self.k_proj = self.v_proj = None
 
-    def _qkv(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, batch: FlatBatch, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         if self.qkv_proj is not None:
-            q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            return self.qkv_proj(x).split([q_dim, kv_dim, kv_dim], dim=-1)
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            qkv = self.qkv_proj(x)
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        out, q_rot = kernels.attention(qkv, cos, sin, k_cache, v_cache, batch.slot_mapping, batch.block_tables,
+                                       batch.seq_index, batch.context_lens, self.num_heads, self.num_kv_heads,
+                                       self.scale)
+        for chunk in batch.sdpa_chunks:
+            span = slice(chunk.offset, chunk.offset + chunk.length)
+            out[span] = self._attend_chunk(q_rot[span], chunk, batch.block_tables[chunk.seq_row], k_cache, v_cache)
+        return self.o_proj(out)
 
-    def forward(self, x: torch.Tensor, batch: FlatBatch, rope: tuple[torch.Tensor, torch.Tensor],
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self._qkv(x)
-        # q and k heads side by side: one rotation instead of two
-        qk = Rotary.rotate(torch.cat([q, k], dim=-1).view(num_tokens, -1, self.head_dim), *rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        k_cache[batch.token_slots, :, batch.positions] = k
-        v_cache[batch.token_slots, :, batch.positions] = v
-        out = torch.empty_like(q)
-        group = batch.decode
-        if group is not None:
-            self._attend_decode(q, out, group, k_cache, v_cache)
-        offset = 0
-        for slot, start, length in zip(batch.slots, batch.starts, batch.lengths):
-            if group is None or length > 1:
-                out[offset:offset + length] = self._attend_one(q[offset:offset + length], slot, start, length,
-                                                               k_cache, v_cache)
-            offset += length
-        return self.o_proj(out.view(num_tokens, -1))
-
-
-    def _attend_one(self, q: torch.Tensor, slot: int, start: int, length: int,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """Attention of one sequence's new tokens q [length, heads, head_dim] over its cached prefix."""
-        end = start + length
+    def _attend_chunk(self, q: torch.Tensor, chunk: PrefillChunk, table: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """SDPA of one prefill chunk q [length, heads, head_dim] over its sequence's cached prefix."""
+        end = chunk.start + chunk.length
+        block_size = k_cache.shape[2]
+        blocks = table[:(end + block_size - 1) // block_size].long()
+        keys, values = (c[blocks].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :end]
+                        for c in (k_cache, v_cache))
         mask = None
-        if 1 < length < end:  # a prefill chunk after cached tokens: causal, shifted by start
-            mask = torch.ones(length, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
-        attn = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k_cache[slot, :, :end].unsqueeze(0), v_cache[slot, :, :end].unsqueeze(0),
-            attn_mask=mask, is_causal=(length > 1 and start == 0), scale=self.scale, enable_gqa=True)
-        return attn[0].transpose(0, 1)
-
-    def _attend_decode(self, q: torch.Tensor, out: torch.Tensor, group: DecodeGroup,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """One SDPA for all decode tokens, over a no-copy view of their slot range."""
-        rows = q.new_zeros(group.num_rows, self.num_heads, 1, self.head_dim)
-        rows[group.rows] = q[group.token_index].unsqueeze(2)
-        span = slice(group.slot_lo, group.slot_lo + group.num_rows)
-        attn = F.scaled_dot_product_attention(
-            rows, k_cache[span, :, :group.max_len], v_cache[span, :, :group.max_len],
-            attn_mask=group.mask, scale=self.scale, enable_gqa=True)
-        out[group.token_index] = attn[group.rows].squeeze(2)
+        if chunk.start > 0:  # a chunk after cached tokens: causal, shifted by start
+            mask = torch.ones(chunk.length, end, dtype=torch.bool, device=q.device).tril(diagonal=chunk.start)
+        attn = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
+                                              is_causal=chunk.start == 0, scale=self.scale, enable_gqa=True)
+        return attn.transpose(0, 1).reshape(chunk.length, -1)
 
 
 class MLP(nn.Module):
@@ -257,23 +204,24 @@ class MLP(nn.Module):
         self.gate_proj: nn.Module = nn.Linear(hidden, inter, bias=False)
         self.up_proj: nn.Module = nn.Linear(hidden, inter, bias=False)
         self.down_proj: nn.Module = nn.Linear(inter, hidden, bias=False)
-        self.gate_up_proj: nn.Linear | None = None
+        self.gate_up_proj: nn.Module | None = None
 
     def fuse(self) -> None:
-        self.gate_up_proj = _fuse_linears([self.gate_proj, self.up_proj])
+        self.gate_up_proj = (_fuse_linears([self.gate_proj, self.up_proj])
+                             or _fuse_lowrank(self.gate_proj, self.up_proj))
         if self.gate_up_proj is not None:
             self.gate_proj = self.up_proj = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+        return self.down_proj(kernels.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + MLP block."""
+    """Pre-norm attention + MLP block (the model runs it: residual adds are fused with the next norm)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -281,10 +229,6 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
-
-    def forward(self, x, batch, rope, k_cache, v_cache):
-        x = x + self.self_attn(self.input_layernorm(x), batch, rope, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
@@ -298,6 +242,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config, max_len)
+        self.kernels = REFERENCE_KERNELS
         self.requires_grad_(False)
 
     def fuse_projections(self) -> None:
@@ -306,11 +251,19 @@ class LlamaModel(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Run the small ops through `kernels` (the fused CPU ops, or the torch references)."""
+        self.kernels = kernels
+
     @torch.inference_mode()
     def forward(self, batch: FlatBatch, cache: KVCache) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
-        rope = self.rotary.tables(batch.positions, x.dtype)
+        kernels, eps = self.kernels, self.config.rms_norm_eps
+        x = self.embed_tokens(batch.input_ids)  # the residual stream, updated in place by add_rms_norm
+        cos, sin = self.rotary.tables(batch.positions, x.dtype)
+        h = kernels.rms_norm(x, self.layers[0].input_layernorm.weight, eps)
+        norms = [layer.input_layernorm.weight for layer in self.layers[1:]] + [self.norm.weight]
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, rope, cache.k[i], cache.v[i])
-        x = self.norm(x[batch.logits_index])
-        return self.lm_head(x).float()
+            attn = layer.self_attn(h, batch, cos, sin, cache.k[i], cache.v[i], kernels)
+            h = kernels.add_rms_norm(x, attn, layer.post_attention_layernorm.weight, eps)
+            h = kernels.add_rms_norm(x, layer.mlp(h, kernels), norms[i], eps)
+        return self.lm_head(h[batch.logits_index]).float()

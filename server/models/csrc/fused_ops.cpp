@@ -1,0 +1,254 @@
+// CPU kernels for the decode step's small ops, registered as torch ops in the `neuronmm` namespace.
+//
+// Why: at decode sizes a Llama layer is four GEMMs plus ~25 small ops (norms, rotary, cache writes,
+// attention, activation); from Python each small op costs more in dispatch than in arithmetic. These
+// kernels fold them into three calls per layer and keep HF's rounding points (every intermediate the
+// reference rounds to the model dtype is rounded here too), so greedy outputs match HF in bf16 as in fp32.
+//
+// Layouts: the KV cache of one layer is [num_blocks, num_kv_heads, block_size, head_dim]; a token's
+// cache slot is block * block_size + offset. A slot-per-sequence cache is the case block_size = max_len.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float load_f(float v) { return v; }
+inline float load_f(c10::BFloat16 v) {
+  // bf16 -> fp32 is a shift; written out so the compiler vectorises the loops that use it
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float load_f(c10::Half v) { return static_cast<float>(v); }
+
+// Round a float to T and back: the value the reference holds after an op in dtype T.
+template <typename T>
+inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
+template <>
+inline float round_to<float>(float v) { return v; }
+
+// ---- rms_norm / add_rms_norm ---------------------------------------------------------------------
+// HF LlamaRMSNorm: y = weight * to_dtype(x_f32 * rsqrt(mean(x_f32^2) + eps)), the product in dtype.
+template <typename T>
+void rms_norm_row(const T* x, const T* w, T* out, int64_t hidden, float eps) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < hidden; ++i) {
+    float v = load_f(x[i]);
+    sum += v * v;
+  }
+  float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+  for (int64_t i = 0; i < hidden; ++i) {
+    out[i] = static_cast<T>(load_f(w[i]) * round_to<T>(load_f(x[i]) * inv));
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "rms_norm: x must be contiguous [num_tokens, hidden]");
+  auto out = at::empty_like(x);
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  auto w = weight.to(x.scalar_type()).contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) rms_norm_row(xp + r * hidden, wp, op + r * hidden, hidden, (float)eps);
+    });
+  });
+  return out;
+}
+
+// x += y (rounded to dtype, as the reference's residual add), then rms_norm of the new x.
+at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& y, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && y.is_contiguous() && x.sizes() == y.sizes(),
+              "add_rms_norm: x and y must be contiguous [num_tokens, hidden] of the same shape");
+  TORCH_CHECK(x.scalar_type() == y.scalar_type(), "add_rms_norm: x and y dtypes differ");
+  auto out = at::empty_like(x);
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  auto w = weight.to(x.scalar_type()).contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* yp = y.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        scalar_t* xr = xp + r * hidden;
+        const scalar_t* yr = yp + r * hidden;
+        for (int64_t i = 0; i < hidden; ++i) xr[i] = static_cast<scalar_t>(load_f(xr[i]) + load_f(yr[i]));
+        rms_norm_row(xr, wp, op + r * hidden, hidden, (float)eps);
+      }
+    });
+  });
+  return out;
+}
+
+// ---- silu_mul --------------------------------------------------------------------------------------
+// gate_up [num_tokens, 2 * inter] (gate then up) -> silu(gate) * up, each rounded as the reference.
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up must be contiguous [num_tokens, 2 * inter]");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = at::empty({rows, inter}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows * inter, 4096, [&](int64_t b, int64_t e) {
+      for (int64_t k = b; k < e; ++k) {
+        int64_t r = k / inter, i = k % inter;
+        float g = load_f(gp[r * 2 * inter + i]);
+        float u = load_f(gp[r * 2 * inter + inter + i]);
+        op[k] = static_cast<scalar_t>(round_to<scalar_t>(g / (1.f + std::exp(-g))) * u);
+      }
+    });
+  });
+  return out;
+}
+
+// ---- attention -------------------------------------------------------------------------------------
+// Rotate q, k of every token (HF's x*cos + rotate_half(x)*sin, each product rounded to dtype), write
+// k, v into the cache at the token's slot, then attend each token with context_lens[t] > 0 over the
+// first context_lens[t] positions of its sequence (block_tables[seq_index[t]]). Tokens with
+// context_lens[t] == 0 are left for the caller (their output rows are zero).
+template <typename T>
+void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                    const at::Tensor& seq_index, const at::Tensor& context_lens, int64_t num_heads,
+                    int64_t num_kv_heads, double scale, at::Tensor& q_rot, at::Tensor& out) {
+  const int64_t num_tokens = qkv.size(0);
+  const int64_t head_dim = k_cache.size(3), half = head_dim / 2;
+  const int64_t block_size = k_cache.size(2);
+  const int64_t row = qkv.size(1);
+  const int64_t max_blocks = block_tables.size(1);
+  const T* qkv_p = qkv.data_ptr<T>();
+  const T* cos_p = cos.data_ptr<T>();
+  const T* sin_p = sin.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  T* qr = q_rot.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* seq_of = seq_index.data_ptr<int32_t>();
+  const int32_t* ctx = context_lens.data_ptr<int32_t>();
+  // element offset of (slot, kv_head) in a cache tensor
+  auto cache_at = [&](int64_t slot, int64_t h) {
+    return ((slot / block_size * num_kv_heads + h) * block_size + slot % block_size) * head_dim;
+  };
+  auto rotate = [&](const T* x, const T* c, const T* s, T* dst) {
+    for (int64_t i = 0; i < head_dim; ++i) {
+      float rot = i < half ? -load_f(x[i + half]) : load_f(x[i - half]);
+      float a = round_to<T>(load_f(x[i]) * load_f(c[i]));
+      float b = round_to<T>(round_to<T>(rot) * load_f(s[i]));
+      dst[i] = static_cast<T>(a + b);
+    }
+  };
+  at::parallel_for(0, num_tokens, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const T* src = qkv_p + t * row;
+      const T* c = cos_p + t * head_dim;
+      const T* s = sin_p + t * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) rotate(src + h * head_dim, c, s, qr + (t * num_heads + h) * head_dim);
+      const T* k = src + num_heads * head_dim;
+      const T* v = k + num_kv_heads * head_dim;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        int64_t at_ = cache_at(slots[t], h);
+        rotate(k + h * head_dim, c, s, kc + at_);
+        std::memcpy(vc + at_, v + h * head_dim, head_dim * sizeof(T));
+      }
+    }
+  });
+  const int64_t group = num_heads / num_kv_heads;
+  at::parallel_for(0, num_tokens * num_heads, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> scores, acc(head_dim), q(head_dim);
+    for (int64_t th = b; th < e; ++th) {
+      const int64_t t = th / num_heads, h = th % num_heads, kvh = h / group;
+      T* dst = op + (t * num_heads + h) * head_dim;
+      const int64_t n = ctx[t];
+      if (n == 0) {
+        std::fill(dst, dst + head_dim, static_cast<T>(0.f));
+        continue;
+      }
+      const int32_t* table = tables + static_cast<int64_t>(seq_of[t]) * max_blocks;
+      const T* qp = qr + (t * num_heads + h) * head_dim;
+      for (int64_t i = 0; i < head_dim; ++i) q[i] = load_f(qp[i]) * (float)scale;
+      scores.resize(n);
+      float max_s = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) {
+        const T* kp = kc + ((table[j / block_size] * num_kv_heads + kvh) * block_size + j % block_size) * head_dim;
+        float dot = 0.f;
+        for (int64_t i = 0; i < head_dim; ++i) dot += q[i] * load_f(kp[i]);
+        scores[j] = dot;
+        max_s = std::max(max_s, dot);
+      }
+      float denom = 0.f;
+      for (int64_t j = 0; j < n; ++j) {
+        scores[j] = std::exp(scores[j] - max_s);
+        denom += scores[j];
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < n; ++j) {
+        const T* vp = vc + ((table[j / block_size] * num_kv_heads + kvh) * block_size + j % block_size) * head_dim;
+        const float p = scores[j];
+        for (int64_t i = 0; i < head_dim; ++i) acc[i] += p * load_f(vp[i]);
+      }
+      const float inv = 1.f / denom;
+      for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<T>(acc[i] * inv);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                             at::Tensor& k_cache, at::Tensor& v_cache,
+                                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                             const at::Tensor& seq_index, const at::Tensor& context_lens,
+                                             int64_t num_heads, int64_t num_kv_heads, double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "attention: qkv must be contiguous [num_tokens, (H + 2 Hkv) D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(), "attention: bad cache layout");
+  const int64_t head_dim = k_cache.size(3);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "attention: qkv width does not match heads");
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && head_dim % 2 == 0, "attention: bad head counts");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim, "attention: bad rotary tables");
+  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && cos.scalar_type() == qkv.scalar_type(),
+              "attention: qkv, cache and rotary tables must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && block_tables.scalar_type() == at::kInt &&
+                  seq_index.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "attention: index dtypes are int64 slots, int32 tables/seq_index/context_lens");
+  const int64_t num_tokens = qkv.size(0);
+  auto q_rot = at::empty({num_tokens, num_heads, head_dim}, qkv.options());
+  auto out = at::empty({num_tokens, num_heads * head_dim}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "attention", [&] {
+    attention_impl<scalar_t>(qkv, cos, sin, k_cache, v_cache, slot_mapping.contiguous(), block_tables.contiguous(),
+                             seq_index.contiguous(), context_lens.contiguous(), num_heads, num_kv_heads, scale,
+                             q_rot, out);
+  });
+  return {out, q_rot};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(neuronmm, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor y, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def(
+      "attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor seq_index, Tensor context_lens, int num_heads, int num_kv_heads, float scale) "
+      "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(neuronmm, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("attention", &attention);
+}

@@ -1,0 +1,149 @@
+"""The decode step's fused CPU ops (csrc/fused_ops.cpp), built once per machine, with torch references.
+
+`load()` compiles the C++ source with the system compiler into the cache (keyed by the source, torch's
+version and this CPU's flags, so a different machine gets its own build), loads it as `torch.ops.neuronmm`
+and returns True; without a compiler it logs why and returns False, and the model runs the reference
+functions below, which compute the same values with plain torch ops (also the CUDA path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils import cpp_extension
+
+from server.models.cpu_features import cpu_flags
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
+# No FMA contraction: the reference rounds each product, and rotary must match it bit for bit.
+CXXFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+_loaded: bool | None = None
+
+
+def _build_dir(cache_dir: Path) -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CXXFLAGS).encode()
+                         + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
+    return cache_dir / "ext" / f"fused_ops-{key}"
+
+
+def _compile(target: Path) -> None:
+    """Compile SOURCE into `target` (written under a temporary name, then renamed: never half a library)."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler ({cxx}) on PATH")
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu"]
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        cmd = [cxx, *CXXFLAGS, abi, *includes, str(SOURCE), "-o", str(out), *libs]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"compiling {SOURCE.name} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(out, target)
+
+
+def load(cache_dir: Path | None = None) -> bool:
+    """Make torch.ops.neuronmm available (building it if needed); False when it cannot be built here."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    cache_dir = cache_dir or Path(os.environ.get("NEURONMM_CACHE_DIR", "~/.cache/neuronmm")).expanduser()
+    target = _build_dir(cache_dir) / "fused_ops.so"
+    try:
+        if not target.is_file():
+            log.info("building the fused CPU ops (once per machine, ~30 s)")
+            _compile(target)
+        torch.ops.load_library(str(target))
+        _loaded = True
+    except (RuntimeError, OSError) as exc:
+        log.warning("fused CPU ops unavailable, using the torch reference path: %s", str(exc).splitlines()[0])
+        _loaded = False
+    return _loaded
+
+
+# ---- references: the same maths in plain torch (tests compare against these; CUDA runs them) --------
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalise in fp32, round to x's dtype, multiply by the weight in that dtype."""
+    xf = x.float()
+    return weight.to(x.dtype) * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += y in place (the residual), then rms_norm_ref of the new x."""
+    x.add_(y)
+    return rms_norm_ref(x, weight, eps)
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [num_tokens, 2 * inter]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF rotary: x * cos + rotate_half(x) * sin, for x [num_tokens, heads, head_dim], tables [num_tokens, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+def attention_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                  seq_index: torch.Tensor, context_lens: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """What torch.ops.neuronmm.attention computes: rotary, cache write, attention per token; (out, q_rot)."""
+    num_tokens = qkv.shape[0]
+    head_dim = k_cache.shape[-1]
+    block_size = k_cache.shape[2]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = rotate_ref(q.reshape(num_tokens, num_heads, head_dim), cos, sin)
+    k = rotate_ref(k.reshape(num_tokens, num_kv_heads, head_dim), cos, sin)
+    k_cache[slot_mapping // block_size, :, slot_mapping % block_size] = k
+    v_cache[slot_mapping // block_size, :, slot_mapping % block_size] = v.reshape(num_tokens, num_kv_heads, head_dim)
+    # every token against the longest context of the batch, keys past its own masked out
+    max_len = max(int(context_lens.max()), 1)
+    positions = torch.arange(max_len, device=qkv.device)
+    blocks = block_tables[seq_index.long()][:, positions // block_size].long()  # [num_tokens, max_len]
+    keys = k_cache[blocks, :, positions % block_size].transpose(1, 2)  # [num_tokens, Hkv, max_len, D]
+    values = v_cache[blocks, :, positions % block_size].transpose(1, 2)
+    mask = (positions < context_lens.unsqueeze(1)) | (context_lens.unsqueeze(1) == 0)  # no all-masked rows
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask.view(num_tokens, 1, 1, -1),
+                                         scale=scale, enable_gqa=True).squeeze(2)
+    out = out.masked_fill((context_lens == 0).view(-1, 1, 1), 0)
+    return out.reshape(num_tokens, num_heads * head_dim), q
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The decode step's small ops, one implementation set (fused C++ or torch reference)."""
+
+    rms_norm: Callable
+    add_rms_norm: Callable
+    silu_mul: Callable
+    attention: Callable
+
+
+REFERENCE_KERNELS = Kernels(rms_norm_ref, add_rms_norm_ref, silu_mul_ref, attention_ref)
+
+
+def kernels_for(device: torch.device) -> Kernels:
+    """The fused CPU ops on a CPU that can build them, else the torch references."""
+    if device.type != "cpu" or not load():
+        return REFERENCE_KERNELS
+    ops = torch.ops.neuronmm
+    return Kernels(ops.rms_norm, ops.add_rms_norm, ops.silu_mul, ops.attention)

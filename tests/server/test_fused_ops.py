@@ -1,0 +1,82 @@
+"""The fused CPU ops equal their torch references (bit for bit where the maths is elementwise)."""
+
+import math
+
+import pytest
+import torch
+
+from server.models import fused_ops
+
+pytestmark = pytest.mark.skipif(not fused_ops.load(), reason="no C++ compiler: the fused ops cannot be built")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_residual_match_reference(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=g).to(dtype)
+    y = torch.randn(5, 64, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(64, generator=g)).to(dtype)
+    # the sum of squares is reduced in another order than ATen's: equal up to the dtype's last bit
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(torch.ops.neuronmm.rms_norm(x, w, 1e-5), fused_ops.rms_norm_ref(x, w, 1e-5), **tol)
+    x_ref = x.clone()
+    out = torch.ops.neuronmm.add_rms_norm(x, y, w, 1e-5)
+    torch.testing.assert_close(out, fused_ops.add_rms_norm_ref(x_ref, y, w, 1e-5), **tol)
+    assert torch.equal(x, x_ref)  # the residual was updated in place, rounded as the reference
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_reference(dtype):
+    gate_up = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ours, ref = torch.ops.neuronmm.silu_mul(gate_up), fused_ops.silu_mul_ref(gate_up)
+    # silu's exp differs from ATen's in the last fp32 bit; after rounding to bf16 nearly all agree
+    torch.testing.assert_close(ours, ref, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)
+
+
+def _cache_case(dtype, block_size: int, num_blocks: int):
+    num_heads, num_kv_heads, head_dim = 4, 2, 16
+    g = torch.Generator().manual_seed(2)
+    # two sequences: seq 0 has 5 cached + 1 new token, seq 1 a 3-token prefill chunk at position 0
+    positions = torch.tensor([5, 0, 1, 2])
+    seq_index = torch.tensor([0, 1, 1, 1], dtype=torch.int32)
+    tables = torch.tensor([[3, 1, 0, 0], [2, 0, 0, 0]], dtype=torch.int32)[:, :max(1, 8 // block_size)]
+    blocks = tables[seq_index.long(), (positions // block_size)].long()
+    slot_mapping = blocks * block_size + positions % block_size
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    qkv = torch.randn(4, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype)
+    angles = positions.float().unsqueeze(1) * torch.linspace(0.1, 1.0, head_dim // 2).repeat(2)
+    return dict(qkv=qkv, cos=angles.cos().to(dtype), sin=angles.sin().to(dtype), k_cache=k_cache, v_cache=v_cache,
+                slot_mapping=slot_mapping, block_tables=tables, seq_index=seq_index,
+                context_lens=(positions + 1).int(), num_heads=num_heads, num_kv_heads=num_kv_heads,
+                scale=1 / math.sqrt(head_dim))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,num_blocks", [(4, 4), (8, 4)])
+def test_attention_matches_reference(dtype, block_size, num_blocks):
+    case = _cache_case(dtype, block_size, num_blocks)
+    ref_case = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    out, q_rot = torch.ops.neuronmm.attention(*case.values())
+    ref_out, ref_q = fused_ops.attention_ref(*ref_case.values())
+    assert torch.equal(q_rot, ref_q)  # rotary rounds exactly as the reference
+    assert torch.equal(case["k_cache"], ref_case["k_cache"]) and torch.equal(case["v_cache"], ref_case["v_cache"])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+
+
+def test_attention_skips_tokens_with_no_context():
+    case = _cache_case(torch.float32, 4, 4)
+    case["context_lens"] = torch.tensor([6, 0, 0, 0], dtype=torch.int32)
+    out, _ = torch.ops.neuronmm.attention(*case.values())
+    assert out[1:].abs().sum() == 0 and out[0].abs().sum() > 0
+
+
+def test_attention_rejects_mismatched_widths():
+    case = _cache_case(torch.float32, 4, 4)
+    case["qkv"] = case["qkv"][:, :-2].contiguous()
+    with pytest.raises(RuntimeError, match="qkv width"):
+        torch.ops.neuronmm.attention(*case.values())
