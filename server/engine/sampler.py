@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from server.engine.logits_processors import apply_logits_processors
 from server.engine.sequence import Sequence, TokenLogprob
 
 
@@ -69,6 +70,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     wants_logprobs = [seq.params.logprobs is not None for seq in seqs]
     raw = torch.log_softmax(logits, dim=-1) if any(wants_logprobs) else None
     logits = apply_penalties(logits, seqs)
+    apply_logits_processors(logits, seqs)
     tokens = logits.argmax(dim=-1).tolist()
     for row, seq in enumerate(seqs):
         params = seq.params

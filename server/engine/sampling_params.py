@@ -1,10 +1,28 @@
-"""Per-sequence sampling settings: the one place request fields become engine behaviour."""
+"""Per-sequence sampling settings: the one place request fields become engine behaviour.
+
+Everything here is plain, picklable data (the engine may run in another process): a structured-output
+constraint travels as a `StructuredOutput` spec and becomes a grammar matcher only inside the engine.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-MAX_LOGPROBS = 5
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A decoding constraint: `kind` says how to read `value` (a JSON schema as JSON text, or a Lark grammar).
+
+    json_schema: output matches the schema; json_object: any JSON object (value unused);
+    lark: a Lark grammar in llguidance's dialect (may embed `%json {schema}`), used for tool calls.
+    """
+
+    kind: Literal["json_schema", "json_object", "lark"]
+    value: str = ""
 
 
 @dataclass
@@ -15,14 +33,19 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (0: off)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are out
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: int | None = None  # number of top alternatives per token (0..5), None: off
+    repetition_penalty: float = 1.0  # CTRL-style, over prompt and output tokens (1: off)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    logprobs: int | None = None  # number of top alternatives per token (0..MAX_LOGPROBS), None: off
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -31,8 +54,16 @@ class SamplingParams:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must be between 0 and max_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}")
+        if any(abs(v) > MAX_LOGIT_BIAS for v in self.logit_bias.values()):
+            raise ValueError(f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}")
 
     @property
     def is_greedy(self) -> bool:
@@ -41,3 +72,9 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """Whether apply_logits_processors has anything to do for this sequence."""
+        return bool(self.logit_bias or self.min_tokens or self.repetition_penalty != 1.0
+                    or self.min_p > 0.0 or self.structured is not None)

@@ -63,6 +63,7 @@ class Sequence:
     last_token_time: float | None = None
     last_itl: float | None = None  # seconds between the two newest tokens
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    logits_state: object | None = None  # owned by engine.logits_processors (grammar matcher, caches)
 
     @property
     def num_tokens(self) -> int:
