@@ -66,6 +66,8 @@ class ServerConfig(_Strict):
     body_timeout_s: float = Field(30.0, gt=0, description="a request body that stalls this long gets 408")
     cors_origins: list[str] = Field(default_factory=list)
     shutdown_grace_s: float = Field(30.0, ge=0)
+    # The engine in its own process (as vLLM's engine core): HTTP work then never holds the engine's GIL.
+    engine_process: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 

@@ -12,6 +12,7 @@ from server.backends import create_runner
 from server.config import Config, ConfigError
 from server.engine.llm_engine import LLMEngine
 from server.engine.sampling_params import SamplingParams
+from server.models.source import resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,6 @@ def warm_up(engine: LLMEngine, prompt_ids: list[int]) -> None:
 
 def load_runtime(cfg: Config) -> Runtime:
     """Resolve, load and warm the configured model."""
-    from server.models.source import resolve_model_dir
-
     model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
     tokenizer = load_tokenizer(model_dir)
     runner = create_runner(cfg, model_dir)

@@ -21,9 +21,12 @@ from server.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, 
                                  CompletionResponse, ErrorResponse, HealthStatus, ModelCard, ModelList)
 from server.api.serving import OpenAIServing
 from server.api.shutdown import GracefulServer
+from server.backends import check_backend_available
 from server.config import Config
 from server.engine.async_engine import AsyncEngine
-from server.runtime import Runtime, load_runtime
+from server.engine.engine_core import EngineCoreClient
+from server.models.source import resolve_model_dir
+from server.runtime import Runtime, load_runtime, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -43,19 +46,32 @@ class AppState:
         self.draining = False
         self.num_active = 0  # generation requests inside the app (the drain waits for 0)
         self.load_error: str | None = None
-        self.runtime: Runtime | None = None
-        self.engine: AsyncEngine | None = None
+        self.runtime: Runtime | None = None  # only when the engine runs in this process
+        self.engine: AsyncEngine | EngineCoreClient | None = None
         self.serving: OpenAIServing | None = None
 
     def start(self, runtime: Runtime) -> None:
+        """Serve from an engine loaded in this process (its loop runs in a thread)."""
         self.runtime = runtime
-        self.engine = AsyncEngine(runtime.engine, self.cfg.engine.max_queue,
-                                  on_abort=lambda: self.metrics.finished("abort"))
+        engine = AsyncEngine(runtime.engine, self.cfg.engine.max_queue, on_abort=lambda: self.metrics.finished("abort"))
         runtime.engine.observers.append(self.metrics.observe_step)
+        self._serve_with(engine, runtime.tokenizer)
+
+    def start_engine_process(self) -> None:
+        """Serve from an engine core in its own process; blocks until its model is loaded and warm."""
+        tokenizer = load_tokenizer(resolve_model_dir(self.cfg.model, self.cfg.cache_path))
+        engine = EngineCoreClient(self.cfg, on_abort=lambda: self.metrics.finished("abort"),
+                                  on_step=self.metrics.observe_step)
+        engine.start()
+        self._serve_with(engine, tokenizer)
+
+    def _serve_with(self, engine, tokenizer) -> None:
+        self.engine = engine
         self.metrics.bind_gauges(lambda: self.engine.num_running, lambda: self.engine.num_waiting)
-        self.serving = OpenAIServing(self.engine, runtime.tokenizer, self.cfg.model.name,
-                                     self.cfg.engine.max_model_len, self.metrics)
-        self.engine.start()
+        self.serving = OpenAIServing(self.engine, tokenizer, self.cfg.model.name, self.cfg.engine.max_model_len,
+                                     self.metrics)
+        if isinstance(engine, AsyncEngine):
+            engine.start()
         self.ready = True
 
 
@@ -239,14 +255,20 @@ def _install_openapi(app: FastAPI) -> None:
     app.openapi = openapi
 
 
-def create_app(cfg: Config, loader: Callable[[Config], Runtime] = load_runtime) -> FastAPI:
-    """The ASGI app; the model loads in the background after start-up (/health is 503 until warm)."""
+def create_app(cfg: Config, loader: Callable[[Config], Runtime] | None = None) -> FastAPI:
+    """The ASGI app; the model loads in the background after start-up (/health is 503 until warm).
+
+    With no `loader` and `server.engine_process` on, the engine runs in its own process; a loader (tests
+    inject faulty ones) loads it into this process instead.
+    """
     state = AppState(cfg)
 
     async def load() -> None:
         try:
-            runtime = await asyncio.to_thread(loader, cfg)
-            state.start(runtime)
+            if loader is None and cfg.server.engine_process:
+                await asyncio.to_thread(state.start_engine_process)
+            else:
+                state.start(await asyncio.to_thread(loader or load_runtime, cfg))
             log.info("ready: serving %s on the %s backend", cfg.model.name, cfg.backend)
         except Exception as exc:  # keep the server up so /health can say why
             state.load_error = f"{exc.__class__.__name__}: {exc}"
@@ -273,9 +295,6 @@ def create_app(cfg: Config, loader: Callable[[Config], Runtime] = load_runtime) 
 def serve(cfg: Config) -> int:
     """Run the app under uvicorn; SIGTERM drains in-flight requests (503 for new ones), then returns 0."""
     import uvicorn
-
-    from server.backends import check_backend_available
-    from server.models.source import resolve_model_dir
 
     # Check the backend and resolve (convert) the model before binding the port, so a bad path or a
     # missing SDK is a one-line CLI error rather than a server that never gets healthy.

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from server.engine.sequence import Sequence
+from server.engine.llm_engine import StepStats
 
 # Backends with static-shape buckets (neuron) register their PaddingStats here at load; weak, so a
 # finished runner disappears from /metrics with it.
@@ -78,18 +77,17 @@ class ServerMetrics:
         self.running.set_function(running)
         self.waiting.set_function(waiting)
 
-    def observe_step(self, seqs: list[Sequence], num_prompt_tokens: int, batch_size: int) -> None:
-        """Engine-thread hook: record one forward's tokens and latencies."""
-        self.batch_size.observe(batch_size)
-        self.prompt_tokens.inc(num_prompt_tokens)
-        self.generation_tokens.inc(len(seqs))
-        for seq in seqs:
-            if len(seq.output_ids) == 1:
-                self.ttft.observe(seq.first_token_time - seq.arrival_time)
-            elif seq.last_itl is not None:
-                self.itl.observe(seq.last_itl)
-            if seq.finish_reason:
-                self.finished(seq.finish_reason, time.monotonic() - seq.arrival_time)
+    def observe_step(self, stats: StepStats) -> None:
+        """Engine hook (its thread, or the reader of the engine process): one forward's tokens and latencies."""
+        self.batch_size.observe(stats.batch_size)
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generation_tokens)
+        for ttft in stats.ttfts:
+            self.ttft.observe(ttft)
+        for itl in stats.itls:
+            self.itl.observe(itl)
+        for reason, e2e in stats.finished:
+            self.finished(reason, e2e)
 
     def finished(self, reason: str, e2e_s: float | None = None) -> None:
         self._requests.labels(model_name=self._model_name, finished_reason=reason).inc()

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from server.backends.neuron import create_neuron_runner, require_neuron_sdk
+from server.backends.torch_runner import TorchRunner
 from server.config import Config, ConfigError
 
 
@@ -11,18 +15,12 @@ def create_runner(cfg: Config, model_dir: Path):
     """The configured backend's runner, not yet loaded."""
     compressed = Path(cfg.model.compressed).expanduser() if cfg.model.compressed else None
     if cfg.backend == "torch":
-        from server.backends.torch_runner import TorchRunner
-
         if cfg.device.startswith("cuda"):
-            import torch
-
             if not torch.cuda.is_available():
                 raise ConfigError(f"device: {cfg.device!r} requested but torch sees no CUDA device")
         return TorchRunner(model_dir, cfg.engine.max_model_len, cfg.model.dtype, cfg.device, compressed,
                            cfg.engine.num_threads)
     if cfg.backend == "neuron":
-        from server.backends.neuron import create_neuron_runner
-
         return create_neuron_runner(cfg, model_dir, compressed)
     raise ConfigError(f"backend: unknown backend {cfg.backend!r}")
 
@@ -30,11 +28,7 @@ def create_runner(cfg: Config, model_dir: Path):
 def check_backend_available(cfg: Config) -> None:
     """Fail fast (ConfigError, one line) when the configured backend cannot run on this machine."""
     if cfg.backend == "neuron":
-        from server.backends.neuron import require_neuron_sdk
-
         require_neuron_sdk()
     elif cfg.device.startswith("cuda"):
-        import torch
-
         if not torch.cuda.is_available():
             raise ConfigError(f"device: {cfg.device!r} requested but torch sees no CUDA device")

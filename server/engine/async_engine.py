@@ -127,7 +127,7 @@ class AsyncEngine:
     def _update_counts(self) -> None:
         sched = self.engine.scheduler
         self.num_waiting, self.num_running = sched.num_waiting, sched.num_running
-        self.num_waiting_requests = len({seq.request_id for seq in sched.waiting})
+        self.num_waiting_requests = sched.num_waiting_requests
 
     def _loop(self) -> None:
         log.info("engine loop started")

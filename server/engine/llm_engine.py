@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,13 +14,23 @@ from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.sampler import sample
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import ScheduledChunk, Scheduler
-from server.engine.sequence import Sequence, SeqOutput
+from server.engine.sequence import Sequence, SeqOutput, SeqStatus
 
 log = logging.getLogger(__name__)
 
-# Called once per step with (sequences that produced a token, prompt tokens computed this step,
-# number of sequences in the forward).
-StepObserver = Callable[[list[Sequence], int, int], None]
+@dataclass
+class StepStats:
+    """What one step did, for metrics (plain data: it crosses from the engine process to the API)."""
+
+    batch_size: int  # sequences in the forward
+    num_prompt_tokens: int  # prefill tokens computed
+    num_generation_tokens: int
+    ttfts: list[float] = field(default_factory=list)  # seconds, of sequences that got their first token
+    itls: list[float] = field(default_factory=list)  # seconds between the two newest tokens, the others
+    finished: list[tuple[str, float]] = field(default_factory=list)  # (finish reason, e2e seconds)
+
+
+StepObserver = Callable[[StepStats], None]
 
 
 class LLMEngine:
@@ -34,7 +45,6 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids or ())
         self.seqs: dict[str, list[Sequence]] = {}
         self.observers: list[StepObserver] = []
-        self.last_batch_size = 0
         self.max_batch_size_seen = 0
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> None:
@@ -58,7 +68,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is; its KV slots are free for the next step."""
         for seq in self.seqs.pop(request_id, []):
-            self.scheduler.finish(seq, "abort")
+            self._finish(seq, "abort")
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -68,7 +78,6 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        self.last_batch_size = len(chunks)
         self.max_batch_size_seen = max(self.max_batch_size_seen, len(chunks))
         sampled = [c for c in chunks if c.completes_seq]
         try:
@@ -86,9 +95,23 @@ class LLMEngine:
             c.seq.num_computed += c.num_tokens
         now = time.monotonic()
         outputs = [self._advance(c, tok, lp, now) for c, tok, lp in zip(sampled, tokens, logprobs)]
-        for observer in self.observers:
-            observer([c.seq for c in sampled], num_prompt_tokens, len(chunks))
+        if self.observers:
+            stats = self._stats([c.seq for c in sampled], num_prompt_tokens, len(chunks), now)
+            for observer in self.observers:
+                observer(stats)
         return outputs
+
+    @staticmethod
+    def _stats(seqs: list[Sequence], num_prompt_tokens: int, batch_size: int, now: float) -> StepStats:
+        stats = StepStats(batch_size, num_prompt_tokens, len(seqs))
+        for seq in seqs:
+            if len(seq.output_ids) == 1:
+                stats.ttfts.append(seq.first_token_time - seq.arrival_time)
+            elif seq.last_itl is not None:
+                stats.itls.append(seq.last_itl)
+            if seq.finish_reason:
+                stats.finished.append((seq.finish_reason, now - seq.arrival_time))
+        return stats
 
     def _advance(self, chunk: ScheduledChunk, token: int, logprob, now: float) -> SeqOutput:
         seq = chunk.seq
@@ -100,7 +123,7 @@ class LLMEngine:
             seq.pending_logprobs.append(logprob)
         reason = self._finish_reason(seq, token)
         if reason:
-            self.scheduler.finish(seq, reason)
+            self._finish(seq, reason)
         return self._output(seq)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -126,9 +149,16 @@ class LLMEngine:
             self.seqs.pop(seq.request_id, None)
         return out
 
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence and tell the backend its cache slot is free (it may hold state for it)."""
+        slot = seq.slot if seq.status is SeqStatus.RUNNING else None
+        self.scheduler.finish(seq, reason)
+        if slot is not None:
+            self.runner.release_slot(slot)
+
     def fail(self, seq: Sequence, message: str) -> SeqOutput:
         """End one sequence with an error its client will see."""
-        self.scheduler.finish(seq, "error")
+        self._finish(seq, "error")
         return self._output(seq, error=message)
 
     def fail_running(self, message: str) -> list[SeqOutput]:
@@ -139,11 +169,4 @@ class LLMEngine:
                    if not seq.is_finished]
         for rid in request_ids:
             self.seqs.pop(rid, None)
-        return outputs
-
-    def fail_all(self, message: str) -> list[SeqOutput]:
-        """End every unfinished sequence with an error (after a step failed outside the forward)."""
-        outputs = [self.fail(seq, message) for seqs in list(self.seqs.values()) for seq in seqs
-                   if not seq.is_finished]
-        self.seqs.clear()
         return outputs

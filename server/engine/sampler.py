@@ -1,4 +1,11 @@
-"""Batched token selection with per-sequence temperature, top-k, top-p, penalties, seeds and logprobs."""
+"""Batched token selection: one vectorised pass over all sequences of a step.
+
+Every sampled row draws one uniform number from its own generator (so a seed reproduces its sequence
+whatever else is in the batch) and picks the token where that number falls in the row's cumulative
+distribution (inverse-CDF sampling). Top-k and top-p usually cut the distribution to its few hundred
+most likely tokens, so rows whose filtered distribution provably lies inside the leading candidates
+are sampled there; the rest use the whole vocabulary.
+"""
 
 from __future__ import annotations
 
@@ -7,54 +14,80 @@ import torch
 from server.engine.logits_processors import apply_logits_processors
 from server.engine.sequence import Sequence, TokenLogprob
 
+# Leading candidates per row: the nucleus and the top-k set of real requests almost always fit.
+NUM_CANDIDATES = 256
+
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """OpenAI presence/frequency penalties over each sequence's generated tokens (in place)."""
-    for row, seq in enumerate(seqs):
-        params = seq.params
-        if not params.has_penalties or not seq.output_ids:
-            continue
-        ids = torch.tensor(seq.output_ids, dtype=torch.long, device=logits.device)
-        counts = torch.bincount(ids, minlength=logits.shape[-1]).to(logits.dtype)
-        logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    """OpenAI presence/frequency penalties over each sequence's generated tokens (in place, one scatter)."""
+    rows = [(row, seq) for row, seq in enumerate(seqs) if seq.params.has_penalties and seq.output_ids]
+    if not rows:
+        return logits
+    row_ids = torch.tensor([row for row, seq in rows for _ in seq.output_ids], device=logits.device)
+    token_ids = torch.tensor([t for _, seq in rows for t in seq.output_ids], device=logits.device)
+    counts = torch.zeros(len(seqs), logits.shape[-1], dtype=logits.dtype, device=logits.device)
+    counts.index_put_((row_ids, token_ids), torch.ones_like(token_ids, dtype=logits.dtype), accumulate=True)
+    freq = torch.tensor([s.params.frequency_penalty for s in seqs], dtype=logits.dtype, device=logits.device)
+    pres = torch.tensor([s.params.presence_penalty for s in seqs], dtype=logits.dtype, device=logits.device)
+    logits -= freq.unsqueeze(1) * counts + pres.unsqueeze(1) * (counts > 0).to(logits.dtype)
     return logits
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask logits [vocab] outside the top-k set and outside the smallest top-p nucleus."""
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits
+def filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask scaled logits [rows, vocab] outside each row's top-k set and smallest top-p nucleus (full sort)."""
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    cols = torch.arange(scaled.shape[-1], device=scaled.device)
+    sorted_logits = sorted_logits.masked_fill(cols >= top_k.unsqueeze(1), float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    drop = probs.cumsum(-1) - probs >= top_p.unsqueeze(1)  # keep the token that crosses top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits)
 
 
-# Sorting the whole vocabulary per sequence dominated sampling (49k entries, ~4 ms a row). The nucleus
-# and the top-k set usually sit inside the few hundred most likely tokens, so sample among those when
-# that is provably the same distribution, and fall back to the full sort when it is not.
-_NUM_CANDIDATES = 256
+def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Column index per row where uniform [rows] falls in the row's (unnormalised) cumulative probs."""
+    cum = probs.double().cumsum(-1)
+    target = (uniform.double() * cum[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cum, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
-def _sample_candidates(scaled: torch.Tensor, top_k: int, top_p: float,
-                       generator: torch.Generator | None) -> int | None:
-    """Exact top-k/top-p sampling from the leading candidates of `scaled` [vocab]; None if they do not suffice."""
+def sample_scaled(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  uniform: torch.Tensor) -> torch.Tensor:
+    """Token ids [rows] from temperature-scaled logits [rows, vocab] under per-row top_k (vocab: off), top_p.
+
+    Exact for every row: candidate rows sample among the leading NUM_CANDIDATES tokens only when the
+    filtered distribution lies inside them; the others fall back to the whole vocabulary.
+    """
     vocab = scaled.shape[-1]
-    k = top_k if 0 < top_k < vocab else vocab
-    if k > _NUM_CANDIDATES and k != vocab:
-        return None  # a large explicit top-k: its normaliser needs all k logits
-    values, ids = torch.topk(scaled, min(k, _NUM_CANDIDATES))
-    log_norm = torch.logsumexp(values if k <= _NUM_CANDIDATES else scaled, dim=-1)
-    probs = (values - log_norm).exp()
+    k = min(NUM_CANDIDATES, vocab)
+    values, ids = torch.topk(scaled, k, dim=-1)
+    in_top_k = torch.arange(k, device=scaled.device) < top_k.unsqueeze(1)
+    values = values.masked_fill(~in_top_k, float("-inf"))
+    # top-k within the candidates renormalises over them; otherwise the normaliser is the whole vocabulary
+    small_k = top_k <= k
+    log_norm = torch.where(small_k, torch.logsumexp(values, -1), torch.logsumexp(scaled, -1))
+    probs = (values - log_norm.unsqueeze(1)).exp()
     cum = probs.cumsum(-1)
-    if k > _NUM_CANDIDATES and (top_p >= 1.0 or cum[-1] < top_p):
-        return None  # the nucleus (or the whole distribution) reaches past the candidates
-    keep = cum - probs < top_p
-    choice = torch.multinomial(probs * keep, 1, generator=generator)
-    return int(ids[choice])
+    probs = probs * (cum - probs < top_p.unsqueeze(1))
+    covered = small_k | ((top_k == vocab) & (cum[:, -1] >= top_p))
+    tokens = ids.gather(1, _inverse_cdf(probs, uniform).unsqueeze(1)).squeeze(1)
+    unfiltered = (top_k == vocab) & (top_p >= 1.0)  # plain temperature sampling: no sort needed
+    for rest in ((~covered & unfiltered).nonzero().squeeze(1), (~covered & ~unfiltered).nonzero().squeeze(1)):
+        if rest.numel():
+            rest_scaled = scaled[rest] if bool(unfiltered[rest[0]]) else filter_top_k_top_p(
+                scaled[rest], top_k[rest], top_p[rest])
+            tokens[rest] = _inverse_cdf(rest_scaled.softmax(-1), uniform[rest])
+    return tokens
+
+
+def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    params = [s.params for s in seqs]
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+    uniform = torch.cat([torch.rand(1, generator=s.generator) for s in seqs]).to(logits.device)
+    return sample_scaled(logits / temps.unsqueeze(1), top_k, top_p, uniform)
 
 
 def _logprobs(raw_logprobs: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
@@ -71,17 +104,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     raw = torch.log_softmax(logits, dim=-1) if any(wants_logprobs) else None
     logits = apply_penalties(logits, seqs)
     apply_logits_processors(logits, seqs)
-    tokens = logits.argmax(dim=-1).tolist()
-    for row, seq in enumerate(seqs):
-        params = seq.params
-        if params.is_greedy:
-            continue
-        scaled = logits[row] / params.temperature
-        token = _sample_candidates(scaled, params.top_k, params.top_p, seq.generator)
-        if token is None:
-            probs = torch.softmax(_filter_top_k_top_p(scaled, params.top_k, params.top_p), dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=seq.generator))
-        tokens[row] = token
+    tokens = logits.argmax(dim=-1)
+    sampled = [row for row, seq in enumerate(seqs) if not seq.params.is_greedy]
+    if sampled:
+        rows = torch.tensor(sampled, device=logits.device)
+        tokens[rows] = _sample_rows(logits[rows], [seqs[row] for row in sampled])
+    tokens = tokens.tolist()
     lps = [(_logprobs(raw[row], tokens[row], seq.params.logprobs) if wants_logprobs[row] else None)
            for row, seq in enumerate(seqs)]
     return tokens, lps

@@ -65,6 +65,11 @@ class Scheduler:
         return len(self.waiting)
 
     @property
+    def num_waiting_requests(self) -> int:
+        """Waiting requests (the n choices of one request count once), for admission control."""
+        return len({seq.request_id for seq in self.waiting})
+
+    @property
     def num_running(self) -> int:
         return len(self.running)
 

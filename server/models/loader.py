@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from server.config import ConfigError
+from server.models.compressed import apply_compressed_artifact
 from server.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,6 @@ def load_llama(model_dir: Path, max_len: int, dtype: torch.dtype = torch.float32
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     if compressed is not None:
-        from server.models.compressed import apply_compressed_artifact
-
         apply_compressed_artifact(model, compressed, model_dir)
     model.fuse_projections()
     model.to(dtype)

@@ -1,36 +1,52 @@
-"""Sampler: the candidate fast path draws from exactly the distribution the full top-k/top-p filter defines."""
+"""Batched sampler: every row draws from exactly the distribution the full top-k/top-p filter defines."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from server.engine.sampler import _filter_top_k_top_p, _sample_candidates
+from server.engine.sampler import NUM_CANDIDATES, apply_penalties, filter_top_k_top_p, sample_scaled
+from server.engine.sampling_params import SamplingParams
+from server.engine.sequence import Sequence
+
+VOCAB = 2000
 
 
-def _empirical(scaled, top_k, top_p, draws=6000):
-    gen = torch.Generator().manual_seed(1)
-    counts = torch.zeros(scaled.shape[-1])
-    for _ in range(draws):
-        token = _sample_candidates(scaled, top_k, top_p, gen)
-        assert token is not None
-        counts[token] += 1
-    return counts / draws
+def _empirical(scaled: torch.Tensor, top_k: int, top_p: float, draws: int = 4000) -> torch.Tensor:
+    rows = scaled.expand(draws, -1)
+    uniform = torch.rand(draws, generator=torch.Generator().manual_seed(1))
+    tokens = sample_scaled(rows, torch.full((draws,), top_k), torch.full((draws,), top_p), uniform)
+    return torch.bincount(tokens, minlength=scaled.shape[-1]).float() / draws
 
 
-@pytest.mark.parametrize("top_k,top_p", [(0, 0.6), (5, 1.0), (20, 0.7), (0, 0.95)])
-def test_candidate_path_matches_full_filter(top_k, top_p):
-    torch.manual_seed(0)
-    scaled = torch.randn(5000) * 4  # peaked enough that the nucleus fits in the candidates
-    expected = torch.softmax(_filter_top_k_top_p(scaled, top_k, top_p), dim=-1)
+@pytest.mark.parametrize("top_k,top_p,spread", [
+    (VOCAB, 0.6, 4.0), (5, 1.0, 4.0), (20, 0.7, 4.0), (VOCAB, 0.95, 4.0),  # inside the candidates
+    (VOCAB, 1.0, 1.0), (VOCAB, 0.9, 0.1), (1000, 1.0, 1.0)])  # the whole-vocabulary fallbacks
+def test_sampled_distribution_matches_full_filter(top_k, top_p, spread):
+    scaled = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0)) * spread
+    expected = torch.softmax(filter_top_k_top_p(scaled.unsqueeze(0), torch.tensor([top_k]),
+                                                 torch.tensor([top_p]))[0], dim=-1)
     got = _empirical(scaled, top_k, top_p)
     assert set(got.nonzero().flatten().tolist()) <= set(expected.nonzero().flatten().tolist())
     assert (got - expected).abs().max() < 0.03
 
 
-def test_candidate_path_declines_when_nucleus_is_wider_than_candidates():
-    flat = torch.zeros(5000)  # uniform: a 0.9 nucleus holds 4500 tokens
-    assert _sample_candidates(flat, 0, 0.9, None) is None
-    assert _sample_candidates(flat, 0, 1.0, None) is None  # unfiltered sampling needs the full vocab
-    assert _sample_candidates(flat, 1000, 1.0, None) is None  # large top-k: normaliser needs all k
-    assert _sample_candidates(flat, 8, 1.0, None) is not None
+def test_rows_with_different_settings_sample_independently():
+    scaled = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(2)) * 4
+    tokens = sample_scaled(scaled, torch.tensor([1, VOCAB, VOCAB]), torch.tensor([1.0, 1.0, 1e-6]),
+                           torch.tensor([0.9, 0.5, 0.9]))
+    assert tokens[0] == scaled[0].argmax()  # top-k 1 is greedy
+    assert tokens[2] == scaled[2].argmax()  # a tiny nucleus holds only the best token
+    assert NUM_CANDIDATES < VOCAB
+
+
+def test_penalties_apply_per_row_in_one_pass():
+    seqs = []
+    for freq, pres in ((1.0, 0.0), (0.0, 2.0), (0.0, 0.0)):
+        seq = Sequence("r", 0, [1], SamplingParams(frequency_penalty=freq, presence_penalty=pres), detok=None)
+        seq.output_ids = [3, 3, 5]
+        seqs.append(seq)
+    logits = apply_penalties(torch.zeros(3, 8), seqs)
+    assert logits[0, 3] == -2.0 and logits[0, 5] == -1.0
+    assert logits[1, 3] == -2.0 and logits[1, 5] == -2.0
+    assert logits[2].abs().sum() == 0

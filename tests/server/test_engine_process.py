@@ -1,0 +1,85 @@
+"""The engine core in its own process (how `neuronmm serve` runs): same answers, aborts, metrics, death."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from support import live_server, tiny_config
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with live_server(tiny_config(tiny_model_dir, max_model_len=256), engine_process=True, ready_timeout=120) as live:
+        yield live
+
+
+def _complete(url: str, **body) -> dict:
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, **body}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+
+
+def _stream_text(url: str, **body) -> str:
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "stream": True, **body}
+    text = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text.extend(c["text"] for c in json.loads(line[6:])["choices"])
+    return "".join(text)
+
+
+def test_runs_in_another_process(server):
+    assert server.state.runtime is None  # no model in the API process
+    assert server.state.engine._proc.pid and server.state.engine.is_alive
+
+
+def test_streamed_equals_full_and_seeded_sampling_repeats(server):
+    full = _complete(server.url)
+    assert full["usage"]["completion_tokens"] == 12
+    assert _stream_text(server.url) == full["choices"][0]["text"]
+    sampled = [_complete(server.url, temperature=1.0, seed=7, n=2)["choices"] for _ in range(2)]
+    assert [c["text"] for c in sampled[0]] == [c["text"] for c in sampled[1]]
+
+
+def test_concurrent_requests_batch_and_metrics_cross_the_process(server):
+    async def many():
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            return await asyncio.gather(*(client.post(f"{server.url}/v1/completions", json=body) for _ in range(6)))
+
+    responses = asyncio.run(many())
+    assert all(r.status_code == 200 for r in responses)
+    assert len({r.json()["choices"][0]["text"] for r in responses}) == 1  # batching keeps greedy results
+    metrics = httpx.get(f"{server.url}/metrics").text
+    generated = [line for line in metrics.splitlines() if line.startswith("neuronmm_generation_tokens_total")]
+    assert generated and float(generated[0].split()[-1]) >= 48
+
+
+def test_disconnect_mid_stream_aborts_and_the_engine_keeps_serving(server):
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as resp:
+        next(resp.iter_lines())
+    deadline = time.monotonic() + 10
+    while server.state.engine.num_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.state.engine.num_running == 0
+    assert _complete(server.url)["usage"]["completion_tokens"] == 12
+
+
+def test_engine_death_fails_requests_and_health(tiny_model_dir):
+    with live_server(tiny_config(tiny_model_dir, max_model_len=256), engine_process=True, ready_timeout=120) as live:
+        live.state.engine._proc.kill()
+        live.state.engine._proc.join(10)
+        deadline = time.monotonic() + 10
+        while live.state.engine.is_alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(f"{live.url}/health").status_code == 503
+        resp = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert resp.status_code == 503 and resp.json()["error"]["message"]
