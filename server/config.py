@@ -69,6 +69,13 @@ class ServerConfig(_Strict):
     # The engine in its own process (as vLLM's engine core): HTTP work then never holds the engine's GIL.
     engine_process: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # OpenAI API behaviour
+    model_aliases: list[str] = Field(default_factory=list, description="more names requests may use for model.name")
+    chat_template: str | None = Field(None, description="a Jinja file replacing the tokenizer's chat template, "
+                                                        "or `hermes_tools` (bundled: ChatML with tool calls)")
+    tool_call_parser: str = Field("hermes", description="how the model writes tool calls (server/api/tool_parsers)")
+    strict_fields: bool = Field(False, description="400 for unknown request fields (default: ignored, logged)")
+    metrics_require_api_key: bool = False
 
 
 class CompressionConfig(_Strict):

@@ -5,6 +5,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
+import time
+import uuid
+from importlib.metadata import PackageNotFoundError, version
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
@@ -18,7 +22,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from server.api.errors import APIError, error_response
 from server.api.metrics import ServerMetrics
 from server.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                 CompletionResponse, ErrorResponse, HealthStatus, ModelCard, ModelList)
+                                 CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
+                                 HealthStatus, ModelCard, ModelList, TokenizeChatRequest,
+                                 TokenizeCompletionRequest, TokenizeResponse, VersionResponse)
 from server.api.serving import OpenAIServing
 from server.api.shutdown import GracefulServer
 from server.backends import check_backend_available
@@ -33,7 +39,15 @@ log = logging.getLogger(__name__)
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 503)}
 # A POST answers JSON, or an SSE stream when the request sets `stream: true`.
 _POST_RESPONSES = {**_ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
-_OPEN_PATHS = {"/health"}
+_OPEN_PATHS = {"/health", "/version"}  # and /metrics unless server.metrics_require_api_key
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def package_version() -> str:
+    try:
+        return version("neuronmm")
+    except PackageNotFoundError:  # a checkout that was never installed
+        return "0+unknown"
 
 
 class AppState:
@@ -68,8 +82,7 @@ class AppState:
     def _serve_with(self, engine, tokenizer) -> None:
         self.engine = engine
         self.metrics.bind_gauges(lambda: self.engine.num_running, lambda: self.engine.num_waiting)
-        self.serving = OpenAIServing(self.engine, tokenizer, self.cfg.model.name, self.cfg.engine.max_model_len,
-                                     self.metrics)
+        self.serving = OpenAIServing(self.engine, tokenizer, self.cfg, self.metrics)
         if isinstance(engine, AsyncEngine):
             engine.start()
         self.ready = True
@@ -84,6 +97,7 @@ class GuardMiddleware:
         self.api_key = state.cfg.server.api_key
         self.max_body = state.cfg.server.max_body_bytes
         self.body_timeout = state.cfg.server.body_timeout_s
+        self.open_paths = _OPEN_PATHS | (set() if state.cfg.server.metrics_require_api_key else {"/metrics"})
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -108,7 +122,7 @@ class GuardMiddleware:
     def _check(self, scope) -> JSONResponse | None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         path = scope["path"]
-        if self.api_key and path not in _OPEN_PATHS and not self._authorized(headers.get("authorization", "")):
+        if self.api_key and path not in self.open_paths and not self._authorized(headers.get("authorization", "")):
             return error_response(401, "missing or invalid API key", code="invalid_api_key",
                                   headers={"WWW-Authenticate": "Bearer"})
         length = headers.get("content-length", "")
@@ -161,8 +175,40 @@ class GuardMiddleware:
             await cut(scope, receive, send)
 
 
+class RequestIdMiddleware:
+    """Pure ASGI: the request id (a client's X-Request-Id if sane, else a new one) in request.state and
+    echoed in the response headers; every response counted by method, route and status class."""
+
+    def __init__(self, app, state: "AppState"):
+        self.app = app
+        self.metrics = state.metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = sent if _REQUEST_ID.fullmatch(sent) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        start, status = time.monotonic(), 500
+
+        async def send_with_id(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            route = scope.get("route")
+            handler = route.path if route is not None else "unmatched"
+            self.metrics.observe_http(scope["method"], handler, status, time.monotonic() - start)
+
+
 def _install_middleware(app: FastAPI, state: "AppState") -> None:
     app.add_middleware(GuardMiddleware, state=state)
+    app.add_middleware(RequestIdMiddleware, state=state)  # outside the guard: its 401/413/503 count too
     if state.cfg.server.cors_origins:
         # Added last, so outermost: preflights (which carry no API key) are answered before the guard,
         # and the guard's 401/413/503 bodies get CORS headers a browser can read.
@@ -199,7 +245,8 @@ def _install_routes(app: FastAPI) -> None:
     def serving(request: Request) -> OpenAIServing:
         return request.app.state.neuronmm.serving
 
-    @app.get("/health", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=HealthStatus,
+                   responses={503: {"model": HealthStatus}})
     async def health(request: Request):
         state: AppState = request.app.state.neuronmm
         if state.ready and not state.draining and state.engine.is_alive:
@@ -218,10 +265,39 @@ def _install_routes(app: FastAPI) -> None:
     async def metrics(request: Request):
         return PlainTextResponse(request.app.state.neuronmm.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @app.get("/version", response_model=VersionResponse)
+    async def server_version():
+        return VersionResponse(version=package_version())
+
+    def model_cards(cfg: Config) -> list[ModelCard]:
+        return [ModelCard(id=name, max_model_len=cfg.engine.max_model_len)
+                for name in (cfg.model.name, *cfg.server.model_aliases)]
+
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models(request: Request):
-        cfg = request.app.state.neuronmm.cfg
-        return ModelList(data=[ModelCard(id=cfg.model.name, max_model_len=cfg.engine.max_model_len)])
+        return ModelList(data=model_cards(request.app.state.neuronmm.cfg))
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def model(model_id: str, request: Request):
+        for card in model_cards(request.app.state.neuronmm.cfg):
+            if card.id == model_id:
+                return card
+        raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+
+    def ready_serving(request: Request) -> OpenAIServing:
+        """The serving layer, or 503 while the model loads (the guard lets these paths through)."""
+        state: AppState = request.app.state.neuronmm
+        if state.serving is None:
+            raise APIError(503, "model is loading", code="not_ready", headers={"Retry-After": "5"})
+        return state.serving
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request):
+        return ready_serving(request).tokenize(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        return ready_serving(request).detokenize(body)
 
     async def respond(result):
         if hasattr(result, "__aiter__"):
@@ -283,7 +359,7 @@ def create_app(cfg: Config, loader: Callable[[Config], Runtime] | None = None) -
         if state.engine:
             state.engine.stop()
 
-    app = FastAPI(title="neuronmm", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="neuronmm", version=package_version(), lifespan=lifespan)
     app.state.neuronmm = state
     _install_middleware(app, state)
     _install_error_handlers(app)

@@ -1,12 +1,19 @@
-"""Prometheus metrics of the server (one registry per app, so several apps can live in one process)."""
+"""Prometheus metrics of the server (one registry per app, so several apps can live in one process).
+
+Every serving metric is also exported under vLLM's name (`vllm:time_to_first_token_seconds`, ...), so
+vLLM's Grafana dashboards work unchanged; HTTP requests by status and the process's CPU / memory /
+file descriptors sit beside them, as prometheus-fastapi-instrumentator and prometheus_client export
+them for vLLM.
+"""
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector,
+                               generate_latest)
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from server.engine.llm_engine import StepStats
 
@@ -41,6 +48,37 @@ class _PaddingCollector:
         yield pad
 
 
+# neuronmm name -> the vLLM names it is also exported under (inter-token latency has an older vLLM name too)
+VLLM_NAMES = {
+    "neuronmm_time_to_first_token_seconds": ["vllm:time_to_first_token_seconds"],
+    "neuronmm_inter_token_latency_seconds": ["vllm:inter_token_latency_seconds",
+                                             "vllm:time_per_output_token_seconds"],
+    "neuronmm_e2e_request_latency_seconds": ["vllm:e2e_request_latency_seconds"],
+    "neuronmm_num_requests_running": ["vllm:num_requests_running"],
+    "neuronmm_num_requests_waiting": ["vllm:num_requests_waiting"],
+    "neuronmm_prompt_tokens": ["vllm:prompt_tokens"],
+    "neuronmm_generation_tokens": ["vllm:generation_tokens"],
+    "neuronmm_request_success": ["vllm:request_success"],
+    "neuronmm_request_prompt_tokens": ["vllm:request_prompt_tokens"],
+    "neuronmm_request_generation_tokens": ["vllm:request_generation_tokens"],
+}
+
+
+class _WithVllmNames:
+    """Exports a registry's metrics, each followed by its copies under vLLM's names (same samples)."""
+
+    def __init__(self, source: CollectorRegistry):
+        self.source = source
+
+    def collect(self):
+        for family in self.source.collect():
+            yield family
+            for alias in VLLM_NAMES.get(family.name, []):
+                renamed = Metric(alias, family.documentation, family.type)
+                renamed.samples = [s._replace(name=alias + s.name[len(family.name):]) for s in family.samples]
+                yield renamed
+
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5, 10, 30, 60)
 
 
@@ -48,9 +86,10 @@ class ServerMetrics:
     """TTFT / inter-token / e2e histograms, running and waiting gauges, token and request counters."""
 
     def __init__(self, model_name: str):
-        self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
-        reg = self.registry
+        reg = CollectorRegistry()  # the serving metrics, exported with their vLLM names
+        self.registry = CollectorRegistry()
+        self.registry.register(_WithVllmNames(reg))
 
         def hist(name, doc, buckets=_LATENCY_BUCKETS):
             return Histogram(name, doc, ["model_name"], buckets=buckets, registry=reg).labels(**labels)
@@ -70,8 +109,19 @@ class ServerMetrics:
                                          ["model_name"], registry=reg).labels(**labels)
         self._requests = Counter("neuronmm_request_success", "Finished sequences by finish reason",
                                  ["model_name", "finished_reason"], registry=reg)
+        token_buckets = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+        self.request_prompt_tokens = hist("neuronmm_request_prompt_tokens", "Prompt tokens per request",
+                                          buckets=token_buckets)
+        self.request_generation_tokens = hist("neuronmm_request_generation_tokens",
+                                              "Generated tokens per finished choice", buckets=token_buckets)
         self._model_name = model_name
-        reg.register(_PaddingCollector(model_name))
+        self.registry.register(_PaddingCollector(model_name))
+        self.http_requests = Counter("http_requests", "HTTP requests by method, route and status class",
+                                     ["method", "handler", "status"], registry=self.registry)
+        self.http_latency = Histogram("http_request_duration_seconds", "HTTP request handling time",
+                                      ["method", "handler"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
 
     def bind_gauges(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:
         self.running.set_function(running)
@@ -93,6 +143,15 @@ class ServerMetrics:
         self._requests.labels(model_name=self._model_name, finished_reason=reason).inc()
         if e2e_s is not None:
             self.e2e.observe(e2e_s)
+
+    def observe_request(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        """One finished choice's token counts (the API side knows them per request)."""
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_generation_tokens)
+
+    def observe_http(self, method: str, handler: str, status: int, seconds: float) -> None:
+        self.http_requests.labels(method=method, handler=handler, status=f"{status // 100}xx").inc()
+        self.http_latency.labels(method=method, handler=handler).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,4 +1,9 @@
-"""OpenAI wire types: requests (validated, 400 on bad input) and responses."""
+"""OpenAI wire types: requests (validated, 400 on bad input) and responses.
+
+Requests accept fields they do not know, as vLLM does (clients send `store`, `service_tier`, ... and
+broke when they were refused): `unknown_fields()` names them so the serving layer can log them, or
+refuse them with 400 when `server.strict_fields` is on.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from server.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from server.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 MAX_N = 16
 MAX_STOP = 16
@@ -19,10 +24,29 @@ _MIN_TOP_P = 1e-6
 Probability = Annotated[float, Field(allow_inf_nan=False)]
 
 
-class _Request(BaseModel):
-    # Unknown fields are refused (as OpenAI does) rather than silently ignored.
-    model_config = ConfigDict(extra="forbid")
+class _Lenient(BaseModel):
+    """A request part that keeps unknown fields aside (in model_extra) instead of failing."""
 
+    model_config = ConfigDict(extra="allow")
+
+    def unknown_fields(self, prefix: str = "") -> list[str]:
+        """Dotted names of every unknown field in this part and the parts inside it."""
+        names = [prefix + key for key in (self.model_extra or {})]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            items = value if isinstance(value, list) else [value]
+            for i, item in enumerate(items):
+                if isinstance(item, _Lenient):
+                    where = f"{name}.{i}" if isinstance(value, list) else name
+                    names += item.unknown_fields(f"{prefix}{where}.")
+        return names
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _Request(_Lenient):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
@@ -37,6 +61,34 @@ class _Request(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     ignore_eos: bool = Field(False, description="extension (vLLM): keep generating past EOS")
     user: str | None = None
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    # vLLM extensions
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, allow_inf_nan=False)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # accepted for compatibility, no effect on generation
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v):
+        for key, bias in (v or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_unsupported(self):
+        if self.include_stop_str_in_output:
+            raise ValueError("include_stop_str_in_output is not supported")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -51,8 +103,9 @@ class _Request(BaseModel):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The one place request fields turn into engine sampling settings."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        structured: StructuredOutput | None = None) -> SamplingParams:
+        """The one place request fields turn into engine sampling settings (range errors: ValueError)."""
         # Values the float32 sampler cannot tell from 0 (found by fuzzing): a temperature this small is
         # greedy in effect (logits / t overflow), and a top_p under 1e-6 keeps exactly the top token, as
         # 1e-6 does for any vocabulary under a million (the top token's probability is >= 1/vocab).
@@ -61,12 +114,10 @@ class _Request(BaseModel):
         return SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=self.top_k,
             seed=self.seed, stop=self.stop_list(), ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, logprobs=logprobs)
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, logprobs=logprobs,
+            min_p=self.min_p, repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
+            stop_token_ids=list(self.stop_token_ids or []), skip_special_tokens=self.skip_special_tokens,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()}, structured=structured)
 
 
 class CompletionRequest(_Request):
@@ -80,8 +131,8 @@ class CompletionRequest(_Request):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs (prompt logprobs) is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -100,22 +151,80 @@ class CompletionRequest(_Request):
         return list(p)
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ContentPart(_Lenient):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[ContentPart]
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object, serialised")
+
+
+class ToolCall(_Lenient):
+    id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only in an assistant message with tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(_Lenient):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Lenient):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
 
 
 class ChatCompletionRequest(_Request):
@@ -126,12 +235,38 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice requires tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            if self.tool_choice.function.name not in {t.function.name for t in self.tools}:
+                raise ValueError(f"tool_choice names `{self.tool_choice.function.name}`, which is not in tools")
+        if self.forces_tool_call and self.response_format and self.response_format.type != "text":
+            raise ValueError("response_format cannot be combined with a required or named tool_choice")
         return self
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    @property
+    def uses_tools(self) -> bool:
+        """Tools reach the prompt and the output is parsed for calls (tool_choice none turns both off)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_tools(self) -> list[Tool]:
+        """The tools a required / named tool_choice lets the model call."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t for t in self.tools if t.function.name == self.tool_choice.function.name]
+        return list(self.tools or []) if self.tool_choice == "required" else []
 
 
 class UsageInfo(BaseModel):
@@ -180,7 +315,8 @@ class CompletionResponse(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -216,6 +352,45 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeCompletionRequest(_Lenient):
+    """POST /tokenize with a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Lenient):
+    """POST /tokenize with chat messages, rendered through the chat template."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 _Request.model_rebuild()

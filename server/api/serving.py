@@ -3,26 +3,34 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import Request
 
 from server.api.errors import APIError
 from server.api.metrics import ServerMetrics
 from server.api.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessageOut,
-                                 CompletionChoice, CompletionRequest, CompletionResponse, Logprobs, UsageInfo)
-from server.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
-from server.engine.sampling_params import SamplingParams
+                                 CompletionChoice, CompletionRequest, CompletionResponse, DetokenizeRequest,
+                                 DetokenizeResponse, Logprobs, NamedToolChoice, TokenizeChatRequest,
+                                 TokenizeCompletionRequest, TokenizeResponse, UsageInfo)
+from server.api.tool_parsers import ToolCallStream, get_tool_parser
+from server.config import Config, ConfigError
+from server.engine.async_engine import EngineDeadError, QueueFullError
+from server.engine.sampling_params import SamplingParams, StructuredOutput
 from server.engine.sequence import SeqOutput, TokenLogprob
+from server.engine.structured import grammar_error, token_bytes
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
 _DISCONNECT_POLL_S = 0.05
+TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
 
 
 def _check_unicode(text: str, param: str) -> None:
@@ -31,6 +39,17 @@ def _check_unicode(text: str, param: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise APIError(400, f"{param} is not valid Unicode (lone surrogate)", param=param) from None
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """server.chat_template: None (the tokenizer's own), a bundled name (templates/NAME.jinja) or a file."""
+    if value is None:
+        return None
+    path = TEMPLATES_DIR / f"{value}.jinja" if (TEMPLATES_DIR / f"{value}.jinja").is_file() else Path(value)
+    if not path.expanduser().is_file():
+        bundled = ", ".join(sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja")))
+        raise ConfigError(f"server.chat_template: no file {value} (bundled templates: {bundled})")
+    return path.expanduser().read_text()
 
 
 class _Choice:
@@ -43,16 +62,36 @@ class _Choice:
         self.num_output_tokens = 0
 
 
+class _TextOffsets:
+    """Character offsets of tokens in the generated text, fed token by token (split characters count once)."""
+
+    def __init__(self, start: int = 0):
+        self.offset = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def next(self, data: bytes) -> int:
+        at = self.offset
+        self.offset += len(self._decoder.decode(data))
+        return at
+
+
 class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, max_model_len: int,
-                 metrics: ServerMetrics):
+    def __init__(self, engine, tokenizer, cfg: Config, metrics: ServerMetrics):
         self.engine = engine
         self.tokenizer = tokenizer
-        self.model_name = model_name
-        self.max_model_len = max_model_len
+        self.model_name = cfg.model.name
+        self.model_names = [cfg.model.name, *cfg.server.model_aliases]
+        self.max_model_len = cfg.engine.max_model_len
+        self.strict_fields = cfg.server.strict_fields
         self.metrics = metrics
+        try:
+            self.tool_parser = get_tool_parser(cfg.server.tool_call_parser)
+        except ValueError as exc:
+            raise ConfigError(f"server.tool_call_parser: {exc}") from None
+        self.chat_template = load_chat_template(cfg.server.chat_template)
+        self._renders_tools: bool | None = None
         self.vocab_size = len(tokenizer)
         # No token decodes to more characters than its longest vocabulary string, so a text longer than
         # max_model_len * that (x4 when a normaliser may merge characters) cannot fit: refuse it without
@@ -60,24 +99,34 @@ class OpenAIServing:
         longest = max((len(t) for t in tokenizer.convert_ids_to_tokens(list(range(self.vocab_size))) if t), default=1)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         slack = 1 if backend is not None and backend.normalizer is None else 4
-        self.max_prompt_chars = max_model_len * longest * slack
+        self.max_prompt_chars = self.max_model_len * longest * slack
 
-    # ---- prompt handling -------------------------------------------------------------------
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist. Available: {self.model_name}",
+    # ---- request checks --------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        """404 unless `model` is the served name or an alias (None: the tokenizer endpoints' default)."""
+        if model is not None and model not in self.model_names:
+            raise APIError(404, f"The model `{model}` does not exist. Available: {', '.join(self.model_names)}",
                            param="model", code="model_not_found")
+
+    def check_fields(self, req) -> None:
+        """Unknown fields: logged and ignored, as vLLM does, or 400 with server.strict_fields."""
+        unknown = req.unknown_fields()
+        if unknown and self.strict_fields:
+            raise APIError(400, f"{unknown[0]}: unrecognized request argument", param=unknown[0])
+        if unknown:
+            log.warning("ignoring unknown request fields: %s", ", ".join(unknown))
 
     def _too_long(self, what: str) -> APIError:
         return APIError(400, f"{what} is longer than max_model_len ({self.max_model_len} tokens) allows",
                         param="prompt", code="context_length_exceeded")
 
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+    # ---- prompt handling -------------------------------------------------------------------
+    def _tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             if len(prompt) > self.max_prompt_chars:
                 raise self._too_long(f"prompt of {len(prompt)} characters")
             _check_unicode(prompt, "prompt")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             if len(prompt) > self.max_model_len:
                 raise self._too_long(f"prompt of {len(prompt)} token ids")
@@ -88,20 +137,55 @@ class OpenAIServing:
             raise APIError(400, "prompt must not be empty", param="prompt")
         return ids
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                    for m in req.messages]
-        num_chars = sum(len(m["content"]) for m in messages)
-        if num_chars > self.max_prompt_chars:
-            raise self._too_long(f"messages of {num_chars} characters")
+    def _template_messages(self, messages) -> list[dict]:
+        """Messages as chat templates expect them (tool-call arguments as objects, developer as system)."""
+        out = []
         for m in messages:
-            _check_unicode(m["content"], "messages")
+            msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                    for c in m.tool_calls]
+            if m.tool_call_id:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name:
+                msg["name"] = m.name
+            out.append(msg)
+        return out
+
+    def _render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=req.add_generation_prompt)
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      chat_template=self.chat_template,
+                                                      add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # template errors are the request's fault (e.g. role order)
             raise APIError(400, f"chat template rejected the messages: {exc}", param="messages") from None
-        return self._tokenize(text) if text else self._tokenize("")
+
+    def renders_tools(self) -> bool:
+        """Whether the chat template shows tools to the model (a probe rendered once)."""
+        if self._renders_tools is None:
+            probe = [{"role": "user", "content": "x"}]
+            tool = [{"type": "function", "function": {"name": "probe_tool_xyz", "parameters": {"type": "object"}}}]
+            self._renders_tools = "probe_tool_xyz" in self._render(probe, tool, True)
+        return self._renders_tools
+
+    def _chat_ids(self, messages, tools, add_generation_prompt: bool) -> list[int]:
+        converted = self._template_messages(messages)
+        num_chars = sum(len(m["content"]) for m in converted)
+        if num_chars > self.max_prompt_chars:
+            raise self._too_long(f"messages of {num_chars} characters")
+        for m in converted:
+            _check_unicode(m["content"], "messages")
+        tool_dicts = None
+        if tools:
+            if not self.renders_tools():
+                raise APIError(400, "this model's chat template does not render tools; start the server with "
+                                    "--chat-template hermes_tools (bundled) or a template that does",
+                               param="tools", code="tools_not_supported")
+            tool_dicts = [t.model_dump(exclude_none=True) for t in tools]
+        text = self._render(converted, tool_dicts, add_generation_prompt)
+        # the template writes the special tokens (BOS, role markers) itself
+        return self._tokenize(text, add_special_tokens=False) if text else self._tokenize("")
 
     def _max_tokens(self, requested: int | None, num_prompt: int, default: int | None) -> int:
         room = self.max_model_len - num_prompt
@@ -115,13 +199,22 @@ class OpenAIServing:
                            param="max_tokens", code="context_length_exceeded")
         return max_tokens
 
+    @staticmethod
+    def _params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,
+                structured: StructuredOutput | None = None) -> SamplingParams:
+        try:
+            return req.sampling_params(max_tokens, logprobs, structured)
+        except ValueError as exc:  # cross-field limits (e.g. min_tokens > max_tokens)
+            raise APIError(400, str(exc)) from None
+
     # ---- engine interaction ----------------------------------------------------------------
-    def _submit(self, batch: list[tuple[list[int], SamplingParams]], n: int, rid: str) -> list[RequestStream]:
+    def _submit(self, batch: list[tuple[list[int], SamplingParams]], n: int, rid: str) -> list:
         """Admit every prompt of a request before any response starts (so 429 is a real status)."""
-        streams: list[RequestStream] = []
+        streams = []
+        nonce = secrets.token_hex(4)  # a client's X-Request-Id need not be unique; engine ids must be
         try:
             for i, (ids, params) in enumerate(batch):
-                streams.append(self.engine.submit(ids, params, n, f"{rid}-{i}"))
+                streams.append(self.engine.submit(ids, params, n, f"{rid}-{nonce}-{i}"))
         except QueueFullError as exc:
             for stream in streams:
                 self.engine.release(stream.request_id, abort=True)
@@ -131,11 +224,11 @@ class OpenAIServing:
             raise APIError(503, str(exc)) from None
         return streams
 
-    async def _collect(self, raw: Request, gens: list[RequestStream], n: int) -> list[_Choice]:
+    async def _collect(self, raw: Request, gens: list, n: int) -> list[_Choice]:
         """Drain the engine outputs of every prompt; abort all of them if the client goes away."""
         choices = [_Choice() for _ in range(n * len(gens))]
 
-        async def drain(offset: int, gen: RequestStream) -> None:
+        async def drain(offset: int, gen) -> None:
             async for out in gen:
                 if out.error:
                     raise APIError(500, out.error, code="engine_error")
@@ -168,88 +261,152 @@ class OpenAIServing:
         while not await raw.is_disconnected():
             await asyncio.sleep(_DISCONNECT_POLL_S)
 
-    # ---- completions -----------------------------------------------------------------------
-    async def completions(self, req: CompletionRequest, raw: Request):
-        """Non-streamed CompletionResponse, or an async iterator of SSE lines when stream is set."""
-        self.check_model(req.model)
-        prompts = [self._tokenize(p) for p in req.prompts()]
-        if not prompts:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        requests = []
-        for ids in prompts:
-            params = req.sampling_params(self._max_tokens(req.max_tokens, len(ids), 16), req.logprobs)
-            requests.append((ids, params))
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        gens = self._submit(requests, req.n, rid)
-        usage = UsageInfo(prompt_tokens=sum(len(ids) for ids, _ in requests) * req.n)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._stream(gens, req.n, usage, include_usage, rid, "text_completion", self._completion_delta)
-        choices = await self._collect(raw, gens, req.n)
-        usage.completion_tokens = sum(c.num_output_tokens for c in choices)
-        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-        return CompletionResponse(id=rid, model=self.model_name, usage=usage, choices=[
-            CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
-                             logprobs=self._completion_logprobs(c.logprobs) if req.logprobs is not None else None)
-            for i, c in enumerate(choices)])
+    @staticmethod
+    def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens)
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    # ---- logprobs --------------------------------------------------------------------------
+    def _token(self, token_id: int) -> tuple[str, bytes]:
+        """A token as OpenAI shows it: its text, or `bytes:\\xNN..` when it is part of a character."""
+        data = token_bytes(self.tokenizer, token_id)
+        try:
+            return data.decode("utf-8"), data
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data), data
 
-    def _completion_logprobs(self, lps: list[TokenLogprob], offset: int = 0) -> Logprobs:
+    def _completion_logprobs(self, lps: list[TokenLogprob], offsets: _TextOffsets) -> Logprobs:
         out = Logprobs()
         for lp in lps:
-            token = self._token_text(lp.token_id)
-            out.text_offset.append(offset)
-            offset += len(token)
+            token, data = self._token(lp.token_id)
+            out.text_offset.append(offsets.next(data))
             out.tokens.append(token)
             out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append({self._token_text(t): v for t, v in lp.top})
+            out.top_logprobs.append({self._token(t)[0]: v for t, v in lp.top})
         return out
 
     def _chat_logprobs(self, lps: list[TokenLogprob]) -> dict:
         def entry(token_id: int, logprob: float) -> dict:
-            text = self._token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            token, data = self._token(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(data)}
 
         return {"content": [{**entry(lp.token_id, lp.logprob),
                              "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
 
-    def _completion_delta(self, out: SeqOutput, index: int) -> dict:
-        return {"index": index, "text": out.text, "finish_reason": out.finish_reason,
-                "logprobs": (self._completion_logprobs(out.logprobs).model_dump() if out.logprobs else None)}
+    # ---- completions -----------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, raw: Request):
+        """Non-streamed CompletionResponse, or an async iterator of SSE lines when stream is set."""
+        self.check_model(req.model)
+        self.check_fields(req)
+        prompts = [self._tokenize(p) for p in req.prompts()]
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        requests = [(ids, self._params(req, self._max_tokens(req.max_tokens, len(ids), 16), req.logprobs))
+                    for ids in prompts]
+        echoes = [self.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
+        rid = f"cmpl-{raw.state.request_id}"
+        gens = self._submit(requests, req.n, rid)
+        num_prompt = sum(len(ids) for ids in prompts)  # once per prompt, whatever n is
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            state = {"echo": {i: echoes[i // req.n] for i in range(len(prompts) * req.n)}}
+            return self._stream(gens, req.n, num_prompt, include_usage, rid, "text_completion",
+                                lambda out, index: self._completion_delta(out, index, state))
+        choices = await self._collect(raw, gens, req.n)
+        self._observe(prompts, req.n, [c.num_output_tokens for c in choices])
+        usage = self._usage(num_prompt, sum(c.num_output_tokens for c in choices))
+        return CompletionResponse(id=rid, model=self.model_name, usage=usage, choices=[
+            CompletionChoice(index=i, text=echoes[i // req.n] + c.text, finish_reason=c.finish_reason,
+                             logprobs=(self._completion_logprobs(c.logprobs, _TextOffsets())
+                                       if req.logprobs is not None else None))
+            for i, c in enumerate(choices)])
+
+    def _completion_delta(self, out: SeqOutput, index: int, state: dict) -> dict:
+        echo = state["echo"].pop(index, "")
+        logprobs = None
+        if out.logprobs:
+            offsets = state.setdefault(("offsets", index), _TextOffsets())
+            logprobs = self._completion_logprobs(out.logprobs, offsets).model_dump()
+        return {"index": index, "text": echo + out.text, "finish_reason": out.finish_reason, "logprobs": logprobs}
+
+    def _observe(self, prompts: list[list[int]], n: int, num_outputs: list[int]) -> None:
+        for i, count in enumerate(num_outputs):
+            self.metrics.observe_request(len(prompts[i // n]), count)
 
     # ---- chat ------------------------------------------------------------------------------
+    def _structured(self, req: ChatCompletionRequest) -> StructuredOutput | None:
+        """The decoding constraint a request asks for: a forced tool call or a response_format."""
+        if req.forces_tool_call:
+            parallel = req.parallel_tool_calls and req.tool_choice == "required"  # a named function: one call
+            spec = StructuredOutput("lark", self.tool_parser.forced_grammar(req.forced_tools(), parallel))
+            param = "tools"
+        elif req.response_format and req.response_format.type == "json_object":
+            spec, param = StructuredOutput("json_object"), "response_format"
+        elif req.response_format and req.response_format.type == "json_schema":
+            spec = StructuredOutput("json_schema", json.dumps(req.response_format.json_schema.schema_))
+            param = "response_format"
+        else:
+            return None
+        error = grammar_error(spec)
+        if error:
+            raise APIError(400, f"{param}: cannot compile the schema: {error}", param=param)
+        return spec
+
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         """Non-streamed ChatCompletionResponse, or an async iterator of SSE lines when stream is set."""
         self.check_model(req.model)
-        ids = self._chat_prompt(req)
+        self.check_fields(req)
+        ids = self._chat_ids(req.messages, req.tools if req.uses_tools else None, req.add_generation_prompt)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = self._max_tokens(req.max_completion_tokens or req.max_tokens, len(ids), None)
-        params = req.sampling_params(max_tokens, logprobs)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        params = self._params(req, max_tokens, logprobs, self._structured(req))
+        rid = f"chatcmpl-{raw.state.request_id}"
         gens = self._submit([(ids, params)], req.n, rid)
-        usage = UsageInfo(prompt_tokens=len(ids) * req.n)
+        # a named function is what the client asked for: OpenAI ends that with "stop", others "tool_calls"
+        calls_reason = "stop" if isinstance(req.tool_choice, NamedToolChoice) else "tool_calls"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._stream(gens, req.n, usage, include_usage, rid, "chat.completion.chunk", self._chat_delta)
+            state = {"tools": req.uses_tools, "calls_reason": calls_reason}
+            return self._stream(gens, req.n, len(ids), include_usage, rid, "chat.completion.chunk",
+                                lambda out, index: self._chat_delta(out, index, state))
         choices = await self._collect(raw, gens, req.n)
-        usage.completion_tokens = sum(c.num_output_tokens for c in choices)
-        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        self._observe([ids], req.n, [c.num_output_tokens for c in choices])
+        usage = self._usage(len(ids), sum(c.num_output_tokens for c in choices))
         return ChatCompletionResponse(id=rid, model=self.model_name, usage=usage, choices=[
-            ChatChoice(index=i, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
-                       logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None)
-            for i, c in enumerate(choices)])
+            self._chat_choice(i, c, req, calls_reason) for i, c in enumerate(choices)])
 
-    def _chat_delta(self, out: SeqOutput, index: int) -> dict:
-        delta = {"content": out.text}
-        if out.num_output_tokens <= 1:
+    def _chat_choice(self, index: int, c: _Choice, req: ChatCompletionRequest, calls_reason: str) -> ChatChoice:
+        content, calls = (self.tool_parser.extract(c.text) if req.uses_tools else (c.text, []))
+        finish = calls_reason if calls and c.finish_reason == "stop" else c.finish_reason
+        return ChatChoice(index=index, message=ChatMessageOut(content=content, tool_calls=calls),
+                          finish_reason=finish, logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None)
+
+    def _chat_delta(self, out: SeqOutput, index: int, state: dict) -> dict:
+        delta: dict = {}
+        if index not in state.setdefault("started", set()):
+            state["started"].add(index)
             delta["role"] = "assistant"
-        return {"index": index, "delta": delta, "finish_reason": out.finish_reason,
+        finish = out.finish_reason
+        if state["tools"]:
+            follower: ToolCallStream = state.setdefault(("calls", index), self.tool_parser.stream())
+            text, calls = follower.feed(out.text)
+            if finish is not None:
+                rest, more = follower.finish()
+                text, calls = text + rest, calls + more
+                finish = state["calls_reason"] if follower.calls and finish == "stop" else finish
+            first = len(follower.calls) - len(calls)
+            if calls:
+                delta["tool_calls"] = [{"index": first + k, "id": c.id, "type": "function",
+                                        "function": c.function.model_dump()} for k, c in enumerate(calls)]
+        else:
+            text = out.text
+        if text or not delta.get("tool_calls"):
+            delta["content"] = text
+        return {"index": index, "delta": delta, "finish_reason": finish,
                 "logprobs": self._chat_logprobs(out.logprobs) if out.logprobs else None}
 
     # ---- streaming -------------------------------------------------------------------------
-    async def _stream(self, gens, n: int, usage: UsageInfo, include_usage: bool, rid: str, obj: str,
+    async def _stream(self, gens, n: int, num_prompt_tokens: int, include_usage: bool, rid: str, obj: str,
                       make_choice) -> AsyncIterator[str]:
         """SSE lines: one chunk per output, an error chunk if the engine fails, then [DONE]."""
         created = int(time.time())
@@ -279,6 +436,8 @@ class OpenAIServing:
                     yield f"data: {json.dumps(err.body())}\n\n"
                     break
                 completion_tokens[(offset, item.index)] = item.num_output_tokens
+                if item.finish_reason is not None:
+                    self.metrics.observe_request(item.num_prompt_tokens, item.num_output_tokens)
                 chunk = {"id": rid, "object": obj, "created": created, "model": self.model_name,
                          "choices": [make_choice(item, offset + item.index)]}
                 if include_usage:
@@ -286,8 +445,7 @@ class OpenAIServing:
                 yield f"data: {json.dumps(chunk)}\n\n"
             else:
                 if include_usage:
-                    usage.completion_tokens = sum(completion_tokens.values())
-                    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                    usage = self._usage(num_prompt_tokens, sum(completion_tokens.values()))
                     final = {"id": rid, "object": obj, "created": created, "model": self.model_name,
                              "choices": [], "usage": usage.model_dump()}
                     yield f"data: {json.dumps(final)}\n\n"
@@ -297,3 +455,29 @@ class OpenAIServing:
                 task.cancel()
             for gen in gens:
                 await gen.aclose()
+
+    # ---- tokenizer endpoints ---------------------------------------------------------------
+    def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        self.check_model(req.model)
+        self.check_fields(req)
+        if isinstance(req, TokenizeChatRequest):
+            ids = self._chat_ids(req.messages, req.tools, req.add_generation_prompt)
+        else:
+            ids = self._tokenize(req.prompt, req.add_special_tokens) if req.prompt else []
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(req.model)
+        self.check_fields(req)
+        if any(not 0 <= t < self.vocab_size for t in req.tokens):
+            raise APIError(400, f"token ids must be in [0, {self.vocab_size})", param="tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+
+def _json_or_text(arguments: str):
+    """Tool-call arguments as an object for the template (they arrive serialised); text if not JSON."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments

@@ -1,0 +1,23 @@
+"""Tool-call parsers: how a model writes tool calls in its text, chosen by `server.tool_call_parser`.
+
+A parser turns finished text into (content, tool calls), follows a stream with `ToolCallStream`, and
+writes the Lark grammar that forces calls when tool_choice is "required" or names a function. Add a
+format by subclassing ToolParser and listing it in PARSERS.
+"""
+
+from __future__ import annotations
+
+from server.api.tool_parsers.base import ToolCallStream, ToolParser
+from server.api.tool_parsers.hermes import HermesToolParser
+
+PARSERS: dict[str, type[ToolParser]] = {HermesToolParser.name: HermesToolParser}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    """The parser registered under `name` (ValueError naming the known ones otherwise)."""
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(sorted(PARSERS))}")
+    return PARSERS[name]()
+
+
+__all__ = ["PARSERS", "ToolCallStream", "ToolParser", "get_tool_parser"]

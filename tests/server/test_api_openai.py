@@ -1,0 +1,271 @@
+"""What vLLM users and agent frameworks send: the three fixed wrong results, extra fields and sampling
+fields, tokenizer/version/model endpoints, request ids, vLLM metric names, tools and structured output."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from server.engine.structured import token_bytes
+from support import live_server, tiny_config
+from test_api import metric
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    cfg = tiny_config(tiny_model_dir, max_model_len=1024)
+    cfg.server.model_aliases = ["tiny-alias"]
+    with live_server(cfg) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(server):
+    return server.state.serving.tokenizer
+
+
+def _sse(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url, json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+# ---- the three wrong results ------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_tokens_are_not_multiplied_by_n(server, tokenizer, stream):
+    ids = tokenizer.encode("one two three")
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 2, "n": 2, "temperature": 1.0, "ignore_eos": True}
+    if stream:
+        events = _sse(f"{server.url}/v1/completions", {**body, "stream": True,
+                                                        "stream_options": {"include_usage": True}})
+        usage = events[-1]["usage"]
+    else:
+        usage = httpx.post(f"{server.url}/v1/completions", json=body).json()["usage"]
+    assert usage["prompt_tokens"] == len(ids)
+    assert usage["completion_tokens"] == 4 and usage["total_tokens"] == len(ids) + 4
+
+
+def test_streamed_text_offset_continues_across_chunks(server):
+    body = {"model": "tiny", "prompt": "Once upon", "max_tokens": 12, "temperature": 0, "logprobs": 1,
+            "ignore_eos": True}
+    full = httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]
+    events = _sse(f"{server.url}/v1/completions", {**body, "stream": True})
+    offsets = [o for e in events if e["choices"] and e["choices"][0]["logprobs"]
+               for o in e["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == full["logprobs"]["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] > 0
+
+
+def test_chat_logprobs_of_a_split_character_carry_its_bytes(client, tokenizer):
+    first = tokenizer.encode("🙂", add_special_tokens=False)[0]
+    resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "smile"}],
+                                          max_tokens=1, temperature=0, logprobs=True, top_logprobs=20,
+                                          logit_bias={str(first): 100})
+    entry = resp.choices[0].logprobs.content[0]
+    expected = token_bytes(tokenizer, first)
+    assert entry.bytes == list(expected) and expected != "🙂".encode()  # a part of the character
+    assert entry.token == "bytes:" + "".join(f"\\x{b:02x}" for b in expected)
+    assert len(entry.top_logprobs) == 20
+
+
+# ---- fields real clients send -----------------------------------------------------------------
+def test_unknown_and_compat_fields_are_accepted(client, server):
+    resp = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, user="u1", store=False,
+        metadata={"k": "v"}, parallel_tool_calls=False, response_format={"type": "text"},
+        extra_body={"bogus_field": 1, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 1,
+                    "skip_special_tokens": True})
+    assert resp.choices[0].message.role == "assistant"
+    server.state.serving.strict_fields = True
+    try:
+        strict = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x", "bogus": 1})
+        assert strict.status_code == 400 and strict.json()["error"]["param"] == "bogus"
+    finally:
+        server.state.serving.strict_fields = False
+
+
+def test_logit_bias_and_stop_token_ids_steer_generation(server, tokenizer):
+    forced = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(forced): 100}}
+    resp = httpx.post(f"{server.url}/v1/completions", json=body).json()
+    assert resp["choices"][0]["text"] == tokenizer.decode([forced] * 5)
+    stopped = httpx.post(f"{server.url}/v1/completions", json={**body, "stop_token_ids": [forced]}).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == 1
+
+
+def test_min_tokens_holds_off_eos(server, tokenizer):
+    eos = tokenizer.eos_token_id
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 6, "temperature": 0, "logit_bias": {str(eos): 100}}
+    early = httpx.post(f"{server.url}/v1/completions", json=body).json()
+    assert early["usage"]["completion_tokens"] == 1  # EOS at once
+    held = httpx.post(f"{server.url}/v1/completions", json={**body, "min_tokens": 4}).json()
+    assert held["usage"]["completion_tokens"] == 5 and held["choices"][0]["finish_reason"] == "stop"
+
+
+def test_echo_prepends_the_prompt(client):
+    resp = client.completions.create(model="tiny", prompt="Echo me", max_tokens=3, echo=True, temperature=0)
+    assert resp.choices[0].text.startswith("Echo me") and len(resp.choices[0].text) > len("Echo me")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"logprobs": 21}, "logprobs"),
+    ({"echo": True, "logprobs": 1}, None),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"min_p": 2}, "min_p"),
+    ({"max_tokens": 4, "min_tokens": 5}, None),
+    ({"include_stop_str_in_output": True}, None),
+])
+def test_bad_sampling_fields_get_400(server, body, param):
+    resp = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x", **body})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param
+
+
+# ---- endpoints, request ids, metrics ----------------------------------------------------------
+def test_tokenize_detokenize_version_models(server, tokenizer):
+    tok = httpx.post(f"{server.url}/tokenize", json={"model": "tiny", "prompt": "Hello world"}).json()
+    assert tok["tokens"] == tokenizer.encode("Hello world") and tok["count"] == len(tok["tokens"])
+    assert tok["max_model_len"] == 1024
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] > 3
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+    assert text == "Hello world"
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": [10**9]}).status_code == 400
+    assert httpx.post(f"{server.url}/tokenize", json={"model": "nope", "prompt": "x"}).status_code == 404
+    assert httpx.get(f"{server.url}/version").json()["version"]
+    assert httpx.get(f"{server.url}/v1/models/tiny-alias").json()["id"] == "tiny-alias"
+    assert httpx.get(f"{server.url}/v1/models/nope").status_code == 404
+    head = httpx.head(f"{server.url}/health")
+    assert head.status_code == 200 and head.content == b""
+
+
+def test_model_aliases_serve_and_unknown_names_404(client):
+    assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
+    assert client.completions.create(model="tiny-alias", prompt="x", max_tokens=1).model == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="tiny-other", prompt="x", max_tokens=1)
+
+
+def test_x_request_id_is_used_and_echoed(server):
+    resp = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+                      headers={"X-Request-Id": "abc-123"})
+    assert resp.headers["x-request-id"] == "abc-123" and resp.json()["id"] == "cmpl-abc-123"
+    again = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+                       headers={"X-Request-Id": "abc-123"})
+    assert again.status_code == 200  # a repeated id is not an engine conflict
+    generated = httpx.get(f"{server.url}/health").headers["x-request-id"]
+    assert len(generated) == 32 and httpx.get(f"{server.url}/health").headers["x-request-id"] != generated
+
+
+def test_vllm_metric_names_http_status_and_process_metrics(server, client):
+    client.completions.create(model="tiny", prompt="x", max_tokens=2)
+    httpx.get(f"{server.url}/v1/models/nope")
+    assert metric(server.url, "vllm:request_success_total", finished_reason="length") >= 1
+    assert metric(server.url, "vllm:time_to_first_token_seconds_count") >= 1
+    assert metric(server.url, "vllm:request_prompt_tokens_count") >= 1
+    assert metric(server.url, "vllm:num_requests_running") == metric(server.url, "neuronmm_num_requests_running")
+    assert metric(server.url, "http_requests_total", handler="/v1/completions", status="2xx") >= 1
+    assert metric(server.url, "http_requests_total", handler="/v1/models/{model_id:path}", status="4xx") >= 1
+    assert metric(server.url, "process_resident_memory_bytes") > 0
+
+
+# ---- structured output ------------------------------------------------------------------------
+SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                          "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+          "required": ["city", "days"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_response_format_json_schema_parses_with_the_schema(client, seed):
+    resp = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Plan a trip"}], max_tokens=60, temperature=1.0,
+        seed=seed, response_format={"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA}})
+    choice = resp.choices[0]
+    assert choice.finish_reason == "stop"  # the grammar ended the sequence, not max_tokens
+    value = json.loads(choice.message.content)
+    assert value["city"] in ("Paris", "Rome") and 1 <= value["days"] <= 9 and set(value) == {"city", "days"}
+
+
+def test_bad_schema_and_unknown_named_tool_are_400(server):
+    url = f"{server.url}/v1/chat/completions"
+    base = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+    bad_schema = httpx.post(url, json={**base, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}})
+    assert bad_schema.status_code == 400 and bad_schema.json()["error"]["param"] == "response_format"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    unknown = httpx.post(url, json={**base, "tools": [tool],
+                                    "tool_choice": {"type": "function", "function": {"name": "g"}}})
+    assert unknown.status_code == 400
+    no_template = httpx.post(url, json={**base, "tools": [tool]})  # SmolLM2's own template has no tools
+    assert no_template.status_code == 400 and no_template.json()["error"]["code"] == "tools_not_supported"
+
+
+# ---- tool calling -----------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}},
+                                       "required": ["tz"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def tools_client(tiny_model_dir):
+    cfg = tiny_config(tiny_model_dir, max_model_len=1024)
+    cfg.server.chat_template = "hermes_tools"
+    with live_server(cfg) as live:
+        yield openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_required_tool_choice_returns_valid_calls(tools_client):
+    resp = tools_client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER, TIME],
+        tool_choice="required", parallel_tool_calls=False, max_tokens=80, temperature=1.0, seed=3)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert args["city"] in ("Paris", "Rome") and args["unit"] in ("C", "F")
+    else:
+        assert call.function.name == "get_time" and args == {"tz": args["tz"]} and args["tz"] in ("UTC", "CET")
+    assert call.id.startswith("call_") and call.type == "function"
+
+
+def test_named_tool_round_trip_and_streamed_deltas_reassemble(tools_client):
+    messages = [{"role": "user", "content": "Weather in Rome?"}]
+    args = dict(model="tiny", tools=[WEATHER, TIME], max_tokens=80, temperature=0,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    resp = tools_client.chat.completions.create(messages=messages, **args)
+    call = resp.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and resp.choices[0].finish_reason == "stop"
+    assert set(json.loads(call.function.arguments)) == {"city", "unit"}
+
+    chunks = list(tools_client.chat.completions.create(messages=messages, stream=True, **args))
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for d in chunk.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+            entry["name"] += d.function.name or ""
+            entry["arguments"] += d.function.arguments or ""
+    assert calls == {0: {"name": "get_weather", "arguments": call.function.arguments}}
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    # the call and its result go back in: an assistant message with content null, then a tool message
+    follow = tools_client.chat.completions.create(model="tiny", tools=[WEATHER], max_tokens=5, messages=[
+        *messages, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}])
+    assert follow.choices[0].message.role == "assistant" and follow.usage.prompt_tokens > resp.usage.prompt_tokens
