@@ -245,8 +245,8 @@ def _install_routes(app: FastAPI) -> None:
     def serving(request: Request) -> OpenAIServing:
         return request.app.state.neuronmm.serving
 
-    @app.api_route("/health", methods=["GET", "HEAD"], response_model=HealthStatus,
-                   responses={503: {"model": HealthStatus}})
+    @app.get("/health", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
+    @app.head("/health", include_in_schema=False)
     async def health(request: Request):
         state: AppState = request.app.state.neuronmm
         if state.ready and not state.draining and state.engine.is_alive:

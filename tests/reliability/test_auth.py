@@ -1,4 +1,5 @@
-"""API key on every endpoint but /health (constant-time, never logged); CORS off by default, on by config."""
+"""API key on every endpoint but /health, /version and /metrics (as vLLM; constant-time, never logged);
+CORS off by default, on by config."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from support import live_server, tiny_config
 
 KEY = "sk-neuronmm-" + "c0ffee42" * 4
 ORIGIN = "https://chat.example.com"
-ENDPOINTS = [("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/openapi.json"), ("GET", "/docs"),
+ENDPOINTS = [("GET", "/v1/models"), ("GET", "/openapi.json"), ("GET", "/docs"),
              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/no/such/path")]
 BODIES = {"/v1/completions": {"model": "tiny", "prompt": "hi", "max_tokens": 2},
           "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
@@ -40,7 +41,7 @@ def _call(live, method: str, path: str, headers: dict | None = None) -> httpx.Re
 @pytest.mark.parametrize("auth", [None, "Bearer wrong", f"Bearer {KEY}x", f"Bearer {KEY[:-1]}", KEY,
                                   f"Basic {KEY}", "Bearer", f"Bearer {KEY.upper()}"])
 @pytest.mark.parametrize("method, path", ENDPOINTS)
-def test_every_endpoint_but_health_needs_the_key(keyed, method, path, auth):
+def test_every_endpoint_but_health_metrics_and_version_needs_the_key(keyed, method, path, auth):
     resp = _call(keyed, method, path, {"Authorization": auth} if auth else None)
     assert resp.status_code == 401
     err = resp.json()["error"]
@@ -56,8 +57,19 @@ def test_the_right_key_opens_every_endpoint(keyed, method, path, scheme):
     assert resp.status_code == (404 if path == "/no/such/path" else 200), resp.text[:200]
 
 
-def test_health_is_open(keyed):
-    assert httpx.get(f"{keyed.url}/health").status_code == 200
+def test_health_version_and_metrics_are_open(keyed):
+    for path in ("/health", "/version", "/metrics"):
+        assert httpx.get(f"{keyed.url}{path}").status_code == 200
+    assert httpx.post(f"{keyed.url}/tokenize", json={"prompt": "x"}).status_code == 401
+
+
+def test_metrics_behind_the_key_when_configured(tiny_model_dir):
+    cfg = tiny_config(tiny_model_dir)
+    cfg.server.api_key = KEY
+    cfg.server.metrics_require_api_key = True
+    with live_server(cfg) as live:
+        assert httpx.get(f"{live.url}/metrics").status_code == 401
+        assert httpx.get(f"{live.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
 
 
 def test_keys_are_compared_in_constant_time(keyed, monkeypatch):
