@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
+import socket
 import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from server.config import ConfigError
 
@@ -13,38 +17,128 @@ from server.config import ConfigError
 _PLUGIN_MODULES = ("compression.cli", "compression.evaluation.cli", "compression.recovery.cli", "bench.cli")
 
 
+_DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float32": "float32", "float16": "float16",
+           "half": "float16", "float": "float32"}  # vLLM's spellings
+
+
+def _env_default(flag: str) -> str | None:
+    """Every serve flag can also come from NEURONMM_<FLAG> (e.g. --max-model-len: NEURONMM_MAX_MODEL_LEN)."""
+    return os.environ.get("NEURONMM_" + flag.lstrip("-").upper().replace("-", "_"))
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="run the OpenAI-compatible server")
-    p.add_argument("--config", help="YAML config (default: configs/smollm2-135m.yaml)")
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    p.add_argument("--api-key", help="require this bearer key (or set NEURONMM_API_KEY)")
-    p.add_argument("--compressed", help="serve a compressed artifact directory on top of the model")
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--num-threads", type=int)
-    p.add_argument("--shutdown-grace-s", type=float,
-                   help="on SIGTERM, how long in-flight requests may take before they are cut off")
+    p = sub.add_parser("serve", help="run the OpenAI-compatible server",
+                       description="Flags override the config; each also reads NEURONMM_<FLAG> from the environment.")
+
+    def flag(name: str, **kwargs) -> None:
+        env = _env_default(name)
+        if kwargs.get("action") == "store_true":
+            kwargs["default"] = env is not None and env.lower() in ("1", "true", "yes", "on")
+        else:
+            kwargs["default"] = env
+        p.add_argument(name, **kwargs)
+
+    p.add_argument("model_or_config", nargs="?", metavar="MODEL|CONFIG",
+                   help="a YAML config, or the model: a .gguf file, a folder with config.json, or a HF id")
+    flag("--config", help="YAML config (default: configs/smollm2-135m.yaml)")
+    flag("--host")
+    flag("--port", type=int)
+    flag("--api-key", help="require this bearer key")
+    flag("--compressed", help="serve a compressed artifact directory on top of the model")
+    flag("--served-model-name", nargs="+", help="the name(s) requests use; the first is reported back")
+    flag("--max-model-len", type=int)
+    flag("--max-num-seqs", type=int)
+    flag("--max-num-batched-tokens", type=int)
+    flag("--dtype", choices=sorted(_DTYPES))
+    flag("--tensor-parallel-size", type=int, help="NeuronCores to shard over (backend neuron)")
+    flag("--chat-template", help="a Jinja file, or `hermes_tools` (bundled ChatML with tool calls)")
+    flag("--tool-call-parser", help="how the model writes tool calls (default: hermes)")
+    flag("--strict-fields", action="store_true", help="400 for unknown request fields (default: ignore, log)")
+    flag("--num-threads", type=int)
+    flag("--shutdown-grace-s", type=float,
+         help="on SIGTERM, how long in-flight requests may take before they are cut off")
     p.set_defaults(func=_run_serve)
 
 
-def _run_serve(args: argparse.Namespace) -> int:
-    import os
+def _model_section(model: str, name: str) -> dict:
+    """The config's model section for a MODEL argument, as vLLM reads it."""
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        return {"name": name, "source": "gguf", "path": str(path)}
+    if path.is_dir():
+        return {"name": name, "source": "safetensors", "path": str(path)}
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise ConfigError(f"MODEL {model}: not a .gguf file, a model folder or a Hugging Face id")
+    return {"name": name, "source": "hf", "hf_id": model}
 
-    from server.api.app import serve
-    from server.config import load_config
 
-    cfg = load_config(args.config, {
-        "server.host": args.host, "server.port": args.port,
-        "server.api_key": args.api_key or os.environ.get("NEURONMM_API_KEY"),
-        "model.compressed": args.compressed, "engine.max_num_seqs": args.max_num_seqs,
+def _check_port_free(host: str, port: int) -> None:
+    """Bind the port the way uvicorn will, before the model loads, so a clash is a one-line error."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror} (--port / server.port)") from None
+
+
+def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict]:
+    """(config path, dotted overrides) from the serve flags; the MODEL argument replaces the model section."""
+    config, model = args.config, None
+    target = args.model_or_config
+    if target and target.endswith((".yaml", ".yml")):
+        config = config or target
+    elif target:
+        model = target
+    names = args.served_model_name
+    names = names.replace(",", " ").split() if isinstance(names, str) else (names or [])
+    overrides: dict = {}
+    if model:
+        overrides["model"] = _model_section(model, names[0] if names else model)
+    elif names:
+        overrides["model.name"] = names[0]
+    overrides.update({
+        "server.model_aliases": names[1:] or None, "server.host": args.host, "server.port": args.port,
+        "server.api_key": args.api_key, "model.compressed": args.compressed,
+        "model.dtype": _DTYPES.get(args.dtype, args.dtype),  # an unknown one fails the config check
+        "engine.max_model_len": args.max_model_len, "engine.max_num_seqs": args.max_num_seqs,
+        "engine.max_num_batched_tokens": args.max_num_batched_tokens,
+        "neuron.tp_degree": args.tensor_parallel_size, "server.chat_template": args.chat_template,
+        "server.tool_call_parser": args.tool_call_parser, "server.strict_fields": args.strict_fields or None,
         "engine.num_threads": args.num_threads, "server.shutdown_grace_s": args.shutdown_grace_s,
     })
+    return config, overrides
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from server.api.app import serve
+    from server.api.serving import load_chat_template
+    from server.api.tool_parsers import get_tool_parser
+    from server.config import load_config
+
+    cfg = load_config(*serve_overrides(args))
+    try:
+        get_tool_parser(cfg.server.tool_call_parser)
+    except ValueError as exc:
+        raise ConfigError(f"server.tool_call_parser: {exc}") from None
+    load_chat_template(cfg.server.chat_template)
+    _check_port_free(cfg.server.host, cfg.server.port)
     return serve(cfg)
+
+
+def _version() -> str:
+    try:
+        return version("neuronmm")
+    except PackageNotFoundError:  # a checkout that was never installed
+        return "0+unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The full CLI parser, including subcommands from installed plugin modules."""
     parser = argparse.ArgumentParser(prog="neuronmm", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"neuronmm {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     for name in _PLUGIN_MODULES:

@@ -59,3 +59,63 @@ def test_neuron_backend_without_sdk_is_one_line(tmp_path, tiny_model_dir):
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert "Neuron SDK" in last and "Traceback" not in proc.stderr
+
+
+def _serve_config(argv: list[str]):
+    from server.cli import build_parser, serve_overrides
+
+    return load_config(*serve_overrides(build_parser().parse_args(["serve", *argv])))
+
+
+def test_vllm_style_serve_flags_map_onto_the_config(tmp_path):
+    cfg = _serve_config([str(tmp_path / "m.gguf"), "--served-model-name", "chat", "chat-2", "--max-model-len", "512",
+                         "--tensor-parallel-size", "2", "--chat-template", "hermes_tools", "--strict-fields"])
+    assert (cfg.model.source, cfg.model.path, cfg.model.name) == ("gguf", str(tmp_path / "m.gguf"), "chat")
+    assert cfg.server.model_aliases == ["chat-2"] and cfg.engine.max_model_len == 512
+    assert cfg.neuron.tp_degree == 2 and cfg.server.chat_template == "hermes_tools" and cfg.server.strict_fields
+    folder = _serve_config([str(tmp_path)])
+    assert (folder.model.source, folder.model.name) == ("safetensors", str(tmp_path))
+    hub = _serve_config(["HuggingFaceTB/SmolLM2-135M-Instruct"])
+    assert (hub.model.source, hub.model.hf_id) == ("hf", "HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+@pytest.mark.parametrize("dtype, expected", [("auto", "auto"), ("bfloat16", "bfloat16"), ("float32", "float32"),
+                                             ("float16", "float16"), ("half", "float16")])
+def test_dtype_flag(dtype, expected):
+    assert _serve_config(["--dtype", dtype]).model.dtype == expected
+
+
+def test_every_serve_flag_reads_its_env_var(monkeypatch):
+    monkeypatch.setenv("NEURONMM_MAX_MODEL_LEN", "333")
+    monkeypatch.setenv("NEURONMM_SERVED_MODEL_NAME", "a,b")
+    monkeypatch.setenv("NEURONMM_STRICT_FIELDS", "true")
+    cfg = _serve_config([])
+    assert cfg.engine.max_model_len == 333 and cfg.model.name == "a" and cfg.server.model_aliases == ["b"]
+    assert cfg.server.strict_fields
+    assert _serve_config(["--max-model-len", "444"]).engine.max_model_len == 444  # the flag wins
+
+
+def test_version_flag(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("neuronmm ")
+
+
+def test_port_in_use_is_reported_before_the_model_loads(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # the model does not exist: had it been loaded first, that would be the error
+        assert main(["serve", str(tmp_path / "missing.gguf"), "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"127.0.0.1:{port}" in err[0] and "missing.gguf" not in err[0]
+
+
+def test_unknown_tool_parser_and_template_are_one_line_errors(capsys):
+    assert main(["serve", "--tool-call-parser", "nope", "--port", "0"]) == 2
+    assert "known: hermes" in capsys.readouterr().err
+    assert main(["serve", "--chat-template", "/no/such.jinja", "--port", "0"]) == 2
+    assert "hermes_tools" in capsys.readouterr().err
