@@ -22,13 +22,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from server.backends.base import SeqChunk
+from server.backends.torch_runner import TorchRunner
+from server.config import load_config
+from server.models.cpu_features import cpu_flags
+from server.models.source import resolve_model_dir
+
 RESULTS = Path(__file__).parent / "results"
 
 
 def step_times(runner, batch_size: int, context: int, steps: int, seed: int) -> list[float]:
     """Seconds per decode step for `batch_size` sequences that each hold `context` tokens."""
-    from server.backends.base import SeqChunk
-
     rng = random.Random(seed)
     for slot in range(batch_size):
         prompt = [rng.randrange(1000, runner.vocab_size) for _ in range(context)]
@@ -45,26 +49,45 @@ def step_times(runner, batch_size: int, context: int, steps: int, seed: int) -> 
     return times
 
 
+# The flags a speed claim depends on (vector width, native bf16/int8 dot products).
+BENCH_FLAGS = frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"})
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter and packed weight but the embedding table
+    (a step reads a few of its rows; when tied, the LM head reads all of it once, counted there)."""
+    seen, total = set(), 0
+    for name, t in list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if "rotary" not in n]:
+        if id(t) in seen or name.startswith("embed_tokens"):
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        if isinstance(packed, torch.Tensor) and id(packed) not in seen:
+            seen.add(id(packed))
+            total += packed.numel() * packed.element_size()
+    return total
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: time decode steps per batch size, print a table, save JSON."""
-    from server.backends.torch_runner import TorchRunner
-    from server.config import load_config
-    from server.models.source import resolve_model_dir
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/smollm2-135m.yaml")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--steps", type=int, default=30, help="timed steps per batch size (first 5 dropped)")
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--compressed", help="a compressed artifact folder to apply (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS / "engine_step.json"))
     args = p.parse_args(argv)
 
     cfg = load_config(args.config)
     model_dir = resolve_model_dir(cfg.model, Path(cfg.cache_dir).expanduser())
+    compressed = args.compressed or cfg.model.compressed
     runner = TorchRunner(model_dir, args.context + args.steps + 6, cfg.model.dtype, cfg.device,
-                         num_threads=args.num_threads)
+                         Path(compressed) if compressed else None, num_threads=args.num_threads)
     runner.load()
     runner.allocate_kv(max(args.batch_sizes))
     rows = []
@@ -75,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"batch_size": bs, "step_ms_p50": 1000 * median,
                          "step_ms_min": 1000 * min(times), "tok_s": bs / median})
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
-              "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "config": args.config,
+              "cpus": os.cpu_count(), "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS),
+              "torch_threads": torch.get_num_threads(), "config": args.config, "compressed": compressed,
+              "dtype": str(runner.dtype).removeprefix("torch."), "weight_bytes": weight_bytes(runner.model),
               "context": args.context, "rows": rows}
     print("| batch | step p50 ms | step min ms | decode tok/s |\n|---:|---:|---:|---:|")
     for r in rows:

@@ -1,12 +1,17 @@
-"""Serving benchmark in the style of `vllm bench serve`, with plain HF `generate` as the baseline.
+"""Serving benchmark in the style of `vllm bench serve`: neuronmm beside llama.cpp's llama-server, one run.
 
-Starts `neuronmm serve` on loopback (or targets --url), sends fixed-length random-token prompts with
-a streaming client at each concurrency level, ignores EOS so every request makes exactly
---output-len tokens, and reports TTFT, TPOT, ITL (p50/p99) and output tok/s. Then runs the same
-prompts through `transformers` `generate` at batch sizes 1 and 16 in the same process run.
+Each system is started on loopback in turn and driven by the same streaming client: distinct random
+token prompts (no request shares a prefix, so no prompt cache helps), EOS ignored so every request
+makes exactly --output-len tokens, at each concurrency level. Reports output tok/s, TTFT, TPOT and ITL
+p50/p99, then the engine-only decode step of the neuronmm models (`bench.engine_step`), the machine's
+memory bandwidth and, per step, the bytes the weights alone take at that bandwidth (the physical floor).
 
-    python -m bench.serve                      # defaults: 128 in, 128 out, concurrency 1 4 16 32
-    python -m bench.serve --skip-hf --concurrency 16 --num-prompts 32
+Systems: neuronmm dense (the config as it is), neuronmm with --compressed, greedy and sampled; and
+llama-server at bf16 and f32 when `../shared/peers/llama-server.sh` has built it (otherwise the
+report says so and runs ours alone; the peer is never a dependency).
+
+    python -m bench.serve --compressed artifacts/smollm2-k0.8
+    python -m bench.serve --systems neuronmm --concurrency 1 16
 """
 
 from __future__ import annotations
@@ -15,18 +20,26 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
+import shlex
 import statistics
 import subprocess
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import torch
+import yaml
+
+from bench.engine_step import BENCH_FLAGS
+from bench.harness import NEURONMM, REPO, free_port, run_logged, wait_healthy
+from server.config import load_config
+from server.models.cpu_features import cpu_flags
+from server.models.source import resolve_model_dir
 
 RESULTS = Path(__file__).parent / "results"
+PEERS = Path(os.environ.get("NEURONMM_PEERS_DIR", "~/.cache/neuronmm-peers")).expanduser()
 
 
 @dataclass
@@ -38,6 +51,15 @@ class RequestResult:
     itls: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str | None = None
+
+
+@dataclass
+class System:
+    """A server to measure: how to start it, and the request fields it needs."""
+
+    name: str
+    command: list[str]
+    sampled: bool = False  # temperature 0.7 with a seed instead of greedy
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -54,12 +76,13 @@ def make_prompts(vocab_size: int, num: int, length: int, seed: int) -> list[list
     return [[rng.randrange(1000, vocab_size) for _ in range(length)] for _ in range(num)]
 
 
-async def stream_one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-                     output_len: int) -> RequestResult:
-    """Send one streaming completion and time every chunk."""
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+async def stream_one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int,
+                     sampled: bool, seed: int) -> RequestResult:
+    """Send one streaming completion and time every chunk (tokens from usage, else one per text chunk)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.7 if sampled else 0.0, "seed": seed,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     res = RequestResult()
+    usage_tokens = None
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
@@ -70,8 +93,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, model: str, prompt: li
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                usage_tokens = (chunk.get("usage") or {}).get("completion_tokens", usage_tokens)
                 if not chunk.get("choices") or not chunk["choices"][0].get("text"):
                     continue
                 now = time.perf_counter()
@@ -80,23 +102,25 @@ async def stream_one(client: httpx.AsyncClient, url: str, model: str, prompt: li
                 else:
                     res.itls.append(now - last)
                 last = now
+                res.output_tokens += 1
+            res.output_tokens = usage_tokens or res.output_tokens
     except httpx.HTTPError as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     res.latency = time.perf_counter() - start
     return res
 
 
-async def run_level(url: str, model: str, prompts: list[list[int]], concurrency: int,
-                    output_len: int) -> dict:
+async def run_level(url: str, model: str, prompts: list[list[int]], concurrency: int, output_len: int, sampled: bool) -> dict:
     """All prompts at one concurrency level; returns the summary row."""
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
-        async def guarded(p):
+    # a fresh connection per request, for every system: llama-server drops idle streamed connections
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers={"Connection": "close"}) as client:
+        async def guarded(i, p):
             async with sem:
-                return await stream_one(client, url, model, p, output_len)
+                return await stream_one(client, url, model, p, output_len, sampled, seed=i)
 
         start = time.perf_counter()
-        results = await asyncio.gather(*(guarded(p) for p in prompts))
+        results = await asyncio.gather(*(guarded(i, p) for i, p in enumerate(prompts)))
         duration = time.perf_counter() - start
     ok = [r for r in results if r.error is None]
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
@@ -114,80 +138,106 @@ async def run_level(url: str, model: str, prompts: list[list[int]], concurrency:
     }
 
 
-def start_server(config: str, port: int, extra: list[str]) -> subprocess.Popen:
-    """`neuronmm serve` in a child process, logs to bench/results/serve-server.log."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    log = open(RESULTS / "serve-server.log", "w")
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--config", config, "--port", str(port), *extra]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+def neuronmm_systems(config: str, compressed: str | None, port: int) -> list[System]:
+    """neuronmm dense greedy, dense sampled, and compressed greedy (when an artifact is given)."""
+    serve = [*NEURONMM, "serve", "--config", config, "--port", str(port)]
+    systems = [System("neuronmm", serve), System("neuronmm sampled", serve, sampled=True)]
+    if compressed:
+        systems.append(System("neuronmm compressed", [*serve, "--compressed", compressed]))
+    return systems
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float = 600.0) -> None:
-    """Poll /health until 200 (the server warms up first)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise SystemExit(f"bench serve: error: server exited with {proc.returncode}; see {RESULTS}/serve-server.log")
+def peer_systems(model_dir: Path, port: int, parallel: int) -> list[System]:
+    """llama-server at bf16 and f32, as a llama.cpp user runs it; empty when the peer is not built."""
+    server = PEERS / "llama-server"
+    systems = []
+    for dtype in ("bf16", "f32"):
+        gguf = PEERS / f"{model_dir.name}-{dtype}.gguf"
+        if server.is_file() and gguf.is_file():
+            systems.append(System(f"llama-server {dtype}", [
+                str(server), "-m", str(gguf), "-t", str(os.cpu_count()), "-c", str(parallel * 320),
+                "-np", str(parallel), "--port", str(port), "--log-disable"]))
+    return systems
+
+
+def measure_system(system: System, port: int, model: str, prompts: list[list[int]], levels: list[int], output_len: int,
+                   log_path: Path) -> list[dict]:
+    """Start the system, run every level on fresh prompts, stop it."""
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(system.command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"bench serve: error: {url}/health not ready after {timeout_s:.0f} s")
+            wait_healthy(url, 600, lambda: None if proc.poll() is None else f"{system.name} exited: see {log_path}")
+            rows, offset = [], 0
+            for c in levels:
+                n = max(4, 2 * c)
+                row = asyncio.run(run_level(url, model, prompts[offset:offset + n], c, output_len, system.sampled))
+                offset += n  # never the same prompt twice: llama-server would serve it from its prompt cache
+                rows.append({"system": system.name, **row})
+                print(f"{system.name:>22} c={c:<3} {row['output_tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:5.0f} ms"
+                      f"  TPOT p50 {row['tpot_ms_p50']:5.1f} ms  ({row['completed']}/{n} ok)", flush=True)
+            return rows
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
 
 
-def hf_generate_baseline(model_dir: Path, prompts: list[list[int]], output_len: int,
-                         batch_sizes: list[int], num_threads: int | None) -> list[dict]:
-    """Plain `model.generate` (greedy, fixed length) at each batch size: output tok/s."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    if num_threads:
-        torch.set_num_threads(num_threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def engine_steps(config: str, compressed: str | None, batch_sizes: list[int]) -> list[dict]:
+    """bench.engine_step in a child process for the dense and (when given) the compressed model."""
     rows = []
-    for bs in batch_sizes:
-        ids = torch.tensor(prompts[:bs])
-        with torch.inference_mode():
-            warm = ids[:, :8]
-            model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, do_sample=False)
-            start = time.perf_counter()
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
-                                 min_new_tokens=output_len, do_sample=False)
-            duration = time.perf_counter() - start
-        made = (out.shape[1] - ids.shape[1]) * bs
-        rows.append({"batch_size": bs, "output_tokens": made, "duration_s": duration,
-                     "output_tok_s": made / duration})
+    for name, extra in (("neuronmm", []), ("neuronmm compressed", ["--compressed", compressed] if compressed else None)):
+        if extra is None:
+            continue
+        out = RESULTS / f"engine_step-{name.replace(' ', '-')}.json"
+        cmd = [*NEURONMM[:2], "bench.engine_step", "--config", config, "--batch-sizes", *map(str, batch_sizes),
+               "--out", str(out), *extra]
+        run_logged(cmd, RESULTS / "engine_step.log")
+        result = json.loads(out.read_text())
+        rows += [{"system": name, "weight_bytes": result["weight_bytes"], "dtype": result["dtype"], **r}
+                 for r in result["rows"]]
     return rows
+
+
+def memory_bandwidth_gbs() -> float:
+    """Read bandwidth with all threads: the best of five sums over a 512 MiB tensor, GB/s."""
+    data = torch.ones(2**27, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best / 1e9
 
 
 def markdown(report: dict) -> str:
     """The report as markdown tables."""
-    lines = ["| concurrency | prompts | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms |",
-             "|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| system | c | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms |",
+             "|---|---:|---:|---:|---:|---:|"]
     for r in report["serve"]:
-        lines.append(f"| {r['concurrency']} | {r['completed']}/{r['num_prompts']} | {r['output_tok_s']:.1f} | "
-                     f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p99']:.0f} | {r['tpot_ms_p50']:.1f} / "
-                     f"{r['tpot_ms_p99']:.1f} | {r['itl_ms_p50']:.1f} / {r['itl_ms_p99']:.1f} |")
-    if report.get("hf_generate"):
-        lines += ["", "| HF generate batch size | output tok/s |", "|---:|---:|"]
-        lines += [f"| {r['batch_size']} | {r['output_tok_s']:.1f} |" for r in report["hf_generate"]]
+        lines.append(f"| {r['system']} | {r['concurrency']} | {r['output_tok_s']:.1f} | {r['ttft_ms_p50']:.0f} / "
+                     f"{r['ttft_ms_p99']:.0f} | {r['tpot_ms_p50']:.1f} / {r['tpot_ms_p99']:.1f} | "
+                     f"{r['itl_ms_p50']:.1f} / {r['itl_ms_p99']:.1f} |")
+    bw = report["memory_bandwidth_gbs"]
+    lines += ["", f"Engine-only decode step (memory read bandwidth {bw:.1f} GB/s; floor = weight bytes / bandwidth):",
+              "", "| model | dtype | batch | step p50 ms | step min ms | weights MB | floor ms |", "|---|---|---:|---:|---:|---:|---:|"]
+    for r in report["engine_step"]:
+        lines.append(f"| {r['system']} | {r['dtype']} | {r['batch_size']} | {r['step_ms_p50']:.1f} | "
+                     f"{r['step_ms_min']:.1f} | {r['weight_bytes'] / 1e6:.0f} | {r['weight_bytes'] / bw / 1e6:.1f} |")
+    if report["peer_note"]:
+        lines += ["", report["peer_note"]]
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench.serve", description=__doc__.split("\n")[0])
     p.add_argument("--config", default="configs/smollm2-135m.yaml")
-    p.add_argument("--url", help="benchmark a running server instead of starting one")
-    p.add_argument("--port", type=int, default=8137)
+    p.add_argument("--compressed", help="also serve this compressed artifact (e.g. the default compress output)")
+    p.add_argument("--systems", nargs="+", default=["neuronmm", "llama-server"],
+                   help="which to run: neuronmm (dense, sampled, compressed) and/or llama-server")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
-    p.add_argument("--num-prompts", type=int, help="per level (default: max(4, 2 x concurrency))")
-    p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--num-threads", type=int, help="torch threads for server and baseline")
+    p.add_argument("--step-batch-sizes", type=int, nargs="+", default=[1, 16])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS / "serve.json"))
     return p.parse_args(argv)
@@ -195,42 +245,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from server.config import load_config
-    from server.models.source import resolve_model_dir
-
     cfg = load_config(args.config)
-    model_dir = resolve_model_dir(cfg.model, Path(cfg.cache_dir).expanduser())
+    model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    max_prompts = max(max(4, 2 * c) if args.num_prompts is None else args.num_prompts for c in args.concurrency)
-    prompts = make_prompts(vocab, max(max_prompts, max(args.hf_batch_sizes)), args.input_len, args.seed)
-
-    proc, url = None, args.url
-    if url is None:
-        extra = ["--num-threads", str(args.num_threads)] if args.num_threads else []
-        proc = start_server(args.config, args.port, extra)
-        url = f"http://127.0.0.1:{args.port}"
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor()
-              or platform.machine(), "cpus": os.cpu_count(), "config": args.config,
-              "input_len": args.input_len, "output_len": args.output_len, "serve": []}
-    try:
-        wait_healthy(url, proc)
-        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-        for c in args.concurrency:
-            n = args.num_prompts or max(4, 2 * c)
-            row = asyncio.run(run_level(url, model, prompts[:n], c, args.output_len))
-            report["serve"].append(row)
-            print(f"concurrency {c:>3}: {row['output_tok_s']:7.1f} tok/s, TTFT p50 {row['ttft_ms_p50']:.0f} ms, "
-                  f"TPOT p50 {row['tpot_ms_p50']:.1f} ms ({row['completed']}/{n} ok)", flush=True)
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=60)
-    if not args.skip_hf:
-        report["hf_generate"] = hf_generate_baseline(model_dir, prompts, args.output_len, args.hf_batch_sizes,
-                                                     args.num_threads)
+    port = free_port()
+    systems = neuronmm_systems(args.config, args.compressed, port) if "neuronmm" in args.systems else []
+    peers = peer_systems(model_dir, port, max(args.concurrency)) if "llama-server" in args.systems else []
+    peer_note = "" if peers or "llama-server" not in args.systems else (
+        f"llama-server not found in {PEERS}: run ../shared/peers/llama-server.sh to compare (ours ran alone).")
+    num_prompts = sum(max(4, 2 * c) for c in args.concurrency)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
+              "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "config": args.config, "compressed": args.compressed,
+              "input_len": args.input_len, "output_len": args.output_len, "peer_note": peer_note,
+              "commands": {s.name: shlex.join(s.command) for s in systems + peers},
+              "memory_bandwidth_gbs": memory_bandwidth_gbs(), "serve": [], "engine_step": []}
+    for i, system in enumerate(systems + peers):
+        prompts = make_prompts(vocab, num_prompts, args.input_len, args.seed + i)
+        report["serve"] += measure_system(system, port, cfg.model.name, prompts, args.concurrency, args.output_len,
+                                          RESULTS / f"serve-{system.name.replace(' ', '-')}.log")
+    if systems:
+        report["engine_step"] = engine_steps(args.config, args.compressed, args.step_batch_sizes)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(report) + "\n")
     print(markdown(report))
     print(f"saved {out}")
     return 0

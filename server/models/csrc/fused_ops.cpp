@@ -41,6 +41,7 @@ inline float round_to<float>(float v) { return v; }
 template <typename T>
 void rms_norm_row(const T* x, const T* w, T* out, int64_t hidden, float eps) {
   float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < hidden; ++i) {
     float v = load_f(x[i]);
     sum += v * v;
@@ -168,7 +169,8 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
     }
   });
   const int64_t group = num_heads / num_kv_heads;
-  at::parallel_for(0, num_tokens * num_heads, 1, [&](int64_t b, int64_t e) {
+  // grain: a few (token, head) pairs per task, so a decode step of one sequence still uses every thread
+  at::parallel_for(0, num_tokens * num_heads, 4, [&](int64_t b, int64_t e) {
     std::vector<float> scores, acc(head_dim), q(head_dim);
     for (int64_t th = b; th < e; ++th) {
       const int64_t t = th / num_heads, h = th % num_heads, kvh = h / group;
@@ -186,11 +188,13 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
       for (int64_t j = 0; j < n; ++j) {
         const T* kp = kc + ((table[j / block_size] * num_kv_heads + kvh) * block_size + j % block_size) * head_dim;
         float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
         for (int64_t i = 0; i < head_dim; ++i) dot += q[i] * load_f(kp[i]);
         scores[j] = dot;
         max_s = std::max(max_s, dot);
       }
       float denom = 0.f;
+#pragma omp simd reduction(+ : denom)
       for (int64_t j = 0; j < n; ++j) {
         scores[j] = std::exp(scores[j] - max_s);
         denom += scores[j];
