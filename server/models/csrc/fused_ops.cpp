@@ -13,6 +13,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -29,6 +33,80 @@ inline float load_f(c10::BFloat16 v) {
   return f;
 }
 inline float load_f(c10::Half v) { return static_cast<float>(v); }
+
+// q·k and acc += p·v over one head (fp32 q and acc, k and v in the cache dtype). Written with AVX-512
+// where the CPU has it (the compiler does not vectorise the bf16 widening in these loops by itself).
+template <typename T>
+inline float dot_head(const float* q, const T* k, int64_t d) {
+  float dot = 0.f;
+  for (int64_t i = 0; i < d; ++i) dot += q[i] * load_f(k[i]);
+  return dot;
+}
+template <typename T>
+inline void axpy_head(float p, const T* v, float* acc, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) acc[i] += p * load_f(v[i]);
+}
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+template <typename T>
+inline float dot_head_avx512(const float* q, const T* k, int64_t d) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+template <typename T>
+inline void axpy_head_avx512(float p, const T* v, float* acc, int64_t d) {
+  const __m512 pv = _mm512_set1_ps(p);
+  for (int64_t i = 0; i < d; i += 16)
+    _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(pv, load16(v + i), _mm512_loadu_ps(acc + i)));
+}
+template <>
+inline float dot_head(const float* q, const float* k, int64_t d) {
+  return d % 16 == 0 ? dot_head_avx512(q, k, d) : dot_head<float>(q, k, d);
+}
+template <>
+inline float dot_head(const float* q, const c10::BFloat16* k, int64_t d) {
+  if (d % 16 != 0) {
+    float dot = 0.f;
+    for (int64_t i = 0; i < d; ++i) dot += q[i] * load_f(k[i]);
+    return dot;
+  }
+  return dot_head_avx512(q, k, d);
+}
+template <>
+inline void axpy_head(float p, const float* v, float* acc, int64_t d) {
+  if (d % 16 != 0) {
+    for (int64_t i = 0; i < d; ++i) acc[i] += p * v[i];
+    return;
+  }
+  axpy_head_avx512(p, v, acc, d);
+}
+template <>
+inline void axpy_head(float p, const c10::BFloat16* v, float* acc, int64_t d) {
+  if (d % 16 != 0) {
+    for (int64_t i = 0; i < d; ++i) acc[i] += p * load_f(v[i]);
+    return;
+  }
+  axpy_head_avx512(p, v, acc, d);
+}
+#endif
+
+// exp with 1e-7 relative error from arithmetic only, so loops over it vectorise (std::exp does not):
+// x = n ln2 + r with |r| <= ln2/2 (Cody-Waite split of ln2), exp(r) by its degree-6 Taylor polynomial.
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float n = std::rint(x * 1.44269504f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  const float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
 
 // Round a float to T and back: the value the reference holds after an op in dtype T.
 template <typename T>
@@ -103,12 +181,17 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
     const scalar_t* gp = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows * inter, 4096, [&](int64_t b, int64_t e) {
-      for (int64_t k = b; k < e; ++k) {
-        int64_t r = k / inter, i = k % inter;
-        float g = load_f(gp[r * 2 * inter + i]);
-        float u = load_f(gp[r * 2 * inter + inter + i]);
-        op[k] = static_cast<scalar_t>(round_to<scalar_t>(g / (1.f + std::exp(-g))) * u);
+    at::parallel_for(0, rows * inter, 1024, [&](int64_t b, int64_t e) {
+      for (int64_t k = b; k < e;) {  // contiguous runs within a row, so the inner loop vectorises
+        const int64_t r = k / inter, i0 = k % inter, i1 = std::min(inter, i0 + (e - k));
+        const scalar_t* gate = gp + r * 2 * inter;
+        const scalar_t* up = gate + inter;
+        scalar_t* dst = op + r * inter;
+        for (int64_t i = i0; i < i1; ++i) {
+          const float g = load_f(gate[i]);
+          dst[i] = static_cast<scalar_t>(round_to<scalar_t>(g / (1.f + fast_exp(-g))) * load_f(up[i]));
+        }
+        k += i1 - i0;
       }
     });
   });
@@ -184,26 +267,31 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
       const T* qp = qr + (t * num_heads + h) * head_dim;
       for (int64_t i = 0; i < head_dim; ++i) q[i] = load_f(qp[i]) * (float)scale;
       scores.resize(n);
+      // block by block: the position -> (block, offset) split happens once per block, not per key
+      auto block_at = [&](const T* cache, int64_t start) {
+        return cache + (static_cast<int64_t>(table[start / block_size]) * num_kv_heads + kvh) * block_size * head_dim;
+      };
       float max_s = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) {
-        const T* kp = kc + ((table[j / block_size] * num_kv_heads + kvh) * block_size + j % block_size) * head_dim;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < head_dim; ++i) dot += q[i] * load_f(kp[i]);
-        scores[j] = dot;
-        max_s = std::max(max_s, dot);
+      for (int64_t start = 0; start < n; start += block_size) {
+        const T* kb = block_at(kc, start);
+        const int64_t len = std::min(block_size, n - start);
+        for (int64_t j = 0; j < len; ++j) {
+          const float dot = dot_head(q.data(), kb + j * head_dim, head_dim);
+          scores[start + j] = dot;
+          max_s = std::max(max_s, dot);
+        }
       }
       float denom = 0.f;
 #pragma omp simd reduction(+ : denom)
       for (int64_t j = 0; j < n; ++j) {
-        scores[j] = std::exp(scores[j] - max_s);
+        scores[j] = fast_exp(scores[j] - max_s);
         denom += scores[j];
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < n; ++j) {
-        const T* vp = vc + ((table[j / block_size] * num_kv_heads + kvh) * block_size + j % block_size) * head_dim;
-        const float p = scores[j];
-        for (int64_t i = 0; i < head_dim; ++i) acc[i] += p * load_f(vp[i]);
+      for (int64_t start = 0; start < n; start += block_size) {
+        const T* vb = block_at(vc, start);
+        const int64_t len = std::min(block_size, n - start);
+        for (int64_t j = 0; j < len; ++j) axpy_head(scores[start + j], vb + j * head_dim, acc.data(), head_dim);
       }
       const float inv = 1.f / denom;
       for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<T>(acc[i] * inv);
