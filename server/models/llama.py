@@ -113,32 +113,46 @@ def _fuse_linears(mods: list[nn.Module]) -> nn.Linear | None:
     return fused
 
 
-class LowRankPair(nn.Module):
-    """Two low-rank projections of the same input (gate and up) with their first factors stacked.
+class StackedPair(nn.Module):
+    """Gate and up (two projections of one input, at least one low-rank) sharing one first GEMM.
 
-    y = [ (x A0ᵀ) B0ᵀ , (x A1ᵀ) B1ᵀ ]: one GEMM for x·[A0; A1]ᵀ, then one per second factor.
+    The first GEMM stacks each part's first factor (A of a LowRankLinear, the weight of a Linear); the
+    low-rank parts then apply their B. Output: [gate, up] as the fused dense GEMM would give it.
     """
 
-    def __init__(self, first: LowRankLinear, second: LowRankLinear):
+    def __init__(self, first: nn.Module, second: nn.Module):
         super().__init__()
-        self.rank0 = first.rank
-        self.A = nn.Linear(first.in_features, first.rank + second.rank, bias=False, dtype=first.A.dtype)
-        self.A.weight = nn.Parameter(torch.cat([first.A.data, second.A.data]), requires_grad=False)
-        self.B0 = nn.Linear(first.rank, first.out_features, bias=False, dtype=first.B.dtype)
-        self.B0.weight = nn.Parameter(first.B.data, requires_grad=False)
-        self.B1 = nn.Linear(second.rank, second.out_features, bias=False, dtype=second.B.dtype)
-        self.B1.weight = nn.Parameter(second.B.data, requires_grad=False)
+        heads = [m.A if isinstance(m, LowRankLinear) else m.weight for m in (first, second)]
+        self.splits = [h.shape[0] for h in heads]
+        self.A = nn.Linear(heads[0].shape[1], sum(self.splits), bias=False, dtype=heads[0].dtype)
+        self.A.weight = nn.Parameter(torch.cat([h.data for h in heads]), requires_grad=False)
+        self.B0, self.B1 = (_second_factor(m) for m in (first, second))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xa = self.A(x)
-        return torch.cat([self.B0(xa[:, :self.rank0]), self.B1(xa[:, self.rank0:])], dim=-1)
+        parts = list(self.A(x).split(self.splits, dim=-1))
+        for i, factor in enumerate((self.B0, self.B1)):
+            if factor is not None:
+                parts[i] = factor(parts[i])
+        return torch.cat(parts, dim=-1)
 
 
-def _fuse_lowrank(first: nn.Module, second: nn.Module) -> LowRankPair | None:
-    """A LowRankPair for two bias-free LowRankLinears, else None."""
-    if not all(isinstance(m, LowRankLinear) and m.bias is None for m in (first, second)):
+def _second_factor(module: nn.Module) -> nn.Linear | None:
+    """B of a LowRankLinear as a Linear (packable), None for a dense Linear."""
+    if not isinstance(module, LowRankLinear):
         return None
-    return LowRankPair(first, second)
+    factor = nn.Linear(module.rank, module.out_features, bias=False, dtype=module.B.dtype)
+    factor.weight = nn.Parameter(module.B.data, requires_grad=False)
+    return factor
+
+
+def _stack_pair(first: nn.Module, second: nn.Module) -> StackedPair | None:
+    """A StackedPair for bias-free Linear/LowRankLinear parts with at least one low-rank, else None."""
+    kinds = [type(m) is nn.Linear or isinstance(m, LowRankLinear) for m in (first, second)]
+    if not all(kinds) or any(m.bias is not None for m in (first, second)):
+        return None
+    if not any(isinstance(m, LowRankLinear) for m in (first, second)):
+        return None
+    return StackedPair(first, second)
 
 
 class Attention(nn.Module):
@@ -208,7 +222,7 @@ class MLP(nn.Module):
 
     def fuse(self) -> None:
         self.gate_up_proj = (_fuse_linears([self.gate_proj, self.up_proj])
-                             or _fuse_lowrank(self.gate_proj, self.up_proj))
+                             or _stack_pair(self.gate_proj, self.up_proj))
         if self.gate_up_proj is not None:
             self.gate_proj = self.up_proj = None
 
