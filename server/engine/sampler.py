@@ -45,10 +45,30 @@ def filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
 
 
 def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Column index per row where uniform [rows] falls in the row's (unnormalised) cumulative probs."""
-    cum = probs.double().cumsum(-1)
-    target = (uniform.double() * cum[:, -1]).unsqueeze(1)
-    return torch.searchsorted(cum, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    """Column index per row where uniform [rows] falls in the row's (unnormalised) cumulative probs.
+
+    Two levels, so a whole-vocabulary row costs one pass: cumulative sums of blocks of columns pick
+    the block, then the cumulative sum inside that block picks the column (fp64 where sums are long).
+    """
+    rows, cols = probs.shape
+    block = _CDF_BLOCK if cols > _CDF_BLOCK else cols
+    padded = -cols % block
+    if padded:
+        probs = torch.cat([probs, probs.new_zeros(rows, padded)], dim=1)
+    blocks = probs.view(rows, -1, block)
+    block_cum = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [rows, num_blocks]
+    target = uniform.double() * block_cum[:, -1]
+    chosen = torch.searchsorted(block_cum, target.unsqueeze(1), right=True).squeeze(1).clamp_(max=blocks.shape[1] - 1)
+    before = torch.where(chosen > 0, block_cum.gather(1, (chosen - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+    inner = blocks[torch.arange(rows, device=probs.device), chosen].double().cumsum(-1)  # [rows, block]
+    offset = torch.searchsorted(inner, (target - before).unsqueeze(1), right=True).squeeze(1)
+    last_positive = (inner < inner[:, -1:]).sum(-1)  # rounding must never land on a zero-probability column
+    offset = torch.minimum(offset, last_positive)
+    return (chosen * block + offset).clamp_(max=cols - 1)
+
+
+# Columns per block of the two-level inverse CDF (about the square root of a large vocabulary).
+_CDF_BLOCK = 256
 
 
 def sample_scaled(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
