@@ -53,7 +53,7 @@ class EngineConfig(_Strict):
     max_model_len: int = Field(2048, ge=16)
     max_queue: int = Field(256, ge=0, description="waiting requests beyond this get 429")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default: all cores")
-    seed: int = 0
+    seed: int = Field(0, description="seeds the per-request seeds of requests that bring none")
 
 
 class ServerConfig(_Strict):

@@ -52,7 +52,7 @@ def build_engine(cfg: Config, runner, tokenizer, eos_ids: set[int]) -> LLMEngine
     runner.allocate_kv(e.max_num_seqs)
     log.info("engine limits: max_num_seqs=%d max_num_batched_tokens=%d max_model_len=%d max_queue=%d",
              e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len, e.max_queue)
-    return LLMEngine(runner, tokenizer, e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len, eos_ids)
+    return LLMEngine(runner, tokenizer, e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len, eos_ids, e.seed)
 
 
 def warm_up(engine: LLMEngine, prompt_ids: list[int]) -> None:

@@ -54,6 +54,7 @@ VLLM_NAMES = {
     "neuronmm_inter_token_latency_seconds": ["vllm:inter_token_latency_seconds",
                                              "vllm:time_per_output_token_seconds"],
     "neuronmm_e2e_request_latency_seconds": ["vllm:e2e_request_latency_seconds"],
+    "neuronmm_request_queue_time_seconds": ["vllm:request_queue_time_seconds"],
     "neuronmm_num_requests_running": ["vllm:num_requests_running"],
     "neuronmm_num_requests_waiting": ["vllm:num_requests_waiting"],
     "neuronmm_prompt_tokens": ["vllm:prompt_tokens"],
@@ -97,6 +98,7 @@ class ServerMetrics:
         self.ttft = hist("neuronmm_time_to_first_token_seconds", "Time from arrival to first token")
         self.itl = hist("neuronmm_inter_token_latency_seconds", "Time between consecutive output tokens")
         self.e2e = hist("neuronmm_e2e_request_latency_seconds", "Time from arrival to the last token")
+        self.queue_time = hist("neuronmm_request_queue_time_seconds", "Time from arrival to the running batch")
         self.batch_size = hist("neuronmm_batch_size", "Sequences in one engine forward",
                                buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.running = Gauge("neuronmm_num_requests_running", "Sequences in the running batch",
@@ -134,6 +136,8 @@ class ServerMetrics:
         self.generation_tokens.inc(stats.num_generation_tokens)
         for ttft in stats.ttfts:
             self.ttft.observe(ttft)
+        for queued in stats.queue_times:
+            self.queue_time.observe(queued)
         for itl in stats.itls:
             self.itl.observe(itl)
         for reason, e2e in stats.finished:

@@ -84,12 +84,6 @@ class _Request(_Lenient):
                 raise ValueError(f"values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}")
         return v
 
-    @model_validator(mode="after")
-    def _check_unsupported(self):
-        if self.include_stop_str_in_output:
-            raise ValueError("include_stop_str_in_output is not supported")
-        return self
-
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, v):
@@ -117,6 +111,7 @@ class _Request(_Lenient):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, logprobs=logprobs,
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
             stop_token_ids=list(self.stop_token_ids or []), skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()}, structured=structured)
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas; holds back a possible stop-string prefix."""
 
-    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True, include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.skip_special = skip_special_tokens
+        self.include_stop = include_stop  # keep the matched stop string (vLLM's include_stop_str_in_output)
         self.text = ""
         self.emitted = 0  # chars of self.text already handed out
         self._prefix_offset = 0
@@ -30,9 +31,10 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)
         search_from = max(0, len(self.text) - self._holdback)
         self.text += new
-        hits = [at for stop in self.stop if (at := self.text.find(stop, search_from)) != -1]
+        hits = [(at, len(stop)) for stop in self.stop if (at := self.text.find(stop, search_from)) != -1]
         if hits:
-            self.text = self.text[:min(hits)]
+            at, length = min(hits)
+            self.text = self.text[:at + length if self.include_stop else at]
             return True
         return False
 

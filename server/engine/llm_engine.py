@@ -26,6 +26,7 @@ class StepStats:
     num_prompt_tokens: int  # prefill tokens computed
     num_generation_tokens: int
     ttfts: list[float] = field(default_factory=list)  # seconds, of sequences that got their first token
+    queue_times: list[float] = field(default_factory=list)  # arrival -> admitted, of those same sequences
     itls: list[float] = field(default_factory=list)  # seconds between the two newest tokens, the others
     finished: list[tuple[str, float]] = field(default_factory=list)  # (finish reason, e2e seconds)
 
@@ -37,8 +38,10 @@ class LLMEngine:
     """Owns the scheduler and the backend; `step()` runs one batched forward."""
 
     def __init__(self, runner: ModelRunner, tokenizer, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: set[int] | None = None):
+                 max_model_len: int, eos_token_ids: set[int] | None = None, seed: int = 0):
         self.runner = runner
+        # seeds for requests that bring none: drawn from the engine's seed, so a run replays
+        self._seeds = torch.Generator().manual_seed(seed)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)
@@ -57,9 +60,10 @@ class LLMEngine:
             if not params.is_greedy:
                 generator = torch.Generator()
                 generator.manual_seed(params.seed + index if params.seed is not None else
-                                      int(torch.randint(0, 2**62, (1,))))
+                                      int(torch.randint(0, 2**62, (1,), generator=self._seeds)))
             seq = Sequence(request_id, index, list(prompt_ids), params,
-                           IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens),
+                           IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
+                                                  params.include_stop_str_in_output),
                            self.eos_token_ids, generator)
             self.scheduler.add(seq)
             seqs.append(seq)
@@ -107,6 +111,7 @@ class LLMEngine:
         for seq in seqs:
             if len(seq.output_ids) == 1:
                 stats.ttfts.append(seq.first_token_time - seq.arrival_time)
+                stats.queue_times.append(seq.scheduled_time - seq.arrival_time)
             elif seq.last_itl is not None:
                 stats.itls.append(seq.last_itl)
             if seq.finish_reason:

@@ -45,6 +45,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     logprobs: int | None = None  # number of top alternatives per token (0..MAX_LOGPROBS), None: off
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:

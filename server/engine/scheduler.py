@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -95,6 +96,7 @@ class Scheduler:
             seq = self.waiting.popleft()
             seq.slot = self.slots.allocate()
             seq.status = SeqStatus.RUNNING
+            seq.scheduled_time = seq.scheduled_time or time.monotonic()
             self.running.append(seq)
             n = min(seq.num_tokens, budget)
             chunks.append(ScheduledChunk(seq, n))

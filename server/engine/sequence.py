@@ -59,6 +59,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # first admitted into the running batch
     first_token_time: float | None = None
     last_token_time: float | None = None
     last_itl: float | None = None  # seconds between the two newest tokens

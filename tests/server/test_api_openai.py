@@ -125,7 +125,6 @@ def test_echo_prepends_the_prompt(client):
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"min_p": 2}, "min_p"),
     ({"max_tokens": 4, "min_tokens": 5}, None),
-    ({"include_stop_str_in_output": True}, None),
 ])
 def test_bad_sampling_fields_get_400(server, body, param):
     resp = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x", **body})
@@ -173,6 +172,7 @@ def test_vllm_metric_names_http_status_and_process_metrics(server, client):
     httpx.get(f"{server.url}/v1/models/nope")
     assert metric(server.url, "vllm:request_success_total", finished_reason="length") >= 1
     assert metric(server.url, "vllm:time_to_first_token_seconds_count") >= 1
+    assert metric(server.url, "vllm:request_queue_time_seconds_count") >= 1
     assert metric(server.url, "vllm:request_prompt_tokens_count") >= 1
     assert metric(server.url, "vllm:num_requests_running") == metric(server.url, "neuronmm_num_requests_running")
     assert metric(server.url, "http_requests_total", handler="/v1/completions", status="2xx") >= 1

@@ -131,6 +131,9 @@ def test_stop_string_is_not_emitted(parts):
     outs = run_all(engine)["stopped"]
     stopped = "".join(o.text for o in outs)
     assert stop not in stopped and text.startswith(stopped) and outs[-1].finish_reason == "stop"
+    engine.add_request("kept", [11, 12, 13], SamplingParams(max_tokens=30, stop=[stop], include_stop_str_in_output=True,
+                                                            **GREEDY))
+    assert "".join(o.text for o in run_all(engine)["kept"]) == stopped + stop  # vLLM's include_stop_str_in_output
 
 
 def test_eos_ends_sequence(parts):
@@ -178,3 +181,15 @@ def test_forward_failure_fails_only_that_step(parts):
     assert engine.scheduler.slots.num_free == engine.scheduler.slots.num_slots
     engine.add_request("after", [3, 4, 5], SamplingParams(max_tokens=5, **GREEDY))
     assert run_all(engine)["after"][-1].finish_reason == "length"
+
+
+def test_unseeded_requests_replay_under_the_engine_seed(parts):
+    """engine.seed draws the seeds of requests without one: the same engine seed replays the same text."""
+    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        engine = make_engine(parts)
+        engine.add_request("r", [20, 21, 22], params, n=2)
+        outs = run_all(engine)["r"]
+        runs.append([[t for o in outs if o.index == i for t in o.token_ids] for i in range(2)])
+    assert runs[0] == runs[1] and runs[0][0] != runs[0][1]
