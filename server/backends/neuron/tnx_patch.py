@@ -8,11 +8,19 @@ Three small patches, all reversible (`uninstall`) and inert for layers without f
    compressed layer they are dropped before they reach the device, and our six prepared factors
    take their place with the sharding dims of layout.SHARD_DIMS (tnx splits them over the cores
    in the layer's `to_neuron`).
-2. The Llama layer builder: a layer called with six factors instead of three dense weights
-   parks them in a context variable and calls the original layer with in0/in1/out = None.
+2. The Llama layer builder: tnx passes a layer's MLP extras as six positional slots, `in0_weight,
+   in0_scales, in1_weight, in1_scales, out_weight, out_scales` (tnx v0.13.0 llama/hlo.py:236-238):
+   each dense weight is added with allow_quantize=True, so DecoderLayer.to_neuron appends a
+   scales slot after it, None unless neuron_config.quant (decoder.py:1672-1692). Our factors are
+   added without allow_quantize, so a compressed layer's six slots are six tensors while a dense
+   layer's are (gate, None, up, None, down, None). A layer called with six tensors parks them in
+   a context variable and calls the original layer with all six slots None.
 3. `hlo.gated_mlp_bsh`: while factors are parked, build `lowrank_mlp_graph` instead.
-Written against transformers-neuronx 0.13.1216 as read in its public source (llama/hlo.py
-flat_compiler_layer, decoder.py DecoderLayer); not run against the SDK here.
+Weight quantization (neuron_config.quant) fills the scales slots and would make a dense layer
+look like a compressed one, so it is refused with factors present (`check_neuron_config`), as is
+sequence parallelism, where tnx's gated_mlp_bsh reduce-scatters instead of all-reducing.
+Written against transformers-neuronx as read in its public source (tag v0.13.0; 0.13.1216's
+source is not public); not run against the SDK here.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ log = logging.getLogger(__name__)
 
 _ACTIVE_FACTORS: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("neuronmm_mlp_factors", default=None)
 _DENSE_MLP_PARAMS = 3  # gate (in0), up (in1), down (out)
+_SLOT_NAMES = ("in0_weight", "in0_scales", "in1_weight", "in1_scales", "out_weight", "out_scales")
+_MLP_SLOTS = len(_SLOT_NAMES)
 
 
 class PatchError(RuntimeError):
@@ -75,20 +85,41 @@ def patched_add_parameter(original: Callable, factors: dict[int, LayerFactors], 
     return add_parameter
 
 
+def _is_factor_slots(extra: tuple) -> bool:
+    """Six tensors in the MLP slots: a compressed layer (a dense one has None scales in slots 1, 3, 5)."""
+    return len(extra) >= NUM_FACTORS and all(a is not None and not isinstance(a, bool) for a in extra[:NUM_FACTORS])
+
+
+def check_neuron_config(neuron_config: Any) -> None:
+    """Raise PatchError for tnx settings the low-rank MLP does not mirror."""
+    if neuron_config is None:
+        return
+    if getattr(neuron_config, "quant", None):  # scales slots filled: dense and factor layers look alike
+        raise PatchError("neuron_config.quant (weight quantization) cannot be combined with low-rank MLP factors")
+    if getattr(neuron_config, "is_sequence_parallel", False):  # tnx hlo.py:730 reduce-scatters along tokens
+        raise PatchError("sequence_parallel_norm is not supported with low-rank MLP factors "
+                         "(tnx reduce-scatters the MLP output there; the patch only all-reduces)")
+    if getattr(neuron_config, "fused_rmsnorm_mlp", False):  # llama/hlo.py:394 calls its own MLP kernel
+        raise PatchError("fused_rmsnorm_mlp bypasses gated_mlp_bsh; disable it to serve low-rank MLP factors")
+
+
 def patched_layer(original: Callable) -> Callable:
-    """The Llama layer builder, accepting six factor parameters where it takes three dense weights."""
+    """The Llama layer builder, routing a layer whose six MLP slots hold factors to the low-rank MLP."""
     params = list(inspect.signature(original).parameters)
-    if "in0_weight" not in params:
-        raise PatchError("llama layer builder has no in0_weight parameter (transformers-neuronx version?)")
+    start = params.index("in0_weight") if "in0_weight" in params else len(params)
+    if tuple(params[start:start + _MLP_SLOTS]) != _SLOT_NAMES:
+        raise PatchError("llama layer builder has no in0_weight, in0_scales, ..., out_scales parameters "
+                         "(transformers-neuronx version?)")
     num_fixed = params.index("in0_weight") - 1  # positional args before in0_weight, excluding self
 
     @functools.wraps(original)
     def layer(self, *args, **kwargs):
         extra = args[num_fixed:]
-        if len(extra) >= NUM_FACTORS and not any(isinstance(a, bool) for a in extra[:NUM_FACTORS]):
+        if _is_factor_slots(extra):
+            check_neuron_config(getattr(self, "neuron_config", None))
             token = _ACTIVE_FACTORS.set(tuple(extra[:NUM_FACTORS]))
             try:
-                return original(self, *args[:num_fixed], None, None, None, *extra[NUM_FACTORS:], **kwargs)
+                return original(self, *args[:num_fixed], *([None] * _MLP_SLOTS), *extra[_MLP_SLOTS:], **kwargs)
             finally:
                 _ACTIVE_FACTORS.reset(token)
         return original(self, *args, **kwargs)
@@ -104,7 +135,10 @@ def patched_gated_mlp(original: Callable, builder_factory: Callable[[Any], Any])
         factors = _ACTIVE_FACTORS.get()
         if factors is None:
             return original(hidden, in0_weight, in1_weight, out_weight, *args, **kwargs)
-        tp_degree = kwargs.get("tp_degree", 1)
+        if kwargs.get("return_partial"):  # the caller reduces (tnx hlo.py:728): leave the partial sums
+            tp_degree = 1
+        else:
+            tp_degree = kwargs.get("tp_degree", 1)
         return lowrank_mlp_graph(builder_factory(kwargs.get("neuron_config")), hidden, factors, tp_degree)
 
     return gated_mlp_bsh
@@ -133,7 +167,7 @@ def verify_injection(state: PatchState, expected_layers: list[int]) -> None:
     wrong = [i for i in expected_layers if state.dropped.get(i) != _DENSE_MLP_PARAMS or i not in state.injected]
     if wrong:
         raise PatchError(f"MLP factor injection failed for layers {wrong[:8]} (dropped {state.dropped}); "
-                         "transformers-neuronx weight loading differs from 0.13.1216")
+                         "transformers-neuronx weight loading differs from v0.13")
 
 
 def install_into_sdk(factors: dict[int, LayerFactors], hidden: int, intermediate: int) -> PatchState:
