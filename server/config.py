@@ -54,6 +54,9 @@ class EngineConfig(_Strict):
     max_queue: int = Field(256, ge=0, description="waiting requests beyond this get 429")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default: all cores")
     seed: int = Field(0, description="seeds the per-request seeds of requests that bring none")
+    block_size: int = Field(16, ge=1, le=1024, description="KV cache positions per block (paged backends)")
+    kv_cache_gib: float | None = Field(None, gt=0, description="KV block pool size; default: max_num_seqs x max_model_len")
+    enable_prefix_caching: bool = Field(True, description="share cached prompt-prefix blocks between requests")
 
 
 class ServerConfig(_Strict):

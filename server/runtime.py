@@ -10,6 +10,7 @@ from pathlib import Path
 
 from server.backends import create_runner
 from server.config import Config, ConfigError
+from server.engine.block_manager import PagedKV, SlotKV
 from server.engine.llm_engine import LLMEngine
 from server.engine.sampling_params import SamplingParams
 from server.models.source import resolve_model_dir
@@ -44,15 +45,36 @@ def eos_token_ids(model_dir: Path, tokenizer) -> set[int]:
     return ids
 
 
+def allocate_kv(cfg: Config, runner) -> PagedKV | SlotKV:
+    """The KV memory the engine schedules against: a block pool on paged backends, else a slot per sequence."""
+    e = cfg.engine
+    if not getattr(runner, "supports_paged_kv", False):
+        runner.allocate_kv(e.max_num_seqs)
+        return SlotKV(e.max_num_seqs)
+    per_seq = -(-e.max_model_len // e.block_size)
+    if e.kv_cache_gib is None:  # as much as max_num_seqs sequences of max_model_len (pages commit as used)
+        num_blocks = e.max_num_seqs * per_seq
+    else:
+        num_blocks = int(e.kv_cache_gib * 2**30 // (runner.kv_bytes_per_token() * e.block_size))
+    if num_blocks < per_seq:
+        raise ConfigError(f"engine.kv_cache_gib: {num_blocks} blocks of {e.block_size} tokens cannot hold one "
+                          f"sequence of max_model_len {e.max_model_len}")
+    runner.allocate_kv_blocks(num_blocks, e.block_size)
+    return PagedKV(num_blocks, e.block_size, e.enable_prefix_caching)
+
+
 def build_engine(cfg: Config, runner, tokenizer, eos_ids: set[int]) -> LLMEngine:
-    """Allocate KV for max_num_seqs and wrap the runner in an engine; logs the effective limits."""
+    """Allocate the KV cache and wrap the runner in an engine; logs the effective limits."""
     e = cfg.engine
     if e.max_num_batched_tokens < e.max_num_seqs:
         raise ConfigError("engine.max_num_batched_tokens must be >= engine.max_num_seqs")
-    runner.allocate_kv(e.max_num_seqs)
+    kv = allocate_kv(cfg, runner)
     log.info("engine limits: max_num_seqs=%d max_num_batched_tokens=%d max_model_len=%d max_queue=%d",
              e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len, e.max_queue)
-    return LLMEngine(runner, tokenizer, e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len, eos_ids, e.seed)
+    log.info("KV: %s, prefix caching %s", f"{kv.stats.num_blocks} blocks of {kv.block_size} tokens"
+             if kv.block_size else f"{kv.stats.num_blocks} slots", "on" if kv.enable_prefix_caching else "off")
+    return LLMEngine(runner, tokenizer, e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len, kv, eos_ids,
+                     e.seed)
 
 
 def warm_up(engine: LLMEngine, prompt_ids: list[int]) -> None:

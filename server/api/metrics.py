@@ -13,8 +13,9 @@ from collections.abc import Callable
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector,
                                generate_latest)
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from server.engine.block_manager import KVStats
 from server.engine.llm_engine import StepStats
 
 # Backends with static-shape buckets (neuron) register their PaddingStats here at load; weak, so a
@@ -55,6 +56,10 @@ VLLM_NAMES = {
                                              "vllm:time_per_output_token_seconds"],
     "neuronmm_e2e_request_latency_seconds": ["vllm:e2e_request_latency_seconds"],
     "neuronmm_request_queue_time_seconds": ["vllm:request_queue_time_seconds"],
+    "neuronmm_kv_cache_usage_perc": ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+    "neuronmm_prefix_cache_queries": ["vllm:prefix_cache_queries"],
+    "neuronmm_prefix_cache_hits": ["vllm:prefix_cache_hits"],
+    "neuronmm_num_preemptions": ["vllm:num_preemptions"],
     "neuronmm_num_requests_running": ["vllm:num_requests_running"],
     "neuronmm_num_requests_waiting": ["vllm:num_requests_waiting"],
     "neuronmm_prompt_tokens": ["vllm:prompt_tokens"],
@@ -78,6 +83,30 @@ class _WithVllmNames:
                 renamed = Metric(alias, family.documentation, family.type)
                 renamed.samples = [s._replace(name=alias + s.name[len(family.name):]) for s in family.samples]
                 yield renamed
+
+
+class _KVCollector:
+    """KV-cache usage, prefix-cache queries/hits and preemptions: the engine's totals, read at scrape time."""
+
+    def __init__(self, model_name: str, metrics: "ServerMetrics"):
+        self.model_name = model_name
+        self.metrics = metrics
+
+    def collect(self):
+        kv = self.metrics.kv
+        labels = [self.model_name]
+        usage = GaugeMetricFamily("neuronmm_kv_cache_usage_perc", "Fraction of KV-cache blocks (or slots) in use",
+                                  labels=["model_name"])
+        usage.add_metric(labels, kv.num_used_blocks / kv.num_blocks if kv else 0.0)
+        yield usage
+        for name, doc, value in (
+                ("neuronmm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", kv and kv.prefix_queries),
+                ("neuronmm_prefix_cache_hits", "Prompt tokens found in the prefix cache", kv and kv.prefix_hits),
+                ("neuronmm_num_preemptions", "Sequences preempted (freed and requeued) for lack of KV blocks",
+                 kv and kv.preemptions)):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(labels, value or 0)
+            yield family
 
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5, 10, 30, 60)
@@ -117,6 +146,8 @@ class ServerMetrics:
         self.request_generation_tokens = hist("neuronmm_request_generation_tokens",
                                               "Generated tokens per finished choice", buckets=token_buckets)
         self._model_name = model_name
+        reg.register(_KVCollector(model_name, self))
+        self.kv: KVStats | None = None  # the engine's KV totals, as of its latest step
         self.registry.register(_PaddingCollector(model_name))
         self.http_requests = Counter("http_requests", "HTTP requests by method, route and status class",
                                      ["method", "handler", "status"], registry=self.registry)
@@ -138,6 +169,8 @@ class ServerMetrics:
             self.ttft.observe(ttft)
         for queued in stats.queue_times:
             self.queue_time.observe(queued)
+        if stats.kv is not None:
+            self.kv = stats.kv
         for itl in stats.itls:
             self.itl.observe(itl)
         for reason, e2e in stats.finished:

@@ -264,10 +264,15 @@ class ChatCompletionRequest(_Request):
         return list(self.tools or []) if self.tool_choice == "required" else []
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ErrorInfo(BaseModel):

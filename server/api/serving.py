@@ -18,7 +18,7 @@ from server.api.metrics import ServerMetrics
 from server.api.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessageOut,
                                  CompletionChoice, CompletionRequest, CompletionResponse, DetokenizeRequest,
                                  DetokenizeResponse, Logprobs, NamedToolChoice, TokenizeChatRequest,
-                                 TokenizeCompletionRequest, TokenizeResponse, UsageInfo)
+                                 PromptTokensDetails, TokenizeCompletionRequest, TokenizeResponse, UsageInfo)
 from server.api.tool_parsers import ToolCallStream, get_tool_parser
 from server.config import Config, ConfigError
 from server.engine.async_engine import EngineDeadError, QueueFullError
@@ -60,6 +60,7 @@ class _Choice:
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0
 
 
 class _TextOffsets:
@@ -236,6 +237,7 @@ class OpenAIServing:
                 c.text += out.text
                 c.logprobs.extend(out.logprobs or [])
                 c.num_output_tokens = out.num_output_tokens
+                c.num_cached_tokens = max(c.num_cached_tokens, out.num_cached_tokens)
                 c.finish_reason = out.finish_reason or c.finish_reason
 
         work = asyncio.gather(*(drain(i * n, g) for i, g in enumerate(gens)))
@@ -262,9 +264,15 @@ class OpenAIServing:
             await asyncio.sleep(_DISCONNECT_POLL_S)
 
     @staticmethod
-    def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens)
+                         total_tokens=prompt_tokens + completion_tokens,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+    @staticmethod
+    def _cached(choices: list["_Choice"], n: int) -> int:
+        """Prompt tokens served from the prefix cache: per prompt, the most any of its n choices found."""
+        return sum(max(c.num_cached_tokens for c in choices[i:i + n]) for i in range(0, len(choices), n))
 
     # ---- logprobs --------------------------------------------------------------------------
     def _token(self, token_id: int) -> tuple[str, bytes]:
@@ -314,7 +322,7 @@ class OpenAIServing:
                                 lambda out, index: self._completion_delta(out, index, state))
         choices = await self._collect(raw, gens, req.n)
         self._observe(prompts, req.n, [c.num_output_tokens for c in choices])
-        usage = self._usage(num_prompt, sum(c.num_output_tokens for c in choices))
+        usage = self._usage(num_prompt, sum(c.num_output_tokens for c in choices), self._cached(choices, req.n))
         return CompletionResponse(id=rid, model=self.model_name, usage=usage, choices=[
             CompletionChoice(index=i, text=echoes[i // req.n] + c.text, finish_reason=c.finish_reason,
                              logprobs=(self._completion_logprobs(c.logprobs, _TextOffsets())
@@ -371,7 +379,7 @@ class OpenAIServing:
                                 lambda out, index: self._chat_delta(out, index, state))
         choices = await self._collect(raw, gens, req.n)
         self._observe([ids], req.n, [c.num_output_tokens for c in choices])
-        usage = self._usage(len(ids), sum(c.num_output_tokens for c in choices))
+        usage = self._usage(len(ids), sum(c.num_output_tokens for c in choices), self._cached(choices, req.n))
         return ChatCompletionResponse(id=rid, model=self.model_name, usage=usage, choices=[
             self._chat_choice(i, c, req, calls_reason) for i, c in enumerate(choices)])
 
@@ -422,7 +430,7 @@ class OpenAIServing:
                 await queue.put((offset, None))
 
         tasks = [asyncio.ensure_future(pump(i * n, g)) for i, g in enumerate(gens)]
-        completion_tokens = {}
+        completion_tokens, cached_tokens = {}, {}
         try:
             remaining = len(tasks)
             while remaining:
@@ -436,6 +444,7 @@ class OpenAIServing:
                     yield f"data: {json.dumps(err.body())}\n\n"
                     break
                 completion_tokens[(offset, item.index)] = item.num_output_tokens
+                cached_tokens[offset] = max(cached_tokens.get(offset, 0), item.num_cached_tokens)
                 if item.finish_reason is not None:
                     self.metrics.observe_request(item.num_prompt_tokens, item.num_output_tokens)
                 chunk = {"id": rid, "object": obj, "created": created, "model": self.model_name,
@@ -445,7 +454,7 @@ class OpenAIServing:
                 yield f"data: {json.dumps(chunk)}\n\n"
             else:
                 if include_usage:
-                    usage = self._usage(num_prompt_tokens, sum(completion_tokens.values()))
+                    usage = self._usage(num_prompt_tokens, sum(completion_tokens.values()), sum(cached_tokens.values()))
                     final = {"id": rid, "object": obj, "created": created, "model": self.model_name,
                              "choices": [], "usage": usage.model_dump()}
                     yield f"data: {json.dumps(final)}\n\n"

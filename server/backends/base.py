@@ -10,12 +10,17 @@ import torch
 
 @dataclass
 class SeqChunk:
-    """One sequence's share of a step: `token_ids` at positions start_pos.. in cache slot `slot`."""
+    """One sequence's share of a step: `token_ids` at positions start_pos.. of its cache.
+
+    The cache is `slot` on backends that hold one slot per sequence, or the blocks of `block_table`
+    (block_size positions each, in order) on paged backends.
+    """
 
     slot: int
     token_ids: list[int]
     start_pos: int
     needs_logits: bool = True
+    block_table: list[int] | None = None
 
 
 class ModelRunner(Protocol):
@@ -27,8 +32,16 @@ class ModelRunner(Protocol):
     def load(self) -> None:
         """Load weights (and compile, where the backend compiles)."""
 
+    supports_paged_kv: bool  # True: allocate_kv_blocks + block tables (the engine can share prefix blocks)
+
     def allocate_kv(self, num_slots: int) -> None:
         """Reserve KV storage for `num_slots` concurrent sequences of up to max_model_len tokens."""
+
+    def allocate_kv_blocks(self, num_blocks: int, block_size: int) -> None:
+        """Paged backends: reserve `num_blocks` blocks of `block_size` positions, addressed by block tables."""
+
+    def kv_bytes_per_token(self) -> int:
+        """Paged backends: KV bytes one cached token takes (sizes the pool from a memory budget)."""
 
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """Run one forward over all chunks; fp32 logits [num chunks with needs_logits, vocab]."""

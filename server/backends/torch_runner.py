@@ -20,9 +20,11 @@ log = logging.getLogger(__name__)
 class TorchRunner:
     """Runs flat mixed prefill/decode batches through `LlamaModel` on one device.
 
-    The cache holds one block of max_model_len positions per slot (block_size = max_model_len), so a
-    sequence's block table is its slot.
+    Paged: the engine sizes a pool of blocks (allocate_kv_blocks) and sends each chunk's block table.
+    A slot cache (allocate_kv, for tests and benches) is the case of one max_model_len block per slot.
     """
+
+    supports_paged_kv = True
 
     def __init__(self, model_dir: Path, max_model_len: int, dtype: str = "auto", device: str = "cpu",
                  compressed: Path | None = None, num_threads: int | None = None, pack_weights: bool = True,
@@ -50,39 +52,52 @@ class TorchRunner:
             self.model.use_kernels(kernels_for(self.device))
 
     def allocate_kv(self, num_slots: int) -> None:
+        self.allocate_kv_blocks(num_slots, self.max_model_len)
+
+    def allocate_kv_blocks(self, num_blocks: int, block_size: int) -> None:
         cfg = self.model.config
-        self.cache = KVCache(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, self.max_model_len,
+        self.cache = KVCache(cfg.num_hidden_layers, num_blocks, cfg.num_key_value_heads, block_size,
                              cfg.head_dim, self.dtype, self.device)
-        log.info("KV cache: %d slots x %d tokens, %.0f MiB reserved (committed as used)",
-                 num_slots, self.max_model_len, self.cache.nbytes() / 2**20)
+        log.info("KV cache: %d blocks x %d tokens, %.0f MiB reserved (committed as used)",
+                 num_blocks, block_size, self.cache.nbytes() / 2**20)
+
+    def kv_bytes_per_token(self) -> int:
+        cfg = self.model.config
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * self.dtype.itemsize
 
     def build_batch(self, chunks: list[SeqChunk]) -> FlatBatch:
         """Flatten chunks into the model's FlatBatch (one host->device copy per field)."""
         ids, positions, slot_mapping, seq_index, context_lens, logits_index = [], [], [], [], [], []
-        sdpa_chunks = []
+        sdpa_chunks, tables = [], []
+        block_size = self.cache.block_size
         for row, chunk in enumerate(chunks):
             n, start = len(chunk.token_ids), chunk.start_pos
             if start + n > self.max_model_len:
                 raise ValueError(f"sequence in slot {chunk.slot} exceeds max_model_len {self.max_model_len}")
+            table = chunk.block_table if chunk.block_table is not None else [chunk.slot]
+            if len(table) * block_size < start + n:
+                raise ValueError(f"block table of {len(table)} blocks cannot hold {start + n} positions")
+            tables.append(table)
             fused = n < Attention.SDPA_MIN_CHUNK
             if not fused:
                 sdpa_chunks.append(PrefillChunk(len(ids), n, row, start))
             ids.extend(chunk.token_ids)
             positions.extend(range(start, start + n))
-            slot_mapping.extend(range(chunk.slot * self.max_model_len + start, chunk.slot * self.max_model_len + start + n))
+            slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
             seq_index.extend([row] * n)
             context_lens.extend(range(start + 1, start + n + 1) if fused else [0] * n)
             if chunk.needs_logits:
                 logits_index.append(len(ids) - 1)
         as_tensor = lambda xs, dtype=torch.long: torch.tensor(xs, dtype=dtype, device=self.device)  # noqa: E731
+        width = max(len(t) for t in tables)
         return FlatBatch(
             input_ids=as_tensor(ids), positions=as_tensor(positions), slot_mapping=as_tensor(slot_mapping),
             seq_index=as_tensor(seq_index, torch.int32), context_lens=as_tensor(context_lens, torch.int32),
-            block_tables=as_tensor([[c.slot] for c in chunks], torch.int32),
+            block_tables=as_tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
             logits_index=as_tensor(logits_index), sdpa_chunks=sdpa_chunks)
 
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
         return self.model(self.build_batch(chunks), self.cache)
 
     def release_slot(self, slot: int) -> None:
-        """Slots are overwritten position by position; nothing to clear."""
+        """Cache positions are overwritten before they are read; nothing to clear."""

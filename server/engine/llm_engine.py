@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from server.backends.base import ModelRunner, SeqChunk
+from server.engine.block_manager import KVStats, PagedKV, SlotKV
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.sampler import sample
 from server.engine.sampling_params import SamplingParams
@@ -29,6 +30,7 @@ class StepStats:
     queue_times: list[float] = field(default_factory=list)  # arrival -> admitted, of those same sequences
     itls: list[float] = field(default_factory=list)  # seconds between the two newest tokens, the others
     finished: list[tuple[str, float]] = field(default_factory=list)  # (finish reason, e2e seconds)
+    kv: KVStats | None = None  # the KV cache's totals after the step
 
 
 StepObserver = Callable[[StepStats], None]
@@ -38,13 +40,13 @@ class LLMEngine:
     """Owns the scheduler and the backend; `step()` runs one batched forward."""
 
     def __init__(self, runner: ModelRunner, tokenizer, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: set[int] | None = None, seed: int = 0):
+                 max_model_len: int, kv: PagedKV | SlotKV, eos_token_ids: set[int] | None = None, seed: int = 0):
         self.runner = runner
         # seeds for requests that bring none: drawn from the engine's seed, so a run replays
         self._seeds = torch.Generator().manual_seed(seed)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, kv)
         self.eos_token_ids = frozenset(eos_token_ids or ())
         self.seqs: dict[str, list[Sequence]] = {}
         self.observers: list[StepObserver] = []
@@ -86,7 +88,8 @@ class LLMEngine:
         sampled = [c for c in chunks if c.completes_seq]
         try:
             logits = self.runner.execute([
-                SeqChunk(c.seq.slot, c.seq.token_slice(c.start, c.start + c.num_tokens), c.start, c.completes_seq)
+                SeqChunk(c.seq.slot, c.seq.token_slice(c.start, c.start + c.num_tokens), c.start, c.completes_seq,
+                         c.seq.block_table or None)
                 for c in chunks])
             # the runner may hand back inference-mode tensors, which penalties edit in place
             with torch.inference_mode():
@@ -95,12 +98,12 @@ class LLMEngine:
             log.exception("forward or sampling failed for %d sequences", len(chunks))
             return [self.fail(c.seq, f"engine error: {exc.__class__.__name__}: {exc}") for c in chunks]
         num_prompt_tokens = sum(c.num_tokens for c in chunks if c.start < len(c.seq.prompt_ids))
-        for c in chunks:
-            c.seq.num_computed += c.num_tokens
+        self.scheduler.mark_computed(chunks)
         now = time.monotonic()
         outputs = [self._advance(c, tok, lp, now) for c, tok, lp in zip(sampled, tokens, logprobs)]
         if self.observers:
             stats = self._stats([c.seq for c in sampled], num_prompt_tokens, len(chunks), now)
+            stats.kv = replace(self.scheduler.kv.stats)
             for observer in self.observers:
                 observer(stats)
         return outputs
@@ -149,16 +152,17 @@ class LLMEngine:
         lps = seq.pending_logprobs or None
         seq.pending_logprobs = []
         out = SeqOutput(seq.request_id, seq.index, seq.detok.take_delta(finished), token_ids, lps,
-                        seq.finish_reason if finished else None, len(seq.prompt_ids), len(seq.output_ids), error)
+                        seq.finish_reason if finished else None, len(seq.prompt_ids), len(seq.output_ids), error,
+                        seq.num_cached_tokens)
         if finished and all(s.is_finished for s in self.seqs.get(seq.request_id, [])):
             self.seqs.pop(seq.request_id, None)
         return out
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence and tell the backend its cache slot is free (it may hold state for it)."""
-        slot = seq.slot if seq.status is SeqStatus.RUNNING else None
+        slot = seq.slot if seq.status is SeqStatus.RUNNING else -1
         self.scheduler.finish(seq, reason)
-        if slot is not None:
+        if slot >= 0:
             self.runner.release_slot(slot)
 
     def fail(self, seq: Sequence, message: str) -> SeqOutput:

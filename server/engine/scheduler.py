@@ -6,26 +6,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from server.engine.block_manager import PagedKV, SlotKV
 from server.engine.sequence import Sequence, SeqStatus
-
-
-class SlotAllocator:
-    """Hands out KV-cache slots (one per running sequence), lowest first."""
-
-    def __init__(self, num_slots: int):
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int:
-        return self._free.pop()
-
-    def free(self, slot: int) -> None:
-        self._free.append(slot)
-        self._free.sort(reverse=True)
 
 
 @dataclass
@@ -46,18 +28,21 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    """Waiting queue + running batch under max_num_seqs and a per-step token budget.
+    """Waiting queue + running batch under max_num_seqs, a per-step token budget and the KV memory.
 
     Each step: every running sequence in decode gets its one token first (so decodes never starve),
-    then running prefills continue, then waiting sequences are admitted while slots and budget last.
-    Long prompts are cut into chunks of whatever budget remains (chunked prefill).
+    making room in the KV cache for it, and preempting the newest sequence (freed, requeued at the
+    front, recomputed later) when none is left; then running prefills continue; then waiting sequences
+    are admitted while slots, budget and KV blocks last. Long prompts are cut into chunks of whatever
+    budget remains (chunked prefill); a prompt prefix found in the prefix cache is not computed again.
     """
 
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, kv: PagedKV | SlotKV):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token each)")
+        self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.slots = SlotAllocator(max_num_seqs)
+        self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -82,34 +67,61 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.num_computed > 1]
-        chunks = [ScheduledChunk(s, 1) for s in decodes]
+        chunks = [ScheduledChunk(s, 1) for s in self._decodes_with_room()]
         budget -= len(chunks)
-        for seq in prefills:
+        for seq in [s for s in self.running if s.num_tokens - s.num_computed > 1]:
             if budget <= 0:
                 break
             n = min(seq.num_tokens - seq.num_computed, budget)
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
-        while self.waiting and budget > 0 and self.slots.num_free:
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and self.kv.can_admit(self.waiting[0])):
             seq = self.waiting.popleft()
-            seq.slot = self.slots.allocate()
+            self.kv.admit(seq)
             seq.status = SeqStatus.RUNNING
             seq.scheduled_time = seq.scheduled_time or time.monotonic()
             self.running.append(seq)
-            n = min(seq.num_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed, budget)
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
         return chunks
 
+    def _decodes_with_room(self) -> list[Sequence]:
+        """Running sequences in decode, each with a cache position for its next token (preempting if needed)."""
+        decodes = [s for s in self.running if s.num_tokens - s.num_computed == 1]
+        ready = []
+        for seq in decodes:
+            if seq.status is not SeqStatus.RUNNING:  # preempted to make room for an earlier one
+                continue
+            while not self.kv.ensure_next_slot(seq):
+                victim = self.running[-1]  # the newest: it has the least work to redo
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                ready.append(seq)
+        return [s for s in ready if s.status is SeqStatus.RUNNING]
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.preempt(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def mark_computed(self, chunks: list[ScheduledChunk]) -> None:
+        """After the forward: the chunks' tokens are in the cache; publish full blocks for prefix reuse."""
+        for c in chunks:
+            c.seq.num_computed += c.num_tokens
+            self.kv.register_full_blocks(c.seq)
+
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Take a sequence out of the queue or batch, free its slot, record why it ended."""
+        """Take a sequence out of the queue or batch, free its KV memory, record why it ended."""
         if seq.status is SeqStatus.FINISHED:
             return
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
-            self.slots.free(seq.slot)
+            self.kv.release(seq)
         else:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED

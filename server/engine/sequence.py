@@ -40,6 +40,7 @@ class SeqOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass
@@ -54,7 +55,10 @@ class Sequence:
     eos_token_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
     status: SeqStatus = SeqStatus.WAITING
-    slot: int = -1
+    slot: int = -1  # slot-cache backends
+    block_table: list[int] = field(default_factory=list)  # paged backends: cache blocks, in position order
+    num_hashed_blocks: int = 0  # leading blocks published to the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission (usage reports them)
     num_computed: int = 0  # tokens whose K/V are in the cache
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None

@@ -14,7 +14,7 @@ from server.backends.torch_runner import TorchRunner
 from server.config import load_config
 from server.engine.llm_engine import LLMEngine
 from server.engine.sampling_params import SamplingParams
-from server.runtime import load_tokenizer
+from server.runtime import allocate_kv, load_tokenizer
 
 LIMITS = {"engine.max_model_len": 256, "engine.max_num_seqs": 4, "engine.max_num_batched_tokens": 24,
           "neuron.context_buckets": [64, 256], "neuron.batch_buckets": [1, 4], "neuron.tp_degree": 1}
@@ -37,8 +37,8 @@ class TorchStandIn:
 
 def _generate(runner, cfg, tokenizer, prompts):
     e = cfg.engine
-    runner.allocate_kv(e.max_num_seqs)
-    engine = LLMEngine(runner, tokenizer, e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len)
+    engine = LLMEngine(runner, tokenizer, e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len,
+                       allocate_kv(cfg, runner))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)

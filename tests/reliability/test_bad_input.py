@@ -208,4 +208,4 @@ def test_server_still_healthy_after_bad_input(live):
     assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
     resp = _post(live, "/v1/completions", json={**CMPL, "max_tokens": 5, "ignore_eos": True})
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 5
-    assert live.state.runtime.engine.scheduler.slots.num_free == live.state.runtime.engine.scheduler.slots.num_slots
+    assert live.state.runtime.engine.scheduler.kv.num_free == live.state.runtime.engine.scheduler.kv.capacity

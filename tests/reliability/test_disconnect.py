@@ -125,8 +125,8 @@ def test_random_disconnects_free_every_slot(tiny_model_dir):
         assert sum(outcomes.values()) == NUM_CLIENTS
         _wait_released(live.state)
 
-        slots = live.state.runtime.engine.scheduler.slots
-        assert slots.num_free == slots.num_slots
+        slots = live.state.runtime.engine.scheduler.kv
+        assert slots.num_free == slots.capacity
         metrics = httpx.get(f"{live.url}/metrics").text
         assert "neuronmm_num_requests_running{model_name=\"tiny\"} 0.0" in metrics
         assert "neuronmm_num_requests_waiting{model_name=\"tiny\"} 0.0" in metrics

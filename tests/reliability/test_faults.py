@@ -109,8 +109,8 @@ def _assert_only_the_step_failed(live, results) -> None:
     for resp in queued:  # not in the step: served in full
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == MAX_TOKENS
     _wait_for(lambda: _running(live) == 0 and _waiting(live) == 0)
-    slots = live.state.runtime.engine.scheduler.slots
-    assert slots.num_free == slots.num_slots and live.state.engine.is_alive
+    slots = live.state.runtime.engine.scheduler.kv
+    assert slots.num_free == slots.capacity and live.state.engine.is_alive
 
 
 def test_forward_fault_fails_only_its_step(live):

@@ -159,7 +159,7 @@ def _wait_idle(url: str, timeout: float = 10.0) -> None:
 
 
 def test_streaming_disconnect_frees_slot(server):
-    slots = server.state.runtime.engine.scheduler.slots
+    slots = server.state.runtime.engine.scheduler.kv
     with httpx.stream("POST", f"{server.url}/v1/completions",
                       json={"model": "tiny", "prompt": "go", "max_tokens": 200, "stream": True,
                             "ignore_eos": True, "temperature": 0}) as resp:
@@ -167,16 +167,16 @@ def test_streaming_disconnect_frees_slot(server):
         assert next(l for l in lines if l.startswith("data:"))
         assert metric(server.url, "neuronmm_num_requests_running") == 1
     _wait_idle(server.url)
-    assert slots.num_free == slots.num_slots
+    assert slots.num_free == slots.capacity
 
 
 def test_non_streaming_disconnect_aborts(server):
-    slots = server.state.runtime.engine.scheduler.slots
+    slots = server.state.runtime.engine.scheduler.kv
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", timeout=0.3,
                    json={"model": "tiny", "prompt": "go", "max_tokens": 1000, "ignore_eos": True})
     _wait_idle(server.url)
-    assert slots.num_free == slots.num_slots
+    assert slots.num_free == slots.capacity
     assert metric(server.url, "neuronmm_request_success_total", finished_reason="abort") >= 1
 
 

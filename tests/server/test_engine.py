@@ -107,7 +107,7 @@ def test_max_num_seqs_limits_running_and_queue_drains(parts):
     outs = run_all(engine)
     assert sorted(outs) == [f"r{i}" for i in range(5)]
     assert all(o[-1].finish_reason == "length" and o[-1].num_output_tokens == 4 for o in outs.values())
-    assert engine.scheduler.slots.num_free == 2
+    assert engine.scheduler.kv.num_free == engine.scheduler.kv.capacity
 
 
 def test_abort_frees_slot_in_any_state(parts):
@@ -117,7 +117,7 @@ def test_abort_frees_slot_in_any_state(parts):
     engine.step()
     engine.abort("queued")
     engine.abort("running")
-    assert engine.scheduler.slots.num_free == 1
+    assert engine.scheduler.kv.num_free == engine.scheduler.kv.capacity
     assert not engine.has_work()
 
 
@@ -178,7 +178,7 @@ def test_forward_failure_fails_only_that_step(parts):
     engine.add_request("victim", [3, 4, 5], SamplingParams(max_tokens=5, **GREEDY))
     outs = run_all(engine)["victim"]
     assert outs[-1].finish_reason == "error" and "injected" in outs[-1].error
-    assert engine.scheduler.slots.num_free == engine.scheduler.slots.num_slots
+    assert engine.scheduler.kv.num_free == engine.scheduler.kv.capacity
     engine.add_request("after", [3, 4, 5], SamplingParams(max_tokens=5, **GREEDY))
     assert run_all(engine)["after"][-1].finish_reason == "length"
 

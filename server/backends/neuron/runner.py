@@ -65,6 +65,8 @@ def build_tnx_model(model_dir: Path, args: TnxArgs, factors: dict, hf_config: di
 class NeuronRunner:
     """Runs engine steps on NeuronCores through a compiled transformers-neuronx model."""
 
+    supports_paged_kv = False  # transformers-neuronx keeps its own cache: a slot per sequence, no sharing
+
     def __init__(self, cfg: Config, model_dir: Path, compressed: Path | None = None,
                  model_factory: Callable[..., Any] = build_tnx_model):
         self.cfg = cfg

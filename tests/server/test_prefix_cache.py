@@ -1,0 +1,130 @@
+"""Paged KV with prefix caching: shared blocks, LRU reuse, preemption, and outputs that do not change."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from server.backends.torch_runner import TorchRunner
+from server.engine.block_manager import PagedKV
+from server.engine.sampling_params import SamplingParams
+from server.engine.sequence import Sequence
+from server.runtime import build_engine, eos_token_ids, load_tokenizer
+from support import live_server, tiny_config
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _seq(tokens: list[int], rid: str = "r") -> Sequence:
+    return Sequence(rid, 0, list(tokens), SamplingParams(), detok=None)
+
+
+def _computed(kv: PagedKV, seq: Sequence) -> None:
+    """What a forward over the whole prompt does to the bookkeeping."""
+    seq.num_computed = seq.num_tokens
+    kv.register_full_blocks(seq)
+
+
+def test_a_shared_prefix_is_shared_and_skipped():
+    kv = PagedKV(num_blocks=8, block_size=4)
+    first = _seq(list(range(10)))
+    kv.admit(first)
+    assert first.num_computed == 0 and len(first.block_table) == 3
+    _computed(kv, first)
+    second = _seq(list(range(8)) + [99, 98, 97])  # same first two blocks, then its own
+    kv.admit(second)
+    assert second.block_table[:2] == first.block_table[:2] and second.block_table[2] != first.block_table[2]
+    assert second.num_computed == 8 and second.num_cached_tokens == 8
+    assert [kv.ref_counts[b] for b in first.block_table] == [2, 2, 1]
+    assert kv.stats.prefix_hits == 8 and kv.stats.prefix_queries == 21
+
+
+def test_never_the_whole_prompt_and_freed_blocks_stay_findable_until_reused():
+    kv = PagedKV(num_blocks=4, block_size=4)
+    first = _seq(list(range(8)))
+    kv.admit(first)
+    _computed(kv, first)
+    kv.release(first)
+    assert kv.num_free_blocks == 4
+    again = _seq(list(range(8)))
+    kv.admit(again)
+    assert again.num_computed == 4  # the last block is recomputed: the newest token must give logits
+    kv.release(again)
+    # a different prompt that needs every block evicts the cached ones (least recently freed first)
+    other = _seq(list(range(100, 116)))
+    kv.admit(other)
+    assert kv.num_free_blocks == 0 and not kv.cached
+    assert _seq(list(range(8))).block_table == [] and not kv.can_admit(_seq(list(range(8))))
+
+
+def test_prefix_caching_off_shares_nothing():
+    kv = PagedKV(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    first = _seq(list(range(10)))
+    kv.admit(first)
+    _computed(kv, first)
+    second = _seq(list(range(10)))
+    kv.admit(second)
+    assert second.num_computed == 0 and not set(first.block_table) & set(second.block_table)
+
+
+def _engine(tiny_model_dir, tok, **engine):
+    runner = TorchRunner(tiny_model_dir, 256, "float32", num_threads=1)
+    runner.load()
+    cfg = tiny_config(tiny_model_dir, max_model_len=256, **engine)
+    return build_engine(cfg, runner, tok, eos_token_ids(tiny_model_dir, tok))
+
+
+def _run(engine, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, **GREEDY))
+    out = {rid: [] for rid in prompts}
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id].extend(o.token_ids)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+def test_cached_prefix_gives_the_same_tokens(tiny_model_dir, tok):
+    prompt = list(range(100, 150))
+    cold = _run(_engine(tiny_model_dir, tok, enable_prefix_caching=False), {"a": prompt}, 12)["a"]
+    engine = _engine(tiny_model_dir, tok)
+    first = _run(engine, {"a": prompt}, 12)["a"]
+    engine.add_request("b", prompt, SamplingParams(max_tokens=12, **GREEDY))
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    assert first == cold and [t for o in outs for t in o.token_ids] == cold
+    assert outs[-1].num_cached_tokens == 48  # three 16-token blocks of 50 prompt tokens
+    assert engine.scheduler.kv.stats.prefix_hits == 48
+
+
+def test_out_of_blocks_preempts_and_recomputes_with_the_same_results(tiny_model_dir, tok):
+    prompts = {f"r{i}": list(range(200 + 7 * i, 240 + 7 * i)) for i in range(4)}
+    roomy = _run(_engine(tiny_model_dir, tok, enable_prefix_caching=False), prompts, 30)
+    # 4 sequences of 40 + 30 tokens need 20 blocks of 16; give 17 (one sequence's worth is 16 blocks: max_model_len)
+    tight = _engine(tiny_model_dir, tok, enable_prefix_caching=False, max_num_seqs=4, block_size=16,
+                    kv_cache_gib=17 * 16 * 2 * 2 * 2 * 16 * 4 / 2**30)
+    assert tight.scheduler.kv.capacity == 17
+    assert _run(tight, prompts, 30) == roomy
+    assert tight.scheduler.kv.stats.preemptions >= 1
+    assert tight.scheduler.kv.num_free == tight.scheduler.kv.capacity
+
+
+def test_chat_requests_share_their_system_prompt(tiny_model_dir):
+    system = {"role": "system", "content": "You are a careful assistant who answers in one short sentence. " * 3}
+    with live_server(tiny_config(tiny_model_dir, max_model_len=512)) as live:
+        usages = []
+        for question in ("What is the capital of France?", "Name a prime number."):
+            body = {"model": "tiny", "messages": [system, {"role": "user", "content": question}], "max_tokens": 3}
+            usages.append(httpx.post(f"{live.url}/v1/chat/completions", json=body).json()["usage"])
+        metrics = httpx.get(f"{live.url}/metrics").text
+    assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] >= 32
+    hits = [line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits_total")]
+    assert hits and float(hits[0].split()[-1]) >= 32
+    assert "vllm:kv_cache_usage_perc" in metrics and "vllm:num_preemptions_total" in metrics
