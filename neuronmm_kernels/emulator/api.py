@@ -89,6 +89,8 @@ def run(kernel, *args, trace_only: bool = False, sample_loops: bool | None = Non
     if sample_loops and not trace_only:
         raise ValueError("sample_loops needs trace_only=True (sampled runs compute no outputs)")
     c = Context(compute=not trace_only, sample_loops=trace_only if sample_loops is None else sample_loops)
+    c.kernel_code = getattr(func, "__code__", None)
+    outer = core._CTX  # a kernel may trace another at trace time (the tile selector): restore it after
     core.set_ctx(c)
     try:
         params = [_as_param(a, c.compute) if isinstance(a, (np.ndarray, TensorSpec)) else a for a in args]
@@ -106,7 +108,7 @@ def run(kernel, *args, trace_only: bool = False, sample_loops: bool | None = Non
             c.pop_scope()
         c.pop_scope()
     finally:
-        core.set_ctx(None)
+        core.set_ctx(outer)
     log.debug("kernel %s: %d instructions", getattr(func, "__name__", func), len(c.trace.instrs))
     value = tuple(arrays) if isinstance(result, tuple) else arrays[0]
     return (None if trace_only else value), c.trace

@@ -19,7 +19,9 @@ GEMM_MOVING_FMAX = 512
 PSUM_FMAX = 512
 PSUM_BANK_BYTES = 2048
 PSUM_BANKS = 8
-SBUF_BYTES_PER_PARTITION = 176 * 1024  # usable on NC-v2 (192 KiB minus 16 KiB compiler reserve)
+# usable per partition on NC-v2: 192 KiB physical minus the compiler's 16 KiB reserve (SDK 2.25 docs
+# general/nki/nki_direct_allocation_guide.rst:154 and api/nki/compiler/sbuf.py:52, aws-neuron-sdk b0b4e3d6)
+SBUF_BYTES_PER_PARTITION = 176 * 1024
 
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 float32 = np.dtype(np.float32)
@@ -99,6 +101,7 @@ class Context:
     def __init__(self, compute: bool, sample_loops: bool = False):
         self.compute = compute
         self.sample_loops = sample_loops
+        self.kernel_code = None  # the kernel function's code: shared_hbm tensors are created only there
         self.weight = 1  # product of the sampled loops' trip weights around the current instruction
         self.loops: list[tuple] = []  # enclosing loop iterations: (loop uid, kind, iteration, scope depth)
         self.next_loop_uid = 0
@@ -160,12 +163,16 @@ def set_ctx(c: Context | None) -> None:
 # ---------------------------------------------------------------- loop indices
 
 class LoopIndex:
-    """An affine loop-index value: supports + - * with ints, refuses Python `if`, % and //."""
+    """A loop-index value: + - * % // with ints; refuses Python `if`. `deps` names the loops it derives from.
 
-    __slots__ = ("value",)
+    % and // are legal on loop indices: AWS's own kernels index with them (nki-samples 6905a68,
+    src/nki_samples/tutorials/attention_fwd_performance/attention_kernels.py:1041, `i_tile_q % 2`).
+    """
 
-    def __init__(self, value: int):
-        self.value = value
+    __slots__ = ("value", "deps")
+
+    def __init__(self, value: int, deps: frozenset = frozenset()):
+        self.value, self.deps = value, deps
 
     def __bool__(self):
         raise NKIRuleError("err_control_flow_condition_depending_on_loop_index",
@@ -176,15 +183,17 @@ class LoopIndex:
 
     def _bin(self, other, fn):
         if isinstance(other, LoopIndex):
-            return LoopIndex(fn(self.value, other.value))
+            return LoopIndex(fn(self.value, other.value), self.deps | other.deps)
         if isinstance(other, (int, np.integer)) and not isinstance(other, bool):
-            return LoopIndex(fn(self.value, int(other)))
+            return LoopIndex(fn(self.value, int(other)), self.deps)
         return NotImplemented
 
     def __add__(self, o): return self._bin(o, lambda a, b: a + b)
     def __radd__(self, o): return self._bin(o, lambda a, b: b + a)
     def __sub__(self, o): return self._bin(o, lambda a, b: a - b)
     def __rsub__(self, o): return self._bin(o, lambda a, b: b - a)
+    def __mod__(self, o): return self._bin(o, lambda a, b: a % b)
+    def __floordiv__(self, o): return self._bin(o, lambda a, b: a // b)
 
     def __mul__(self, o):
         if isinstance(o, LoopIndex):
@@ -192,11 +201,6 @@ class LoopIndex:
         return self._bin(o, lambda a, b: a * b)
 
     __rmul__ = __mul__
-
-    def _non_affine(self, *_):
-        raise NKIRuleError("err_unsupported_expression_in_mask", "% and // of a loop index are not affine")
-
-    __mod__ = __rmod__ = __floordiv__ = __rfloordiv__ = _non_affine
 
     def _cmp(self, *_):
         raise NKIRuleError("err_control_flow_condition_depending_on_loop_index",
@@ -206,6 +210,19 @@ class LoopIndex:
 
     def __repr__(self) -> str:
         return f"LoopIndex({self.value})"
+
+
+def loop_deps(*keys) -> frozenset:
+    """The loops that index values (ints, loop indices, slices, nl.ds, arange expressions) derive from."""
+    out = frozenset()
+    for k in keys:
+        if isinstance(k, (LoopIndex, IndexExpr)):
+            out |= k.deps
+        elif isinstance(k, DynSlice):
+            out |= loop_deps(k.start)
+        elif isinstance(k, slice):
+            out |= loop_deps(k.start, k.stop)
+    return out
 
 
 def as_int(v) -> int:
@@ -223,17 +240,18 @@ class DynSlice:
 class IndexExpr:
     """An affine index expression over nl.arange/nl.mgrid values (a broadcastable int array)."""
 
-    __slots__ = ("v",)
+    __slots__ = ("v", "deps")
 
-    def __init__(self, v):
+    def __init__(self, v, deps: frozenset = frozenset()):
         self.v = np.asarray(v, dtype=np.int64)
+        self.deps = deps
 
     @property
     def shape(self) -> tuple:
         return self.v.shape
 
     def __getitem__(self, key) -> "IndexExpr":
-        return IndexExpr(self.v[key])  # e.g. nl.arange(128)[:, None]
+        return IndexExpr(self.v[key], self.deps)  # e.g. nl.arange(128)[:, None]
 
     @staticmethod
     def _val(o):
@@ -245,7 +263,7 @@ class IndexExpr:
 
     def _bin(self, o, fn):
         ov = self._val(o)
-        return NotImplemented if ov is None else IndexExpr(fn(self.v, ov))
+        return NotImplemented if ov is None else IndexExpr(fn(self.v, ov), self.deps | loop_deps(o))
 
     def __add__(self, o): return self._bin(o, np.add)
     def __radd__(self, o): return self._bin(o, lambda a, b: b + a)
@@ -315,7 +333,6 @@ class Storage:
         self.alive = True
         self.is_param = False
         self.written: np.ndarray | None = None
-        self.writes: dict = {}  # region -> affine iterations that wrote it (dependency check)
         c = ctx()
         self.alloc_depth = len(c.scopes)
         if data is not None:
@@ -356,6 +373,7 @@ class Tensor:
         self.index = index if index is not None else [(0, s) for s in storage.shape]
         self.fresh: Instr | None = None  # set on an op's result until it is first assigned
         self.oob = False  # an advanced-index view reaching past the tensor: legal only under a mask
+        self.deps: frozenset = frozenset()  # loops whose indices address this view (output-dependency rule)
 
     # --- shape
     @property
@@ -388,8 +406,11 @@ class Tensor:
     def __getitem__(self, key) -> "Tensor":
         self.check_alive()
         kept = [d for d, ix in enumerate(self.index) if isinstance(ix, tuple)]
-        if any(isinstance(k, IndexExpr) for k in (key if isinstance(key, tuple) else (key,))):
-            return self._advanced(key, kept)
+        keys = key if isinstance(key, tuple) else (key,)
+        if any(isinstance(k, IndexExpr) for k in keys):
+            view = self._advanced(key, kept)
+            view.deps = self.deps | loop_deps(*keys)
+            return view
         key = _norm_key(key, len(kept))
         new = list(self.index)
         for d, k in zip(kept, key):
@@ -416,7 +437,9 @@ class Tensor:
                 raise NKIRuleError("err_tensor_access_out_of_bound",
                                    f"range [{start}, {stop}) out of [0, {n}) on {self}")
             new[d] = (lo + start, lo + stop)
-        return Tensor(self.st, new)
+        view = Tensor(self.st, new)
+        view.deps = self.deps | loop_deps(*keys)
+        return view
 
     def _advanced(self, key, kept: list) -> "Tensor":
         """Index with affine arange/mgrid expressions: each must step by 1 along its own result axis."""
@@ -462,7 +485,9 @@ class Tensor:
                 if new[d][0] < 0 or new[d][1] > self.st.shape[d]:
                     raise NKIRuleError("err_tensor_access_out_of_bound", f"masked access still outside {self}")
                 axis += 1
-        return Tensor(self.st, new)
+        view = Tensor(self.st, new)
+        view.deps = self.deps
+        return view
 
     def __setitem__(self, key, value) -> None:
         from .language import assign  # local import: language builds on core
@@ -491,8 +516,7 @@ class Tensor:
     def write(self, values, reduction: bool = False) -> None:
         """Store values into the view with the storage dtype's rounding (RNE for bf16).
 
-        Plain writes (not `+=` reductions) of the same region from two iterations of an
-        affine_range loop outside which the tensor was declared are a loop-carried dependency.
+        Plain writes (not `+=` reductions) must pass the output-dependency rule (_check_dependency).
         """
         self.check_alive()
         if self.st.is_param:
@@ -506,19 +530,24 @@ class Tensor:
             self.st.written[self.np_index()] = True
 
     def _check_dependency(self) -> None:
+        """neuronx-cc's output-dependency rule, checked statically like the compiler does.
+
+        A plain write (not a `+=` reduction) inside an affine_range loop to a tensor declared
+        outside that loop must use the loop's index in its address, or iterations (which may run
+        in parallel) would race: "Unexpected output dependencies, missing indices in the dst
+        access" (SDK 2.26 docs general/nki/api/nki.errors.rst:777-810, aws-neuron-sdk commit
+        0521004c; aws-neuron-sdk issues #1052, #1055). A one-trip loop is no exception: the rule is
+        about the address expression, not the trip count. sequential_range loops are exempt.
+        """
         c = ctx()
-        iters = tuple((uid, it) for uid, kind, it, depth in c.loops
-                      if kind == "affine" and depth > self.st.alloc_depth)
-        if not iters:
-            return
-        region = tuple(self.index)
-        before = dict(self.st.writes.get(region, ()))
-        for uid, it in iters:
-            if uid in before and before[uid] != it:
-                raise NKIRuleError("err_unexpected_output_dependencies",
-                                   f"iterations {before[uid]} and {it} of an affine_range loop both write "
-                                   f"{self}; index the destination by the loop variable or use sequential_range")
-        self.st.writes[region] = iters
+        missing = [(uid, it) for uid, kind, it, depth in c.loops
+                   if kind == "affine" and depth > self.st.alloc_depth and uid not in self.deps]
+        if missing:
+            raise NKIRuleError("err_unexpected_output_dependencies",
+                               f"Unexpected output dependencies, missing indices in the dst access: write to {self} "
+                               f"in affine_range loop(s) {[u for u, _ in missing]} (iteration {missing[0][1]}) does "
+                               "not use their index; index the destination by the loop variable, use "
+                               "sequential_range, or drop the loop")
 
     def partition_start(self) -> int:
         return self.index[0][0]

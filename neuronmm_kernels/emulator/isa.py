@@ -54,6 +54,10 @@ def nc_transpose(data: Tensor, *, mask=None, dtype=None, engine=unknown_engine, 
     else:
         if data.buffer is not SBUF:
             raise NKIRuleError("matmul_operands_in_sbuf", f"TensorE transpose reads SBUF, got {data}")
+        if data.dtype == core.float32:  # compiles, but the result is wrong on trn1: refuse it here
+            raise NKIRuleError("pe_transpose_fp32_inexact",
+                               "nc_transpose of fp32 data on TensorE is not exact on trn1; use nc_matmul against an "
+                               "fp32 identity (nki-samples 8370e11^ flash_paged_attn_varlen/utils.py:311-327)")
         if f > core.PMAX:
             raise NKIRuleError("err_size_of_dimension_exceed_arch_limit", f"PE transpose of {data.shape} > 128x128")
         instr = ctx().record(Instr("pe", "transpose", parts=p, free=p, stat_free=f))

@@ -7,6 +7,7 @@ for unary maths and nl.copy, VectorE (dve) for binary arithmetic and assignments
 from __future__ import annotations
 
 import math
+import sys
 import types
 
 import numpy as np
@@ -21,9 +22,11 @@ tfloat32 = core.float32  # emulated as float32
 bool_ = core.uint8
 sbuf, psum, shared_hbm, private_hbm, hbm = SBUF, PSUM, SHARED_HBM, PRIVATE_HBM, PRIVATE_HBM
 
+# SDK 2.25's tile_size: total_available_sbuf_size arrived in 2.26 (aws-neuron-sdk 0521004c,
+# general/nki/nki_rn.rst:18), so a kernel for the 2.25 target must not read it.
 tile_size = types.SimpleNamespace(pmax=core.PMAX, gemm_stationary_fmax=core.GEMM_STATIONARY_FMAX,
                                   gemm_moving_fmax=core.GEMM_MOVING_FMAX, psum_fmax=core.PSUM_FMAX,
-                                  bn_stats_fmax=512, total_available_sbuf_size=core.SBUF_BYTES_PER_PARTITION)
+                                  bn_stats_fmax=512)
 
 
 class par_dim:  # noqa: N801 - NKI's name
@@ -86,7 +89,7 @@ def _loop(kind: str, args, static: bool = False):
         c.weight *= weight
         c.loops.append((uid, kind, v, len(c.scopes)))
         try:
-            yield v if static else LoopIndex(v)
+            yield v if static else LoopIndex(v, frozenset((uid,)))
         finally:
             c.loops.pop()
             c.weight //= weight
@@ -133,8 +136,11 @@ def _new(shape, dtype, buffer, name="", fill=None, fresh: Instr | None = None) -
         if shape[0] > core.PMAX:
             raise NKIRuleError("err_num_partition_exceed_arch_limit",
                                f"partition dim {shape[0]} exceeds architecture limitation of {core.PMAX}")
-    elif buffer is SHARED_HBM and len(c.scopes) > 1:
-        raise NKIRuleError("err_shared_hbm_scope", "nl.shared_hbm tensors can only be created at kernel top level")
+    elif buffer is SHARED_HBM and (len(c.scopes) > 1 or _caller_code() is not c.kernel_code):
+        # SDK docs general/nki/api/nki.errors.rst:581-615 (err_shared_hbm_must_in_kernel_level): not in a
+        # loop, not under an if, not in a function the kernel calls
+        raise NKIRuleError("err_shared_hbm_scope", "nl.shared_hbm tensors can only be created in the kernel "
+                           "function's own top level (not in a loop or a helper it calls)")
     st = Storage(shape, dtype, buffer, name=name, fill=fill)
     if buffer is SHARED_HBM and c.compute:
         st.written = np.zeros(shape, dtype=bool)
@@ -142,6 +148,22 @@ def _new(shape, dtype, buffer, name="", fill=None, fresh: Instr | None = None) -
     t = Tensor(st)
     t.fresh = fresh
     return t
+
+
+def _caller_code():
+    """Code object of the first frame outside the emulator: the kernel code that made this call."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(__package__):
+        frame = frame.f_back
+    return None if frame is None else frame.f_code
+
+
+def shared_identity_matrix(n: int, dtype=uint8, **_) -> Tensor:
+    """An n x n identity in HBM (a compiler-shared constant, SDK 2.25 nki.language); nl.load it to use it."""
+    st = Storage((n, n), dtype, SHARED_HBM, name="identity",
+                 data=np.identity(n).astype(dtype) if ctx().compute else None)
+    st.is_param = True  # a constant: kernels read it, never write it
+    return Tensor(st)
 
 
 def ndarray(shape, dtype, *, buffer=None, name="", **_) -> Tensor:
@@ -207,7 +229,8 @@ def store(dst: Tensor, value, *, mask=None, **_) -> None:
         raise NKIRuleError("err_num_partition_exceed_arch_limit", f"store of {dst.shape[0]} partitions > 128")
     if isinstance(value, Tensor):
         check_tile(value, "nl.store value")
-        if value.buffer is PSUM:
+        if value.buffer is PSUM:  # "nl.store supports PSUM" is a 2.26 NKI release note (aws-neuron-sdk
+            # 0521004c general/nki/nki_rn.rst:33); the 2.25 notes have no NKI section saying so
             raise NKIRuleError("err_store_from_psum", "nl.store of a PSUM tile needs SDK >= 2.26; nl.copy it "
                                "to SBUF first (target SDK 2.25)")
         _check_fits(dst, value.shape)

@@ -5,6 +5,12 @@ partition p of slice k is feature k*128 + p, so slice k is directly a matmul ope
 contraction dim on partitions. When K is not a multiple of 128 the last slice uses its first
 K % 128 partitions only (a contraction tile may be shorter than 128). All PSUM accumulators are
 fp32 and live one accumulation group per 2 KiB bank.
+
+Loops: every block loop is `blocks(total, size, body)`: an affine loop over the full blocks, then
+the tail block once inside a one-trip `sequential_range`. The tail's addresses are constants, and
+neuronx-cc rejects a plain write inside an affine loop whose destination address does not use the
+loop's index ("Unexpected output dependencies, missing indices in the dst access"), even for one
+trip; a sequential loop is exempt and still scopes the tail's tensors like a loop body.
 """
 
 from ..compat import nisa, nl
@@ -13,17 +19,15 @@ P = 128            # partitions = contraction tile
 MOVING_FMAX = 512  # moving free size = one fp32 PSUM bank
 
 
-def split(total: int, size: int):
-    """Yield (block_index, start, block_size) over [0, total): affine loop over full blocks, then the tail.
-
-    The tail runs in a one-trip loop so its tensors are scoped like a loop body's.
-    """
+def blocks(total: int, size: int, body) -> None:
+    """Call body(block_index, start, block_size) for each size-block of [0, total), the tail last."""
     num_full, tail = divmod(total, size)
-    for i in nl.affine_range(num_full):
-        yield i, i * size, size
+    if num_full:
+        for i in nl.affine_range(num_full):
+            body(i, i * size, size)
     if tail:
-        for _ in nl.affine_range(1):
-            yield num_full, num_full * size, tail
+        for _ in nl.sequential_range(1):  # see the module docstring: no affine loop around constant addresses
+            body(num_full, num_full * size, tail)
 
 
 def num_tiles(total: int) -> int:
@@ -31,14 +35,40 @@ def num_tiles(total: int) -> int:
     return -(-total // P)
 
 
-def load_transposed(x, t0, tsz: int, xT):
-    """xT[:, k, 0:tsz] = x[t0:t0+tsz, k*128:(k+1)*128]ᵀ: contiguous row loads, then PE transposes."""
-    for _, s0, ssz in split(tsz, P):
+def transpose_identity(dtype):
+    """The fp32 [128, 128] SBUF identity that `transpose_into` needs for fp32 data; None for other dtypes."""
+    if dtype != nl.float32:
+        return None
+    return nl.load(nl.shared_identity_matrix(P, dtype=nl.float32))
+
+
+def transpose_into(dst, src, ident) -> None:
+    """dst = srcᵀ for an SBUF tile src [p, f] (p, f <= 128), through PSUM, cast to dst's dtype.
+
+    bf16 uses the PE transpose. fp32 uses a matmul against an identity, because nc_transpose of
+    fp32 data is not exact on trn1 (AWS's workaround: nki-samples 8370e11^
+    contributed/neuron-team-kernels/flash_paged_attn_varlen/utils.py:298-327, PF_transpose_with_PE).
+    """
+    p, f = src.shape
+    tp = nl.ndarray((f, p), nl.float32, buffer=nl.psum)
+    if src.dtype == nl.float32:
+        tp[...] = nisa.nc_matmul(src, ident[0:p, 0:p], is_moving_onezero=True, is_transpose=True)
+    else:
+        tp[...] = nisa.nc_transpose(src)
+    dst[...] = nisa.tensor_copy(tp, dtype=dst.dtype)
+
+
+def load_transposed(x, t0, tsz: int, xT, ident=None) -> None:
+    """xT[:, k, 0:tsz] = x[t0:t0+tsz, k*128:(k+1)*128]ᵀ: contiguous row loads, then on-chip transposes."""
+    def rows_block(_, s0, ssz):
         rows = nl.load(x[nl.ds(t0 + s0, ssz), :])  # [ssz tokens, in]: whole rows, one contiguous run
-        for k, k0, ksz in split(x.shape[1], P):
-            tp = nl.ndarray((ksz, ssz), nl.float32, buffer=nl.psum)
-            tp[...] = nisa.nc_transpose(rows[:, nl.ds(k0, ksz)])
-            xT[0:ksz, k, nl.ds(s0, ssz)] = nisa.tensor_copy(tp, dtype=xT.dtype)
+
+        def feature_tile(k, k0, ksz):
+            transpose_into(xT[0:ksz, k, nl.ds(s0, ssz)], rows[:, nl.ds(k0, ksz)], ident)
+
+        blocks(x.shape[1], P, feature_tile)
+
+    blocks(tsz, P, rows_block)
 
 
 def _src_tile(srcT, k, k0, ksz: int, tsz: int, src_hbm, t0):
@@ -48,7 +78,7 @@ def _src_tile(srcT, k, k0, ksz: int, tsz: int, src_hbm, t0):
     return nl.load(src_hbm[nl.ds(k0, ksz), nl.ds(t0, tsz)])
 
 
-def project_transposed(w, srcT, zT, tsz: int, group: int, src_hbm=None, t0=0, w_sbuf=None):
+def project_transposed(w, srcT, zT, tsz: int, group: int, src_hbm=None, t0=0, w_sbuf=None) -> None:
     """zT[:, j, 0:tsz] = (src · w)ᵀ for w [K, R] in HBM (R a multiple of 128) and srcT in SBUF.
 
     w tiles are stationary (free = 128 rank columns), srcT is moving (free = tsz <= 512), so the
@@ -57,10 +87,10 @@ def project_transposed(w, srcT, zT, tsz: int, group: int, src_hbm=None, t0=0, w_
     With src_hbm (a feature-major [K, tokens] HBM tensor) the source streams from HBM instead;
     with w_sbuf (w already resident as (128, ceil(K/128), R), see load_columns) nothing is loaded.
     """
-    num_r = w.shape[1] // P
-    for g, g0, gsz in split(num_r, group):
+    def rank_group(_, g0, gsz):
         acc = nl.zeros((P, gsz, MOVING_FMAX), nl.float32, buffer=nl.psum)
-        for k, k0, ksz in split(w.shape[0], P):
+
+        def contraction_tile(k, k0, ksz):
             if w_sbuf is None:
                 wt = nl.load(w[nl.ds(k0, ksz), nl.ds(g0 * P, gsz * P)])
             else:
@@ -68,38 +98,49 @@ def project_transposed(w, srcT, zT, tsz: int, group: int, src_hbm=None, t0=0, w_
             src = _src_tile(srcT, k, k0, ksz, tsz, src_hbm, t0)
             for j in nl.affine_range(gsz):
                 acc[:, j, 0:tsz] += nisa.nc_matmul(wt[:, nl.ds(j * P, P)], src)
+
+        blocks(w.shape[0], P, contraction_tile)
         for j in nl.affine_range(gsz):
             zT[:, g0 + j, 0:tsz] = nisa.activation(nl.copy, acc[:, j, 0:tsz], dtype=zT.dtype)
 
+    blocks(w.shape[1] // P, group, rank_group)
 
-def project_transposed_small(w, srcT, zT, tsz: int, src_hbm=None, t0=0, w_sbuf=None):
+
+def project_transposed_small(w, srcT, zT, tsz: int, src_hbm=None, t0=0, w_sbuf=None, ident=None) -> None:
     """Same result as project_transposed for tsz <= 128 tokens, with w moving instead of stationary.
 
     srcT tiles are stationary (free = tsz), w streams as moving operands 512 columns at a time, so
     each w tile loads as whole rows (rank * 2 contiguous bytes per partition: full DMA speed at
-    decode sizes). z = src · w lands token-major in PSUM; rank/128 PE transposes of [tsz, 128]
-    turn it into zT on-chip. Needs rank <= 8 * 512 (one PSUM bank per 512 rank columns).
+    decode sizes). z = src · w lands token-major in PSUM; rank/128 on-chip transposes of
+    [tsz, 128] turn it into zT. Needs rank <= 8 * 512 (one PSUM bank per 512 rank columns).
     """
     rank = w.shape[1]
-    for _ in nl.affine_range(1):  # scope: the accumulator banks are free again on return
+    for _ in nl.sequential_range(1):  # scope: the accumulator banks are free again afterwards
         acc = nl.zeros((tsz, -(-rank // MOVING_FMAX), MOVING_FMAX), nl.float32, buffer=nl.psum)
-        for k, k0, ksz in split(w.shape[0], P):
+
+        def contraction_tile(k, k0, ksz):
             wt = nl.load(w[nl.ds(k0, ksz), :]) if w_sbuf is None else w_sbuf[0:ksz, k, :]
             src = _src_tile(srcT, k, k0, ksz, tsz, src_hbm, t0)
-            for c, c0, csz in split(rank, MOVING_FMAX):
+
+            def rank_chunk(c, c0, csz):
                 acc[:, c, 0:csz] += nisa.nc_matmul(src, wt[:, nl.ds(c0, csz)])
-        for c, c0, csz in split(rank, MOVING_FMAX):
+
+            blocks(rank, MOVING_FMAX, rank_chunk)
+
+        def evict_chunk(c, c0, csz):
             z = nisa.activation(nl.copy, acc[:, c, 0:csz], dtype=zT.dtype)  # [tsz, csz] token-major
             for j in nl.affine_range(csz // P):
-                tp = nl.ndarray((P, tsz), nl.float32, buffer=nl.psum)
-                tp[...] = nisa.nc_transpose(z[:, nl.ds(j * P, P)])
-                zT[:, c * (MOVING_FMAX // P) + j, 0:tsz] = nisa.tensor_copy(tp, dtype=zT.dtype)
+                transpose_into(zT[:, c * (MOVING_FMAX // P) + j, 0:tsz], z[:, nl.ds(j * P, P)], ident)
+
+        blocks(w.shape[0], P, contraction_tile)
+        blocks(rank, MOVING_FMAX, evict_chunk)
 
 
-def project(w, srcT, zT, tsz: int, group: int, u_moving: bool, src_hbm=None, t0=0, w_sbuf=None):
+def project(w, srcT, zT, tsz: int, group: int, u_moving: bool, src_hbm=None, t0=0, w_sbuf=None,
+            ident=None) -> None:
     """zT = (src · w)ᵀ with w stationary (any tsz) or, when u_moving, w moving (tsz <= 128)."""
     if u_moving:
-        project_transposed_small(w, srcT, zT, tsz, src_hbm, t0, w_sbuf)
+        project_transposed_small(w, srcT, zT, tsz, src_hbm, t0, w_sbuf, ident)
     else:
         project_transposed(w, srcT, zT, tsz, group, src_hbm, t0, w_sbuf)
 
@@ -107,48 +148,71 @@ def project(w, srcT, zT, tsz: int, group: int, u_moving: bool, src_hbm=None, t0=
 def load_columns(v, n0, nsz: int):
     """v[:, n0:n0+nsz] as (128, ceil(K/128), nsz): the contraction dim K = v.shape[0] on partitions."""
     vb = nl.ndarray((P, num_tiles(v.shape[0]), nsz), v.dtype, buffer=nl.sbuf)
-    for r, r0, rsz in split(v.shape[0], P):
+
+    def row_tile(r, r0, rsz):
         vb[0:rsz, r, :] = nl.load(v[nl.ds(r0, rsz), nl.ds(n0, nsz)])
+
+    blocks(v.shape[0], P, row_tile)
     return vb
 
 
-def store_natural(zT, v, y, t0, tsz: int, out_block: int):
+def store_natural(zT, v, y, t0, tsz: int, out_block: int) -> None:
     """y[t0:t0+tsz, :] = z · v, token-major: zT tiles stationary (128 tokens), v tiles moving (512 cols)."""
-    for _, n0, nsz in split(v.shape[1], out_block):
+    def out_columns(_, n0, nsz):
         vb = load_columns(v, n0, nsz)
-        for _, s0, ssz in split(tsz, P):
+
+        def token_tile(_, s0, ssz):
             yb = nl.ndarray((ssz, nsz), y.dtype, buffer=nl.sbuf)
-            for _, c0, csz in split(nsz, MOVING_FMAX):
+
+            def bank(_, c0, csz):
                 acc = nl.zeros((ssz, csz), nl.float32, buffer=nl.psum)
-                for r, _, rsz in split(v.shape[0], P):
-                    acc += nisa.nc_matmul(zT[0:rsz, r, nl.ds(s0, ssz)], vb[0:rsz, r, nl.ds(c0, csz)])
+
+                def rank_tile(r, _, rsz):
+                    acc[...] += nisa.nc_matmul(zT[0:rsz, r, nl.ds(s0, ssz)], vb[0:rsz, r, nl.ds(c0, csz)])
+
+                blocks(v.shape[0], P, rank_tile)
                 yb[:, nl.ds(c0, csz)] = nisa.tensor_copy(acc, dtype=y.dtype)
+
+            blocks(nsz, MOVING_FMAX, bank)
             nl.store(y[nl.ds(t0 + s0, ssz), nl.ds(n0, nsz)], yb)
 
+        blocks(tsz, P, token_tile)
 
-def store_transposed(zT, v, yT, t0, tsz: int, out_block: int):
+    blocks(v.shape[1], out_block, out_columns)
+
+
+def store_transposed(zT, v, yT, t0, tsz: int, out_block: int) -> None:
     """yT[:, t0:t0+tsz] = (z · v)ᵀ, feature-major: v tiles stationary (128 cols), zT moving (tsz tokens)."""
-    for _, n0, nsz in split(v.shape[1], out_block):
+    def out_columns(_, n0, nsz):
         vb = load_columns(v, n0, nsz)
-        for _, c0, csz in split(nsz, P):
+
+        def feature_tile(_, c0, csz):
             acc = nl.zeros((csz, tsz), nl.float32, buffer=nl.psum)
-            for r, _, rsz in split(v.shape[0], P):
-                acc += nisa.nc_matmul(vb[0:rsz, r, nl.ds(c0, csz)], zT[0:rsz, r, 0:tsz])
-            yt = nisa.tensor_copy(acc, dtype=yT.dtype)
-            nl.store(yT[nl.ds(n0 + c0, csz), nl.ds(t0, tsz)], yt)
+
+            def rank_tile(r, _, rsz):
+                acc[...] += nisa.nc_matmul(vb[0:rsz, r, nl.ds(c0, csz)], zT[0:rsz, r, 0:tsz])
+
+            blocks(v.shape[0], P, rank_tile)
+            nl.store(yT[nl.ds(n0 + c0, csz), nl.ds(t0, tsz)], nisa.tensor_copy(acc, dtype=yT.dtype))
+
+        blocks(nsz, P, feature_tile)
+
+    blocks(v.shape[1], out_block, out_columns)
 
 
-def swiglu_transposed(zgT, zuT, gate_v, up_v, hT, tsz: int, block: int, h_hbm=None, t0=0):
+def swiglu_transposed(zgT, zuT, gate_v, up_v, hT, tsz: int, block: int, h_hbm=None, t0=0) -> None:
     """hT[:, i, 0:tsz] = (silu(zg · gate_v) ⊙ (zu · up_v))ᵀ: SiLU evicts gate PSUM on ScalarE,
     the product reads up straight from PSUM on VectorE; the result is already the down
     projection's moving operand (intermediate on partitions). With h_hbm, each 128-row tile is
     stored to the feature-major HBM spill h_hbm[intermediate, tokens] instead of kept in SBUF.
     block is a multiple of 128; the intermediate size need not be."""
     num_rg, num_ru = gate_v.shape[0] // P, up_v.shape[0] // P
-    for b, n0, nsz in split(gate_v.shape[1], block):
+
+    def column_block(b, n0, nsz):
         gb = load_columns(gate_v, n0, nsz)
         ub = load_columns(up_v, n0, nsz)
-        for c, c0, csz in split(nsz, P):
+
+        def feature_tile(c, c0, csz):
             acc_g = nl.zeros((csz, tsz), nl.float32, buffer=nl.psum)
             acc_u = nl.zeros((csz, tsz), nl.float32, buffer=nl.psum)
             for r in nl.affine_range(num_rg):
@@ -161,3 +225,7 @@ def swiglu_transposed(zgT, zuT, gate_v, up_v, hT, tsz: int, block: int, h_hbm=No
                 hT[0:csz, i, 0:tsz] = nl.multiply(g, acc_u, dtype=hT.dtype)
             else:
                 nl.store(h_hbm[nl.ds(i * P, csz), nl.ds(t0, tsz)], nl.multiply(g, acc_u, dtype=h_hbm.dtype))
+
+        blocks(nsz, P, feature_tile)
+
+    blocks(gate_v.shape[1], block, column_block)

@@ -1,7 +1,8 @@
 """Fused low-rank matmul Y = X·U·V: (XU)ᵀ stays in SBUF and feeds the second matmul in place."""
 
 from ..compat import nki, nl
-from ._blocks import P, load_columns, load_transposed, num_tiles, project, split, store_natural, store_transposed
+from ._blocks import (P, blocks, load_columns, load_transposed, num_tiles, project, store_natural, store_transposed,
+                      transpose_identity)
 
 
 @nki.jit
@@ -32,14 +33,18 @@ def lowrank_matmul(x, u, v, transpose_out=False, token_block=512, group=8, out_b
     shape = (d_out, num_tokens) if transpose_out else (num_tokens, d_out)
     y = nl.ndarray(shape, dtype=x.dtype, buffer=nl.shared_hbm)
     u_sbuf = load_columns(u, 0, rank) if hoist_u else None
-    for _, t0, tsz in split(num_tokens, token_block):
+    ident = transpose_identity(x.dtype)
+
+    def token_block_body(_, t0, tsz):
         zT = nl.ndarray((P, rank // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
-        for _ in nl.affine_range(1):  # scope: Xᵀ is dead once (XU)ᵀ exists
+        for _ in nl.sequential_range(1):  # scope: Xᵀ is dead once (XU)ᵀ exists (sequential: zT is not indexed by it)
             xT = nl.ndarray((P, num_tiles(d_in), tsz), dtype=x.dtype, buffer=nl.sbuf)
-            load_transposed(x, t0, tsz, xT)
-            project(u, xT, zT, tsz, group, u_moving, w_sbuf=u_sbuf)
+            load_transposed(x, t0, tsz, xT, ident)
+            project(u, xT, zT, tsz, group, u_moving, w_sbuf=u_sbuf, ident=ident)
         if transpose_out:
             store_transposed(zT, v, y, t0, tsz, out_block)
         else:
             store_natural(zT, v, y, t0, tsz, out_block)
+
+    blocks(num_tokens, token_block, token_block_body)
     return y

@@ -112,3 +112,18 @@ def test_sharded_kernel_graph_matches_full_mlp(tp):
     # bf16 operands and bf16 partial sums: compare against the float64 maths at bf16-scale tolerance
     np.testing.assert_allclose(got, want, atol=0.05 * np.abs(want).max())
     assert all(np.array_equal(o, out[0]) for o in out)
+
+
+def test_adapter_runs_the_kernel_body_with_the_selected_tiles(monkeypatch):
+    """Decode shapes get the decode schedule (U moving), prefill shapes the prefill one: no fixed schedule."""
+    from server.backends.neuron import kernel_adapter
+
+    seen = []
+    monkeypatch.setattr(kernel_adapter, "lowrank_mlp_body", lambda *args, **tiles: seen.append((args, tiles)))
+    for tokens in (1, 512):
+        x = np.zeros((tokens, 2048))
+        factors = [np.zeros(s) for s in _shard_shapes(2048, 4096, 768, 1)]
+        y = np.zeros((tokens, 2048))
+        lowrank_mlp_into(x, *factors, y)
+        assert seen[-1][0][-1] is y and seen[-1][1] == kernel_adapter.mlp_tiles(tokens, 2048, 4096, (768,) * 3)
+    assert seen[0][1].get("u_moving") is True and not seen[1][1].get("u_moving")

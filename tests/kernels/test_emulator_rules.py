@@ -140,11 +140,20 @@ def test_python_if_on_loop_index_is_refused():
 
     _raises("err_control_flow_condition_depending_on_loop_index", branchy, _x(1, 1))
 
-    def modulo(x):
-        for i in nl.affine_range(2):
-            i % 2  # noqa: B018
 
-    _raises("err_unsupported_expression_in_mask", modulo, _x(1, 1))
+def test_modulo_and_floor_division_of_loop_indices_address_tiles():
+    """AWS's attention kernel indexes a double buffer with `i_tile_q % 2` (nki-samples 6905a68,
+    attention_kernels.py:1041): % and // of a loop index are legal addresses, and count as using it."""
+    def double_buffered(x):
+        out = nl.ndarray((4, 8), BF16, buffer=nl.shared_hbm)
+        buf = nl.ndarray((4, 2, 2, 1), BF16, buffer=nl.sbuf)
+        for i in nl.affine_range(4):
+            buf[:, i % 2, i // 2, :] = nl.load(x[:, nl.ds(i * 2, 1)])
+            nl.store(out[:, nl.ds(i * 2, 2)], nl.load(x[:, nl.ds(i * 2, 2)]))
+        return out
+
+    y, _ = run(nki.jit(double_buffered), np.arange(32, dtype=np.float32).reshape(4, 8).astype(BF16))
+    assert (y.astype(np.float32) == np.arange(32).reshape(4, 8)).all()
 
 
 def test_scopes_memory_and_outputs():
@@ -171,6 +180,16 @@ def test_scopes_memory_and_outputs():
             nl.ndarray((4, 4), BF16, buffer=nl.shared_hbm)
 
     _raises("err_shared_hbm_scope", hbm_in_loop, _x(4, 4))
+
+    def make_output(shape):  # SDK docs nki.errors err_shared_hbm_must_in_kernel_level: not in a called function
+        return nl.ndarray(shape, BF16, buffer=nl.shared_hbm)
+
+    def hbm_in_helper(x):
+        out = make_output(x.shape)
+        nl.store(out, nl.load(x))
+        return out
+
+    _raises("err_shared_hbm_scope", hbm_in_helper, _x(4, 4))
     _raises("err_leading_dimension_of_tensor_must_be_partition",
             lambda x: nl.ndarray((2, nl.par_dim(128), 4), BF16, buffer=nl.sbuf), _x(4, 4))
     with pytest.raises(NKIRuleError, match="outside"):
@@ -207,7 +226,8 @@ def test_compat_hands_kernels_the_emulator_without_neuronxcc():
     assert compat.nl is emulator.nl and compat.nisa is emulator.nisa and compat.nki is emulator.nki
 
 
-def test_affine_iterations_writing_the_same_region_are_a_dependency():
+def test_affine_write_must_use_the_loop_index():
+    """neuronx-cc: "Unexpected output dependencies, missing indices in the dst access" (nki.errors docs)."""
     def racy(x):
         out = nl.ndarray((4, 4), BF16, buffer=nl.shared_hbm)
         for i in nl.affine_range(3):
@@ -219,9 +239,38 @@ def test_affine_iterations_writing_the_same_region_are_a_dependency():
     with pytest.raises(NKIRuleError, match="err_unexpected_output_dependencies"):
         run(nki.jit(racy), TensorSpec((4, 4), BF16), trace_only=True)
 
+    def one_trip(x):  # a single iteration cannot race, but the compiler's rule is about the address
+        out = nl.ndarray((4, 4), BF16, buffer=nl.shared_hbm)
+        for _ in nl.affine_range(1):
+            nl.store(out, nl.load(x))
+        return out
+
+    _raises("err_unexpected_output_dependencies", one_trip, _x(4, 4))
+
+    def one_trip_sbuf(x):  # the same for an on-chip tensor declared outside the loop
+        out = nl.ndarray((4, 4), BF16, buffer=nl.shared_hbm)
+        t = nl.ndarray((4, 4), BF16, buffer=nl.sbuf)
+        for _ in nl.affine_range(1):
+            t[...] = nl.load(x)
+        nl.store(out, t)
+        return out
+
+    _raises("err_unexpected_output_dependencies", one_trip_sbuf, _x(4, 4))
+
+    def outer_index_missing(x):  # the inner index alone is not enough: every enclosing affine loop counts
+        out = nl.ndarray((2, 4), BF16, buffer=nl.shared_hbm)
+        for _ in nl.affine_range(2):
+            for j in nl.affine_range(2):
+                nl.store(out[j:j + 1, :], nl.load(x[0:1, :]))
+        return out
+
+    _raises("err_unexpected_output_dependencies", outer_index_missing, _x(4, 4))
+
     def sequential_ok(x):
         out = nl.ndarray((4, 4), BF16, buffer=nl.shared_hbm)
         for i in nl.sequential_range(3):
+            nl.store(out, nl.load(x))
+        for _ in nl.sequential_range(1):
             nl.store(out, nl.load(x))
         return out
 
@@ -237,6 +286,19 @@ def test_affine_iterations_writing_the_same_region_are_a_dependency():
 
     y, _ = run(nki.jit(reduction_ok), _x(4, 4))
     assert (y.astype(np.float32) == 3).all()
+
+
+def test_sdk_2_25_surface():
+    """tile_size.total_available_sbuf_size is a 2.26 addition; shared_identity_matrix is 2.25 (nki.language docs)."""
+    assert not hasattr(nl.tile_size, "total_available_sbuf_size")
+
+    def identity(x):
+        out = nl.ndarray((128, 128), F32, buffer=nl.shared_hbm)
+        nl.store(out, nl.load(nl.shared_identity_matrix(128, dtype=F32)))
+        return out
+
+    y, _ = run(nki.jit(identity), _x(1, 1))
+    assert (y == np.identity(128)).all()
 
 
 def _masked_exp(x):
@@ -300,6 +362,8 @@ def test_held_matmul_results_occupy_psum_banks():
     _raises("psum_capacity", held, _x(128, 128))
 
     def consumed(x):
+        out = nl.ndarray((1, 1), BF16, buffer=nl.shared_hbm)
+        nl.store(out, 1.0)
         a = nl.load(x)
         acc = nl.zeros((128, 128), F32, buffer=nl.psum)
         for _ in nl.affine_range(20):
@@ -307,10 +371,19 @@ def test_held_matmul_results_occupy_psum_banks():
         for _ in range(7):
             nl.zeros((128, 512), F32, buffer=nl.psum)
 
-    run(nki.jit(lambda x: consumed(x) or _out(x)), _x(128, 128))
+        return out
+
+    run(nki.jit(consumed), _x(128, 128))
 
 
-def _out(x):
-    out = nl.ndarray((1, 1), BF16, buffer=nl.shared_hbm)
-    nl.store(out, 1.0)
-    return out
+def test_fp32_pe_transpose_is_refused():
+    """It compiles, but trn1 returns a wrong result (AWS transposes fp32 with an identity matmul instead)."""
+    _raises("pe_transpose_fp32_inexact", lambda x: nisa.nc_transpose(nl.load(x)), np.ones((4, 4), np.float32))
+
+    def bf16_transpose(x):
+        out = nl.ndarray((4, 4), F32, buffer=nl.shared_hbm)
+        nl.store(out, nl.copy(nisa.nc_transpose(nl.load(x)), dtype=F32))
+        return out
+
+    y, _ = run(nki.jit(bf16_transpose), np.arange(16, dtype=np.float32).reshape(4, 4).astype(BF16))
+    assert (y == np.arange(16).reshape(4, 4).T).all()

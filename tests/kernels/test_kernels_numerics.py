@@ -102,3 +102,18 @@ def test_random_shapes_and_schedules_match_reference():
                 make(inter, rd), make(rd, hidden)]
         y, _ = run(lowrank_mlp, *args, **opts)
         assert_bf16_close(y, ref.lowrank_mlp(*args))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 130])
+def test_fp32_kernels_transpose_by_identity_matmul(num_tokens):
+    """fp32 Xᵀ comes from matmuls against an identity (PE transposes of fp32 are inexact on trn1)."""
+    rng = np.random.default_rng(num_tokens)
+    x, w = rng.standard_normal((num_tokens, 200)).astype(np.float32), rng.standard_normal((200, 300)).astype(np.float32)
+    y, trace = run(dense_matmul, x, w)
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+    transposes = [i for i in trace.instrs if i.op == "transpose"]
+    assert transposes and all(i.engine == "pe" and i.fp32 for i in transposes)
+    u, v = rng.standard_normal((200, 128)).astype(np.float32), rng.standard_normal((128, 64)).astype(np.float32)
+    for opts in ({}, {"u_moving": True}):
+        y, _ = run(lowrank_matmul, x, u, v, token_block=min(num_tokens, 128), **opts)
+        np.testing.assert_allclose(y, x.astype(np.float64) @ u @ v, rtol=1e-4, atol=1e-3)
