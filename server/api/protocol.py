@@ -162,25 +162,43 @@ class ToolCall(_Lenient):
     function: FunctionCall
 
 
-class ChatMessage(_Lenient):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None
+class _Message(_Lenient):
+    """Fields every chat message may carry; the role classes below say which are required."""
+
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
-
-    @model_validator(mode="after")
-    def _check(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content may be null only in an assistant message with tool_calls")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs tool_call_id")
-        return self
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(part.text for part in self.content)
+
+
+class SystemMessage(_Message):
+    role: Literal["system", "developer"]
+    content: str | list[ContentPart]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+    content: str | list[ContentPart]
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: str | list[ContentPart] | None = None  # null when it only calls tools (read as empty otherwise)
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: str | list[ContentPart]
+    tool_call_id: str
+
+
+# One schema per role (so the OpenAPI document says what is accepted: only an assistant's content may be
+# null, a tool message needs tool_call_id), chosen by `role`.
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
 
 
 class FunctionDefinition(_Lenient):
