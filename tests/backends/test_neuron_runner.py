@@ -81,22 +81,40 @@ def test_release_drops_held_prompt(model_dir, tmp_path):
     runner, _ = _runner(model_dir, tmp_path)
     runner.execute([SeqChunk(1, [1, 2], 0, needs_logits=False)])
     runner.release_slot(1)
+    assert runner._pending == {}
     runner.execute([SeqChunk(1, [5], 0)])
     assert runner.model.calls == [([[5]], [[0]], [1])]
+
+
+def test_abort_mid_prefill_does_not_break_the_next_step(model_dir, tmp_path):
+    """Slot 1's sequence is aborted after its first chunk; the next step reuses slot 1 beside a decode."""
+    runner, _ = _runner(model_dir, tmp_path)
+    runner.execute([SeqChunk(1, [1, 2], 0, needs_logits=False)])
+    runner.release_slot(1)  # what the engine does for an aborted sequence
+    logits = runner.execute([SeqChunk(1, [5, 6], 0, needs_logits=False), SeqChunk(0, [9], 4)])
+    assert logits.argmax(1).tolist() == [(9 + 4) % VOCAB]
+    logits = runner.execute([SeqChunk(1, [7], 2), SeqChunk(0, [3], 5)])
+    assert runner.model.calls[-2][0] == [[5, 6, 7]]  # none of the aborted prompt's tokens
+    assert logits.argmax(1).tolist() == [(7 + 2) % VOCAB, (3 + 5) % VOCAB]
+    # an engine that never released the slot: a new prompt (position 0) still replaces the stale chunk
+    runner.execute([SeqChunk(2, [1, 2], 0, needs_logits=False)])
+    runner.execute([SeqChunk(2, [8], 0)])
+    assert runner.model.calls[-1] == ([[8]], [[0]], [2])
 
 
 def test_padding_per_bucket_reaches_metrics(model_dir, tmp_path):
     runner, _ = _runner(model_dir, tmp_path)
     runner.execute([SeqChunk(0, list(range(100)), 0)])                  # 100 tokens -> bucket 128
-    runner.execute([SeqChunk(s, [1], 200) for s in range(3)])           # 3 seqs -> batch bucket 4
-    runner.execute([SeqChunk(s, [1], 201) for s in range(5)])           # 5 seqs -> batch bucket 8
+    runner.execute([SeqChunk(s, [1], 200) for s in range(3)])           # 3 seqs: tnx pads decode to 8
+    runner.execute([SeqChunk(s, [1], 201) for s in range(5)])           # 5 seqs: padded to 8 too
     snap = runner.padding.snapshot()
     assert snap[("prefill", 128)] == {"runs": 1, "real": 100, "padding": 28}
-    assert snap[("decode", 4)] == {"runs": 1, "real": 3, "padding": 1}
-    assert snap[("decode", 8)] == {"runs": 1, "real": 5, "padding": 3}
+    # batch_buckets [1, 4, 8]: only 8 exists for decode (batch_size_for_shared_caches)
+    assert runner.decode_batch == 8 and {b for phase, b in snap if phase == "decode"} == {8}
+    assert snap[("decode", 8)] == {"runs": 2, "real": 8, "padding": 8}
     text = ServerMetrics("m").render().decode()
     assert 'neuronmm_bucket_padding_slots_total{bucket="128",model_name="m",phase="prefill"} 28.0' in text
-    assert 'neuronmm_bucket_real_slots_total{bucket="8",model_name="m",phase="decode"} 5.0' in text
+    assert 'neuronmm_bucket_real_slots_total{bucket="8",model_name="m",phase="decode"} 8.0' in text
 
 
 def test_too_many_slots_or_tokens_fail_clearly(model_dir, tmp_path):

@@ -12,7 +12,7 @@ from server.backends.torch_runner import TorchRunner
 from server.config import load_config
 
 PROMPT_LENGTHS = [5, 100, 300]            # land in context buckets 128, 128, 512
-BATCH_SIZES = [1, 4]                      # decode batch buckets 1 and 4
+BATCH_SIZES = [1, 4]                      # decode batches of 1 and 4 sequences, both run padded to 4
 
 
 def _cfg(tmp_path):
@@ -55,4 +55,6 @@ def test_neuron_matches_torch_cpu(tmp_path, compressed):
                 assert (got - want).abs().max() <= want.std(), (batch, length)
     snap = neuron.padding.snapshot()
     assert {b for (phase, b) in snap if phase == "prefill"} == {128, 512}
-    assert {b for (phase, b) in snap if phase == "decode"} == {1, 4}
+    # tnx continuous batching pads every decode to batch_size_for_shared_caches (v0.13.0 base.py:500, 575-586)
+    assert {b for (phase, b) in snap if phase == "decode"} == {4}
+    assert snap[("decode", 4)]["padding"] == 3 * len(PROMPT_LENGTHS)  # the batch-1 steps

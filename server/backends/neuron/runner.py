@@ -2,7 +2,10 @@
 
 Each prefill runs as its own context-encoding call (tnx's "virtual dynamic batching": one
 sequence at a time, padded by tnx to the smallest context bucket); all decode tokens of a step
-run in one call on the compiled decode graph, padded to the smallest batch bucket. Chunked
+run in one call on the compiled decode graph. That graph has one batch size: under continuous
+batching tnx pads every decode to `batch_size_for_shared_caches` (tnx v0.13.0 base.py:500 and
+575-586 scatter the active rows into a zero batch of that size), so smaller neuron.batch_buckets
+are never compiled for decode and the padding reported is against the full batch. Chunked
 prefills are held back until the prompt's last chunk arrives, because the context-encoding graph
 starts at position 0. Padding per bucket is counted for /metrics.
 """
@@ -80,6 +83,8 @@ class NeuronRunner:
         self.model: Any = None
         self._factory = model_factory
         self._pending: dict[int, list[int]] = {}  # slot -> prompt tokens of chunks not yet run
+        # the one compiled decode batch: tnx pads every decode step to it (see the module docstring)
+        self.decode_batch = int(self.args.continuous_batching["batch_size_for_shared_caches"])
 
     def load(self) -> None:
         for key, value in self.args.env.items():
@@ -125,10 +130,15 @@ class NeuronRunner:
         return torch.stack([rows[i] for i in order])
 
     def release_slot(self, slot: int) -> None:
+        """The sequence in `slot` finished or was aborted: drop any prompt chunks held for it."""
         self._pending.pop(slot, None)
 
     def _prefill(self, chunk: SeqChunk) -> torch.Tensor | None:
         held = self._pending.pop(chunk.slot, [])
+        if chunk.start_pos == 0 and held:  # a new prompt in a slot whose last sequence died mid-prefill
+            log.warning("slot %d: dropping %d held prompt tokens of a sequence that was not released",
+                        chunk.slot, len(held))
+            held = []
         if chunk.start_pos != len(held):
             raise ValueError(f"slot {chunk.slot}: chunk at {chunk.start_pos} after {len(held)} held prompt tokens")
         tokens = held + list(chunk.token_ids)
@@ -142,7 +152,7 @@ class NeuronRunner:
 
     def _decode(self, chunks: list[SeqChunk]) -> torch.Tensor:
         n = len(chunks)
-        self.padding.record("decode", bucket_for(n, self.args.batch_buckets), n)
+        self.padding.record("decode", self.decode_batch, n)
         ids = torch.tensor([[c.token_ids[0]] for c in chunks])
         positions = torch.tensor([[c.start_pos] for c in chunks])
         return self._forward(ids, positions, torch.tensor([c.slot for c in chunks]))
