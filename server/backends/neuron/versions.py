@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-# Neuron SDK 2.25.0 (2025-07-31): the last line with both transformers-neuronx and `neuronxcc.nki`.
+# Neuron SDK 2.25.0 (2025-07-31): the last release whose DLC image still carries transformers-neuronx.
 # Sources: the 2.25.0 release-content page (neuronx-cc) and AWS's own DLC Dockerfile for
 # pytorch-inference-neuronx 2.7.0 / SDK 2.25.0 (torch-neuronx, transformers-neuronx, runtime pins).
+# What changes after it (aws-neuron-sdk docs, checked at commit 0521004c and HEAD 81ce03ae):
+# - 2.26.0 starts transformers-neuronx end-of-support: the PyTorch inference DLC/DLAMI no longer
+#   include the package or its venv (release-notes/2.26.0/containers.rst:31, index.rst:204). That is
+#   the image, not the pip repository; a 2.26-line tnx wheel (reported as 0.13.1315) is not confirmed
+#   by these docs, so we stay on 2.25's pins.
+# - `neuronxcc.nki.*`: removal announced for 2.28, postponed to 2.29 (NKI 2.28 notes,
+#   release-notes/components/nki.rst:579-580), postponed again at 2.29 (:422); from 2.30 its use
+#   inside a kernel is a compile error (:273). Our kernels import it through neuronmm_kernels.compat.
 NEURON_SDK = "2.25.0"
 NEURONX_CC = "2.20.9961.0"
 TORCH_NEURONX = "2.7.0.2.9.9357+08e1f40d"
