@@ -7,6 +7,8 @@ Neuron device. For each MLP shape of the NeuronMM paper and each token count it 
 (c) fused_matmul: lowrank_matmul per projection (+ SwiGLU),
 (d) fused_mlp: one lowrank_mlp call,
 each with the tile selector's block sizes, and writes bench/results/kernels.json and kernels.md.
+The roofline columns put the fused kernels against max(PE time at peak, minimal HBM bytes / DMA
+peak bandwidth), the minimal bytes being X, the factors and Y moved once each (bf16).
 
     python -m bench.kernels                        # all shapes, tokens 1 32 128 512 2048
     python -m bench.kernels --models llama-3.2-1b --tokens 1 128
@@ -57,6 +59,7 @@ def run_bench(models: list[str], tokens: list[int]) -> dict:
                           "d_over_a": us["dense"] / us["fused_mlp"],
                           "b_over_a": us["dense"] / us["two_matmuls"]}
         row["xuv_kernels"] = _xuv_kernels(num_tokens, s)
+        row["mlp_roofline"] = _mlp_roofline(num_tokens, s)
         rows.append(row)
     calib = {name: {"modeled_ms": round(mod, 3), "published_ms": pub, "error": round(mod / pub - 1, 4)}
              for name, (mod, pub) in cm.calibration().items()}
@@ -64,6 +67,25 @@ def run_bench(models: list[str], tokens: list[int]) -> dict:
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "machine": f"{platform.node()} {platform.machine()} {platform.python_version()}",
             "calibration": calib, "rows": rows, "mean_speedup": _means(rows)}
+
+
+def roofline_us(flops: float, min_bytes: float) -> float:
+    """Lower bound on a kernel's time: TensorE at peak or the minimal HBM traffic at the DMA peak, whichever is longer."""
+    return max(flops / cm.PEAK_FLOPS, min_bytes / cm.DMA_BW_PEAK) * 1e6
+
+
+def _roofline(m: cm.ModeledTime, flops: float, min_bytes: float) -> dict:
+    bound = roofline_us(flops, min_bytes)
+    return {"roofline_us": round(bound, 3), "of_roofline": round(bound / m.total_us, 4),
+            "bytes_over_min": round(m.hbm_bytes / min_bytes, 3)}
+
+
+def _mlp_roofline(num_tokens: int, shape: dict) -> dict:
+    """The fused MLP against its roofline: X, six factors and Y once each."""
+    t, h, i, r = num_tokens, shape["hidden"], shape["intermediate"], shape["rank"]
+    flops = 2 * t * r * (3 * h + 3 * i)
+    min_bytes = 2 * (2 * t * h + 3 * r * (h + i))
+    return _roofline(cm.model_lowrank_mlp(t, h, i, r), flops, min_bytes)
 
 
 def _xuv_kernels(num_tokens: int, shape: dict) -> dict:
@@ -74,7 +96,9 @@ def _xuv_kernels(num_tokens: int, shape: dict) -> dict:
         two = cm.model_dense_matmul(num_tokens, d_in, r) + cm.model_dense_matmul(num_tokens, r, d_out)
         fused = cm.model_lowrank_matmul(num_tokens, d_in, r, d_out)
         out[name] = {"two_matmuls_us": round(two.total_us, 3), "fused_us": round(fused.total_us, 3),
-                     "speedup": round(two.total_us / fused.total_us, 4)}
+                     "speedup": round(two.total_us / fused.total_us, 4),
+                     **_roofline(fused, 2 * num_tokens * r * (d_in + d_out),
+                                 2 * (num_tokens * (d_in + d_out) + r * (d_in + d_out)))}
     return out
 
 
@@ -112,6 +136,15 @@ def to_markdown(result: dict) -> str:
                      f"{k['gate_up']['fused_us']:.1f} | {k['gate_up']['speedup']:.2f}× | "
                      f"{k['down']['two_matmuls_us']:.1f} / {k['down']['fused_us']:.1f} | {k['down']['speedup']:.2f}× |")
     lines += ["", f"Mean kernel-level speedup {m['xuv_kernel']:.2f}× (max {m['xuv_kernel_max']:.2f}×).", "",
+              "Fused kernels against their roofline (modeled): share of the roofline reached and HBM bytes "
+              "over the minimum (X, factors, Y once each).", "",
+              "| model | tokens | XUV gate/up % / bytes× | XUV down % / bytes× | fused MLP % / bytes× |",
+              "|---|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        k, f = r["xuv_kernels"], r["mlp_roofline"]
+        cells = [f"{100 * c['of_roofline']:.0f}% / {c['bytes_over_min']:.2f}×" for c in (k["gate_up"], k["down"], f)]
+        lines.append(f"| {r['model']} | {r['num_tokens']} | " + " | ".join(cells) + " |")
+    lines += ["",
               "| tutorial schedule (trn1, [4096,8192]×[8192,8192]) | modeled ms | published ms | error |",
               "|---|---:|---:|---:|"]
     for name, c in result["calibration"].items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench.kernels import _mlp_roofline, roofline_us
 from neuronmm_kernels import cost_model as cm
 from neuronmm_kernels.emulator import TensorSpec, run
 from neuronmm_kernels.kernels.lowrank_mlp import lowrank_mlp
@@ -77,3 +78,10 @@ def test_smollm2_shape_is_modeled_and_bad_ranks_are_rejected():
         cm.model_lowrank_mlp(16, 576, 1536, 200)
     with pytest.raises(ValueError, match="multiples of 128"):
         cm.model_lowrank_matmul(16, 576, 100, 1536)
+
+
+def test_roofline_is_the_slower_of_peak_compute_and_minimal_traffic():
+    assert roofline_us(cm.PEAK_FLOPS, 0) == pytest.approx(1e6)          # 1 s of peak flops
+    assert roofline_us(0, cm.DMA_BW_PEAK) == pytest.approx(1e6)         # 1 s of peak DMA
+    decode = _mlp_roofline(1, {"hidden": 256, "intermediate": 512, "rank": 128})
+    assert 0 < decode["of_roofline"] <= 1 and decode["bytes_over_min"] >= 1
