@@ -116,6 +116,12 @@ class Nginx:
         lines = (self.prefix / "access.log").read_text().splitlines()
         return [re.match(r'^(\d+) "([^"]*)" "([^"]*)"', line).groups() for line in lines]
 
+    def errors(self) -> dict[str, int]:
+        """nginx's error log, counted by message (time, connection and client details stripped)."""
+        text = (self.prefix / "error.log").read_text(errors="replace")
+        return dict(collections.Counter(re.sub(r"^\S+ \S+ \[(\w+)\] \d+#\d+: (\*\d+ )?", r"\1: ", line)
+                                        .split(", client:")[0] for line in text.splitlines() if line.strip()))
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGQUIT)  # graceful: finish what is open
@@ -220,7 +226,7 @@ def test_rolling_restart_under_load_loses_nothing(tmp_path, tiny_model_dir):
         load.stop()
         wall = time.monotonic() - started
         sampler.stop()
-        log = nginx.access_log()
+        log, errors = nginx.access_log(), nginx.errors()
     finally:
         for stoppable in (load, sampler):
             if stoppable is not None and stoppable._thread.is_alive():
@@ -236,7 +242,7 @@ def test_rolling_restart_under_load_loses_nothing(tmp_path, tiny_model_dir):
               "passed_to_other_replica": len(retried),
               "first_upstream_status_of_retried": dict(collections.Counter(e[2].split(",")[0] for e in retried)),
               "max_batch_p99_s": max(load.latencies), "restarts": restarts,
-              "max_waiting_per_replica": list(sampler.max_waiting.values())}
+              "max_waiting_per_replica": list(sampler.max_waiting.values()), "nginx_errors": errors}
     print(f"\nrolling restart: {report}")
 
     assert load.lost == 0 and load.sent == sum(load.outcomes.values())
