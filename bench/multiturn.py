@@ -1,0 +1,102 @@
+"""Prefix caching benchmark: a 12-turn chat and a repeated long prompt, with prefix caching on and off.
+
+Each turn sends the whole conversation so far plus ~60 new tokens (as every chat client does) and
+streams a short greedy reply; TTFT per turn shows whether the server recomputes the history. Then the
+same 1,200-token prompt twice. Both servers run the default config in turn, differing only in
+`engine.enable_prefix_caching`.
+
+    python -m bench.multiturn
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.engine_step import BENCH_FLAGS
+from bench.harness import ServerProcess, write_config
+from server.config import DEFAULT_CONFIG, load_config
+from server.models.cpu_features import cpu_flags
+
+RESULTS = Path(__file__).parent / "results"
+WORDS = ("river stone lantern orbit meadow copper signal harbor violet engine quiet summit ledger canvas "
+         "thunder pocket garden mirror falcon candle marble winter saddle comet velvet anchor").split()
+
+
+def user_turn(rng: random.Random, num_words: int = 45) -> str:
+    """About 60 tokens of plain words."""
+    return "Tell me about " + " ".join(rng.choice(WORDS) for _ in range(num_words)) + "."
+
+
+def streamed_ttft(client: httpx.Client, url: str, path: str, body: dict) -> tuple[float, str]:
+    """(seconds to the first streamed token, the full text) of one request."""
+    start, ttft, text = time.perf_counter(), None, []
+    with client.stream("POST", f"{url}{path}", json={**body, "stream": True}) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = (json.loads(line[6:]).get("choices") or [{}])[0]
+            piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            if piece and ttft is None:
+                ttft = time.perf_counter() - start
+            text.append(piece)
+    return ttft or float("nan"), "".join(text)
+
+
+def run_server(config: Path, model: str, turns: int, long_prompt_words: int, seed: int) -> dict:
+    """TTFT of every chat turn and of the repeated long prompt, against one server."""
+    rng = random.Random(seed)
+    with ServerProcess(config, RESULTS / f"multiturn-{config.stem}.log") as server, httpx.Client(timeout=300) as client:
+        server.wait_ready()
+        messages = [{"role": "system", "content": "You are a concise assistant."}]
+        turn_ttfts = []
+        for _ in range(turns):
+            messages.append({"role": "user", "content": user_turn(rng)})
+            ttft, reply = streamed_ttft(client, server.url, "/v1/chat/completions",
+                                        {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0})
+            messages.append({"role": "assistant", "content": reply})
+            turn_ttfts.append(ttft)
+        prompt = " ".join(rng.choice(WORDS) for _ in range(long_prompt_words))
+        repeat = [streamed_ttft(client, server.url, "/v1/completions",
+                                {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0})[0]
+                  for _ in range(2)]
+        hits = server.metric("neuronmm_prefix_cache_hits_total")
+        queries = server.metric("neuronmm_prefix_cache_queries_total")
+    return {"turn_ttft_ms": [1e3 * t for t in turn_ttfts], "repeat_ttft_ms": [1e3 * t for t in repeat],
+            "prefix_hit_rate": hits / queries if queries else 0.0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.multiturn", description=__doc__.split("\n")[0])
+    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument("--turns", type=int, default=12)
+    p.add_argument("--long-prompt-words", type=int, default=900, help="~1,200 tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(RESULTS / "multiturn.json"))
+    args = p.parse_args(argv)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    model = load_config(args.config).model.name
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS),
+              "config": args.config, "runs": {}}
+    for caching in (True, False):
+        path = write_config(RESULTS / f"multiturn-caching-{'on' if caching else 'off'}.yaml", None,
+                            engine={"enable_prefix_caching": caching}, base=Path(args.config))
+        run = run_server(path, model, args.turns, args.long_prompt_words, args.seed)
+        report["runs"]["on" if caching else "off"] = run
+        t = run["turn_ttft_ms"]
+        print(f"prefix caching {'on ' if caching else 'off'}: turn TTFT ms {' '.join(f'{x:.0f}' for x in t)}; "
+              f"last/second {t[-1] / t[1]:.2f}; repeated long prompt {run['repeat_ttft_ms'][0]:.0f} -> "
+              f"{run['repeat_ttft_ms'][1]:.0f} ms; prefix hit rate {run['prefix_hit_rate']:.2f}", flush=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
