@@ -33,20 +33,23 @@ def user_turn(rng: random.Random, num_words: int = 45) -> str:
     return "Tell me about " + " ".join(rng.choice(WORDS) for _ in range(num_words)) + "."
 
 
-def streamed_ttft(client: httpx.Client, url: str, path: str, body: dict) -> tuple[float, str]:
-    """(seconds to the first streamed token, the full text) of one request."""
-    start, ttft, text = time.perf_counter(), None, []
-    with client.stream("POST", f"{url}{path}", json={**body, "stream": True}) as resp:
+def streamed_ttft(client: httpx.Client, url: str, path: str, body: dict) -> tuple[float, str, dict]:
+    """(seconds to the first streamed token, the full text, usage) of one request."""
+    start, ttft, text, usage = time.perf_counter(), None, [], {}
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", f"{url}{path}", json=body) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choice = (json.loads(line[6:]).get("choices") or [{}])[0]
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            choice = (chunk.get("choices") or [{}])[0]
             piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
             if piece and ttft is None:
                 ttft = time.perf_counter() - start
             text.append(piece)
-    return ttft or float("nan"), "".join(text)
+    return ttft or float("nan"), "".join(text), usage
 
 
 def run_server(config: Path, model: str, turns: int, long_prompt_words: int, seed: int) -> dict:
@@ -55,20 +58,24 @@ def run_server(config: Path, model: str, turns: int, long_prompt_words: int, see
     with ServerProcess(config, RESULTS / f"multiturn-{config.stem}.log") as server, httpx.Client(timeout=300) as client:
         server.wait_ready()
         messages = [{"role": "system", "content": "You are a concise assistant."}]
-        turn_ttfts = []
+        turn_ttfts, prompt_tokens, computed = [], [], []
         for _ in range(turns):
             messages.append({"role": "user", "content": user_turn(rng)})
-            ttft, reply = streamed_ttft(client, server.url, "/v1/chat/completions",
-                                        {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0})
+            ttft, reply, usage = streamed_ttft(client, server.url, "/v1/chat/completions",
+                                               {"model": model, "messages": messages, "max_tokens": 16,
+                                                "temperature": 0})
             messages.append({"role": "assistant", "content": reply})
             turn_ttfts.append(ttft)
+            prompt_tokens.append(usage["prompt_tokens"])
+            computed.append(usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"])
         prompt = " ".join(rng.choice(WORDS) for _ in range(long_prompt_words))
         repeat = [streamed_ttft(client, server.url, "/v1/completions",
                                 {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0})[0]
                   for _ in range(2)]
         hits = server.metric("neuronmm_prefix_cache_hits_total")
         queries = server.metric("neuronmm_prefix_cache_queries_total")
-    return {"turn_ttft_ms": [1e3 * t for t in turn_ttfts], "repeat_ttft_ms": [1e3 * t for t in repeat],
+    return {"turn_ttft_ms": [1e3 * t for t in turn_ttfts], "turn_prompt_tokens": prompt_tokens,
+            "turn_computed_tokens": computed, "repeat_ttft_ms": [1e3 * t for t in repeat],
             "prefix_hit_rate": hits / queries if queries else 0.0}
 
 
@@ -92,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         t = run["turn_ttft_ms"]
         print(f"prefix caching {'on ' if caching else 'off'}: turn TTFT ms {' '.join(f'{x:.0f}' for x in t)}; "
               f"last/second {t[-1] / t[1]:.2f}; repeated long prompt {run['repeat_ttft_ms'][0]:.0f} -> "
-              f"{run['repeat_ttft_ms'][1]:.0f} ms; prefix hit rate {run['prefix_hit_rate']:.2f}", flush=True)
+              f"{run['repeat_ttft_ms'][1]:.0f} ms; prefix hit rate {run['prefix_hit_rate']:.2f}; prompt tokens "
+              f"{run['turn_prompt_tokens']}, computed {run['turn_computed_tokens']}", flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"saved {args.out}")
     return 0

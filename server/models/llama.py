@@ -70,6 +70,9 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns (out, logsumexp)
+
+
 class RMSNorm(nn.Module):
     """Llama RMSNorm (HF's rounding: normalise in fp32, scale in the model dtype); the model calls the kernel."""
 
@@ -195,15 +198,36 @@ class Attention(nn.Module):
 
     def _attend_chunk(self, q: torch.Tensor, chunk: PrefillChunk, table: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """SDPA of one prefill chunk q [length, heads, head_dim] over its sequence's cached prefix."""
+        """Attention of one prefill chunk q [length, heads, head_dim] over its sequence's cached prefix."""
         end = chunk.start + chunk.length
         block_size = k_cache.shape[2]
         blocks = table[:(end + block_size - 1) // block_size].long()
         keys, values = (c[blocks].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :end]
                         for c in (k_cache, v_cache))
+        if q.device.type != "cpu":
+            return self._attend_chunk_masked(q, chunk, keys, values)
+        # CPU flash attention has no causal-with-offset mask (a boolean mask falls back to the slow math
+        # path): attend the cached prefix without a mask and the chunk causally, then merge the two
+        # softmaxes by their log-sum-exps.
+        group = self.num_heads // self.num_kv_heads
+        keys, values = (t.repeat_interleave(group, dim=0).unsqueeze(0) for t in (keys, values))
+        q = q.transpose(0, 1).unsqueeze(0)  # [1, heads, length, head_dim]
+        out, lse = _flash(q, keys[:, :, chunk.start:], values[:, :, chunk.start:], 0.0, True, scale=self.scale)
+        if chunk.start > 0:
+            prefix, prefix_lse = _flash(q, keys[:, :, :chunk.start], values[:, :, :chunk.start], 0.0, False,
+                                        scale=self.scale)
+            top = torch.maximum(lse, prefix_lse)
+            w, w_prefix = (lse - top).exp().unsqueeze(-1), (prefix_lse - top).exp().unsqueeze(-1)
+            out = ((out.float() * w + prefix.float() * w_prefix) / (w + w_prefix)).to(q.dtype)
+        return out[0].transpose(0, 1).reshape(chunk.length, -1)
+
+    def _attend_chunk_masked(self, q: torch.Tensor, chunk: PrefillChunk, keys: torch.Tensor,
+                             values: torch.Tensor) -> torch.Tensor:
+        """The same with one SDPA call and an explicit causal mask (devices other than the CPU)."""
         mask = None
-        if chunk.start > 0:  # a chunk after cached tokens: causal, shifted by start
-            mask = torch.ones(chunk.length, end, dtype=torch.bool, device=q.device).tril(diagonal=chunk.start)
+        if chunk.start > 0:
+            mask = torch.ones(chunk.length, chunk.start + chunk.length, dtype=torch.bool,
+                              device=q.device).tril(diagonal=chunk.start)
         attn = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
                                               is_causal=chunk.start == 0, scale=self.scale, enable_gqa=True)
         return attn.transpose(0, 1).reshape(chunk.length, -1)
