@@ -1,9 +1,10 @@
-"""Prefix caching benchmark: a 12-turn chat and a repeated long prompt, with prefix caching on and off.
+"""Prefix caching benchmark: a 12-turn chat, a repeated long prompt and a shared system prompt, on and off.
 
 Each turn sends the whole conversation so far plus ~60 new tokens (as every chat client does) and
 streams a short greedy reply; TTFT per turn shows whether the server recomputes the history. Then the
-same 1,200-token prompt twice. Both servers run the default config in turn, differing only in
-`engine.enable_prefix_caching`.
+same 1,200-token prompt twice; then 32 chats at concurrency 16 that share a ~500-token system prompt
+and ask distinct ~50-token questions (aggregate output tok/s). Both servers run the default config in
+turn, differing only in `engine.enable_prefix_caching`.
 
     python -m bench.multiturn
 """
@@ -11,6 +12,7 @@ same 1,200-token prompt twice. Both servers run the default config in turn, diff
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import time
@@ -52,6 +54,24 @@ def streamed_ttft(client: httpx.Client, url: str, path: str, body: dict) -> tupl
     return ttft or float("nan"), "".join(text), usage
 
 
+async def shared_prefix_throughput(url: str, model: str, rng: random.Random, num: int = 32, concurrency: int = 16,
+                                   max_tokens: int = 32) -> float:
+    """Aggregate output tok/s of chats sharing a ~500-token system prompt, distinct ~50-token questions."""
+    system = {"role": "system", "content": " ".join(rng.choice(WORDS) for _ in range(380))}
+    questions = [user_turn(rng, 36) for _ in range(num)]
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=300) as client:
+        async def one(question: str) -> int:
+            async with sem:
+                body = {"model": model, "messages": [system, {"role": "user", "content": question}],
+                        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+                return (await client.post(f"{url}/v1/chat/completions", json=body)).json()["usage"]["completion_tokens"]
+
+        start = time.perf_counter()
+        tokens = await asyncio.gather(*(one(q) for q in questions))
+    return sum(tokens) / (time.perf_counter() - start)
+
+
 def run_server(config: Path, model: str, turns: int, long_prompt_words: int, seed: int) -> dict:
     """TTFT of every chat turn and of the repeated long prompt, against one server."""
     rng = random.Random(seed)
@@ -72,10 +92,12 @@ def run_server(config: Path, model: str, turns: int, long_prompt_words: int, see
         repeat = [streamed_ttft(client, server.url, "/v1/completions",
                                 {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0})[0]
                   for _ in range(2)]
+        shared_tok_s = asyncio.run(shared_prefix_throughput(server.url, model, rng))
         hits = server.metric("neuronmm_prefix_cache_hits_total")
         queries = server.metric("neuronmm_prefix_cache_queries_total")
     return {"turn_ttft_ms": [1e3 * t for t in turn_ttfts], "turn_prompt_tokens": prompt_tokens,
             "turn_computed_tokens": computed, "repeat_ttft_ms": [1e3 * t for t in repeat],
+            "shared_prefix_tok_s": shared_tok_s,
             "prefix_hit_rate": hits / queries if queries else 0.0}
 
 
@@ -99,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         t = run["turn_ttft_ms"]
         print(f"prefix caching {'on ' if caching else 'off'}: turn TTFT ms {' '.join(f'{x:.0f}' for x in t)}; "
               f"last/second {t[-1] / t[1]:.2f}; repeated long prompt {run['repeat_ttft_ms'][0]:.0f} -> "
-              f"{run['repeat_ttft_ms'][1]:.0f} ms; prefix hit rate {run['prefix_hit_rate']:.2f}; prompt tokens "
+              f"{run['repeat_ttft_ms'][1]:.0f} ms; shared system prompt c=16 {run['shared_prefix_tok_s']:.1f} tok/s; "
+              f"prefix hit rate {run['prefix_hit_rate']:.2f}; prompt tokens "
               f"{run['turn_prompt_tokens']}, computed {run['turn_computed_tokens']}", flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"saved {args.out}")

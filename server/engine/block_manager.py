@@ -109,6 +109,8 @@ class PagedKV:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free[block] = None
+                if self.block_hash[block] is None:  # nothing cached in it: reuse it first, so the memory
+                    self.free.move_to_end(block, last=False)  # touched stays as small as the work needs
                 self.stats.num_used_blocks -= 1
         seq.block_table = []
         seq.num_hashed_blocks = 0

@@ -57,6 +57,27 @@ def test_never_the_whole_prompt_and_freed_blocks_stay_findable_until_reused():
     assert _seq(list(range(8))).block_table == [] and not kv.can_admit(_seq(list(range(8))))
 
 
+def test_the_same_tokens_after_another_prefix_never_hit():
+    kv = PagedKV(num_blocks=8, block_size=4)
+    first = _seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    kv.admit(first)
+    _computed(kv, first)
+    shifted = _seq([0, 0, 0, 0, 5, 6, 7, 8, 9])  # block 2 holds the same tokens, under another parent
+    kv.admit(shifted)
+    assert shifted.num_computed == 0
+
+
+def test_freed_uncached_blocks_are_reused_before_untouched_ones():
+    kv = PagedKV(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    first = _seq(list(range(6)))
+    kv.admit(first)
+    used = set(first.block_table)
+    kv.release(first)
+    second = _seq(list(range(50, 56)))
+    kv.admit(second)
+    assert set(second.block_table) == used
+
+
 def test_prefix_caching_off_shares_nothing():
     kv = PagedKV(num_blocks=8, block_size=4, enable_prefix_caching=False)
     first = _seq(list(range(10)))
@@ -113,6 +134,15 @@ def test_out_of_blocks_preempts_and_recomputes_with_the_same_results(tiny_model_
     assert _run(tight, prompts, 30) == roomy
     assert tight.scheduler.kv.stats.preemptions >= 1
     assert tight.scheduler.kv.num_free == tight.scheduler.kv.capacity
+
+
+def test_an_aborted_request_returns_its_blocks(tiny_model_dir, tok):
+    engine = _engine(tiny_model_dir, tok)
+    engine.add_request("long", list(range(100, 180)), SamplingParams(max_tokens=50, **GREEDY))
+    engine.step()
+    assert engine.scheduler.kv.num_free < engine.scheduler.kv.capacity
+    engine.abort("long")
+    assert engine.scheduler.kv.num_free == engine.scheduler.kv.capacity
 
 
 def test_chat_requests_share_their_system_prompt(tiny_model_dir):
