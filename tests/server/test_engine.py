@@ -147,8 +147,10 @@ def test_eos_ends_sequence(parts):
     assert len(outs) == 1 and outs[0].finish_reason == "stop"
 
 
-def test_seeded_sampling_reproducible_and_n_choices_differ(parts):
-    params = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+@pytest.mark.parametrize("seed", [1234, None], ids=["request-seed", "engine-seed"])
+def test_sampling_replays_and_n_choices_differ(parts, seed):
+    """The request's seed (or, without one, engine.seed) replays the same tokens; n choices differ (seed + index)."""
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True)
     runs = []
     for _ in range(2):
         engine = make_engine(parts)
@@ -156,7 +158,7 @@ def test_seeded_sampling_reproducible_and_n_choices_differ(parts):
         outs = run_all(engine)["r"]
         runs.append([[t for o in outs if o.index == i for t in o.token_ids] for i in range(2)])
     assert runs[0] == runs[1]
-    assert runs[0][0] != runs[0][1]  # seed + index per choice
+    assert runs[0][0] != runs[0][1]
 
 
 def test_forward_failure_fails_only_that_step(parts):
@@ -182,14 +184,3 @@ def test_forward_failure_fails_only_that_step(parts):
     engine.add_request("after", [3, 4, 5], SamplingParams(max_tokens=5, **GREEDY))
     assert run_all(engine)["after"][-1].finish_reason == "length"
 
-
-def test_unseeded_requests_replay_under_the_engine_seed(parts):
-    """engine.seed draws the seeds of requests without one: the same engine seed replays the same text."""
-    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
-    runs = []
-    for _ in range(2):
-        engine = make_engine(parts)
-        engine.add_request("r", [20, 21, 22], params, n=2)
-        outs = run_all(engine)["r"]
-        runs.append([[t for o in outs if o.index == i for t in o.token_ids] for i in range(2)])
-    assert runs[0] == runs[1] and runs[0][0] != runs[0][1]
