@@ -94,8 +94,10 @@ def write_config(path: Path, model_dir: Path | None, engine: dict | None = None,
 class ServerProcess:
     """`neuronmm serve` in a subprocess on a free loopback port, stdout+stderr to a log file."""
 
-    def __init__(self, config: Path, log_path: Path, api_key: str | None = None, num_threads: int | None = None):
-        self.port = free_port()
+    def __init__(self, config: Path, log_path: Path, api_key: str | None = None, num_threads: int | None = None,
+                 port: int | None = None, stop_timeout: float = 30.0):
+        self.port = port or free_port()  # a fixed port lets a restarted replica come back where a proxy routes
+        self.stop_timeout = stop_timeout
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -152,7 +154,7 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(30)
+                self.proc.wait(self.stop_timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

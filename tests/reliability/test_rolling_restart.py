@@ -31,7 +31,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.harness import NEURONMM, REPO, free_port, wait_healthy, write_config
+from bench.harness import REPO, ServerProcess, free_port, write_config
 from bench.load import run_load
 
 pytestmark = pytest.mark.slow
@@ -55,33 +55,9 @@ def _waiting_metric() -> str:
     return rule["seriesQuery"].split("{")[0]
 
 
-class Replica:
+def Replica(config: Path, port: int, log_path: Path) -> ServerProcess:
     """`neuronmm serve` on a fixed loopback port, so a restarted replica comes back where nginx routes."""
-
-    def __init__(self, config: Path, port: int, log_path: Path):
-        self.port, self.log_path = port, log_path
-        self.url = f"http://127.0.0.1:{port}"
-        self._log = open(log_path, "wb")
-        cmd = NEURONMM + ["serve", "--config", str(config), "--port", str(port), "--num-threads", "1"]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        wait_healthy(self.url, timeout, lambda: None if self.proc.poll() is None else "replica exited")
-
-    def log_text(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(GRACE_S + 10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+    return ServerProcess(config, log_path, num_threads=1, port=port, stop_timeout=GRACE_S + 10)
 
 
 class Nginx:
