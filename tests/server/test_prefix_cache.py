@@ -158,3 +158,21 @@ def test_chat_requests_share_their_system_prompt(tiny_model_dir):
     hits = [line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits_total")]
     assert hits and float(hits[0].split()[-1]) >= 32
     assert "vllm:kv_cache_usage_perc" in metrics and "vllm:num_preemptions_total" in metrics
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_text_is_the_same_from_the_prefix_cache(smol_dir):
+    """The real model: a prompt served again from cached blocks continues with the same greedy tokens."""
+    tok = load_tokenizer(smol_dir)
+    runner = TorchRunner(smol_dir, 512, "float32")
+    runner.load()
+    engine = build_engine(tiny_config(smol_dir, max_model_len=512), runner, tok, eos_token_ids(smol_dir, tok))
+    prompt = tok("The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz "
+                 "combined movable metal type with an oil-based ink and a screw press. Within fifty years").input_ids
+    first = _run(engine, {"cold": prompt}, 24)["cold"]
+    engine.add_request("warm", prompt, SamplingParams(max_tokens=24, **GREEDY))
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    assert outs[-1].num_cached_tokens >= 32
+    assert [t for o in outs for t in o.token_ids] == first
