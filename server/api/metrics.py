@@ -8,7 +8,6 @@ them for vLLM.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector,
@@ -18,21 +17,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from server.engine.block_manager import KVStats
 from server.engine.llm_engine import StepStats
 
-# Backends with static-shape buckets (neuron) register their PaddingStats here at load; weak, so a
-# finished runner disappears from /metrics with it.
-_PADDING_SOURCES: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def register_padding_source(stats) -> None:
-    """Expose a backend's per-bucket padding counts (an object with `snapshot()`) on /metrics."""
-    _PADDING_SOURCES.add(stats)
-
-
 class _PaddingCollector:
-    """neuronmm_bucket_{real,padding}_slots{phase,bucket}: padding waste per compiled bucket."""
+    """neuronmm_bucket_{real,padding}_slots{phase,bucket}: padding waste per compiled bucket (static-shape
+    backends report their totals with each step, so this works with the engine in another process)."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, metrics: "ServerMetrics"):
         self.model_name = model_name
+        self.metrics = metrics
 
     def collect(self):
         labels = ["model_name", "phase", "bucket"]
@@ -40,11 +31,10 @@ class _PaddingCollector:
                                    "compiled bucket", labels=labels)
         pad = CounterMetricFamily("neuronmm_bucket_padding_slots", "Padded (wasted) slots run per compiled bucket",
                                   labels=labels)
-        for source in list(_PADDING_SOURCES):
-            for (phase, bucket), c in sorted(source.snapshot().items()):
-                key = [self.model_name, phase, str(bucket)]
-                real.add_metric(key, c["real"])
-                pad.add_metric(key, c["padding"])
+        for (phase, bucket), c in sorted((self.metrics.padding or {}).items()):
+            key = [self.model_name, phase, str(bucket)]
+            real.add_metric(key, c["real"])
+            pad.add_metric(key, c["padding"])
         yield real
         yield pad
 
@@ -148,7 +138,8 @@ class ServerMetrics:
         self._model_name = model_name
         reg.register(_KVCollector(model_name, self))
         self.kv: KVStats | None = None  # the engine's KV totals, as of its latest step
-        self.registry.register(_PaddingCollector(model_name))
+        self.padding: dict | None = None  # the backend's padding totals, as of the latest step
+        self.registry.register(_PaddingCollector(model_name, self))
         self.http_requests = Counter("http_requests", "HTTP requests by method, route and status class",
                                      ["method", "handler", "status"], registry=self.registry)
         self.http_latency = Histogram("http_request_duration_seconds", "HTTP request handling time",
@@ -171,6 +162,8 @@ class ServerMetrics:
             self.queue_time.observe(queued)
         if stats.kv is not None:
             self.kv = stats.kv
+        if stats.padding is not None:
+            self.padding = stats.padding
         for itl in stats.itls:
             self.itl.observe(itl)
         for reason, e2e in stats.finished:

@@ -31,6 +31,7 @@ class StepStats:
     itls: list[float] = field(default_factory=list)  # seconds between the two newest tokens, the others
     finished: list[tuple[str, float]] = field(default_factory=list)  # (finish reason, e2e seconds)
     kv: KVStats | None = None  # the KV cache's totals after the step
+    padding: dict | None = None  # static-shape backends: {(phase, bucket): counts} totals (runner.padding)
 
 
 StepObserver = Callable[[StepStats], None]
@@ -104,6 +105,8 @@ class LLMEngine:
         if self.observers:
             stats = self._stats([c.seq for c in sampled], num_prompt_tokens, len(chunks), now)
             stats.kv = replace(self.scheduler.kv.stats)
+            padding = getattr(self.runner, "padding", None)  # backends with compiled buckets count their waste
+            stats.padding = padding.snapshot() if padding is not None else None
             for observer in self.observers:
                 observer(stats)
         return outputs

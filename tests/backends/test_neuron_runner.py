@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from server.api.metrics import ServerMetrics
+from server.engine.llm_engine import StepStats
 from server.backends.base import SeqChunk
 from server.backends.neuron.layout import layer_keys
 from server.backends.neuron.runner import NeuronRunner
@@ -112,7 +113,9 @@ def test_padding_per_bucket_reaches_metrics(model_dir, tmp_path):
     # batch_buckets [1, 4, 8]: only 8 exists for decode (batch_size_for_shared_caches)
     assert runner.decode_batch == 8 and {b for phase, b in snap if phase == "decode"} == {8}
     assert snap[("decode", 8)] == {"runs": 2, "real": 8, "padding": 8}
-    text = ServerMetrics("m").render().decode()
+    metrics = ServerMetrics("m")
+    metrics.observe_step(StepStats(batch_size=5, num_prompt_tokens=0, num_generation_tokens=5, padding=snap))
+    text = metrics.render().decode()
     assert 'neuronmm_bucket_padding_slots_total{bucket="128",model_name="m",phase="prefill"} 28.0' in text
     assert 'neuronmm_bucket_real_slots_total{bucket="8",model_name="m",phase="decode"} 8.0' in text
 

@@ -98,9 +98,6 @@ class NeuronRunner:
             raise ConfigError("neuron.use_lowrank_kernel: false cannot serve model.compressed (no dense fallback "
                               "for factors on Neuron); drop model.compressed or enable the kernel")
         self.model = self._factory(self.model_dir, self.args, factors, self.hf_config)
-        from server.api.metrics import register_padding_source
-
-        register_padding_source(self.padding)
 
     def allocate_kv(self, num_slots: int) -> None:
         """tnx allocates the KV cache at compile time for the largest batch bucket; only check the fit."""
