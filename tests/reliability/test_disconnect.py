@@ -18,6 +18,7 @@ from support import live_server, tiny_config
 pytestmark = pytest.mark.slow
 
 NUM_CLIENTS = 200
+PREFILL_WATCHED = (100, 101, 102)  # token ids of the prompts that hang up mid-prefill, one each
 PROBE = {"model": "tiny", "prompt": "The probe request", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
 
 
@@ -39,6 +40,15 @@ def _recording_loader(phases: collections.Counter):
             original(request_id)
 
         engine.abort = abort
+        execute = runtime.runner.execute
+
+        def slow_long_prefill(chunks):
+            # the tiny model prefills 950 tokens in a blink; 60 chunks x 5 ms leave the hang-up time to land
+            if any(not c.needs_logits and set(c.token_ids) <= set(PREFILL_WATCHED) for c in chunks):
+                time.sleep(0.005)
+            return execute(chunks)
+
+        runtime.runner.execute = slow_long_prefill
         return runtime
 
     return loader
@@ -64,9 +74,11 @@ async def _client(url: str, rng: random.Random, outcomes: collections.Counter) -
             outcomes["hung up"] += 1
 
 
-async def _hang_up_in_prefill(url: str, scheduler) -> None:
-    """A client whose 950-token prompt is watched in the engine: it hangs up mid-prefill (timing-independent)."""
-    body = {"model": "tiny", "prompt": [100] * 950, "max_tokens": 8, "stream": True}
+async def _hang_up_in_prefill(url: str, scheduler, token_id: int) -> None:
+    """A client whose 950-token prompt is watched in the engine: it hangs up mid-prefill (timing-independent).
+
+    Each call needs its own prompt: the prefix cache would serve a repeated one without a prefill."""
+    body = {"model": "tiny", "prompt": [token_id] * 950, "max_tokens": 8, "stream": True}
 
     async def send():
         async with httpx.AsyncClient(timeout=60) as client:
@@ -76,7 +88,8 @@ async def _hang_up_in_prefill(url: str, scheduler) -> None:
 
     task = asyncio.ensure_future(send())
     deadline = time.monotonic() + 30
-    while not any(len(s.prompt_ids) > 900 and 0 < s.num_computed < len(s.prompt_ids) for s in list(scheduler.running)):
+    while not any(s.prompt_ids[0] == token_id and 0 < s.num_computed < len(s.prompt_ids)
+                  for s in list(scheduler.running)):
         assert time.monotonic() < deadline and not task.done(), "never saw the prefill"
         await asyncio.sleep(0.001)
     task.cancel()
@@ -117,8 +130,8 @@ def test_random_disconnects_free_every_slot(tiny_model_dir):
 
         async def storm():
             scheduler = live.state.runtime.engine.scheduler
-            for _ in range(3):
-                await _hang_up_in_prefill(live.url, scheduler)
+            for token_id in PREFILL_WATCHED:
+                await _hang_up_in_prefill(live.url, scheduler, token_id)
             await asyncio.gather(*(_client(live.url, rng, outcomes) for _ in range(NUM_CLIENTS)))
 
         asyncio.run(storm())

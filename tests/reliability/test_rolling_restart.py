@@ -161,9 +161,23 @@ class GaugeSampler:
         self._thread.join(10)
 
 
+def _wait_busy(port: int, timeout: float = 20.0) -> None:
+    """Until the replica has sequences running: the load comes in batches, and a signal between two would
+    test an idle drain."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+        if any(s.value > 0 for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "neuronmm_num_requests_running"):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"replica on port {port} never had a request running: no load reaches it")
+
+
 def _restart(replicas: list[Replica], i: int, config: Path, tmp_path: Path, generation: int) -> dict:
     """SIGTERM replica i under load, wait for its exit, start it again on the same port, wait until ready."""
     old = replicas[i]
+    _wait_busy(old.port)
     signalled = time.monotonic()
     old.proc.send_signal(signal.SIGTERM)
     code = old.proc.wait(GRACE_S + 15)
