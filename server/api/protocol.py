@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -126,13 +127,17 @@ class CompletionRequest(_Request):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs (prompt logprobs) is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of must equal n (server-side ranking is not supported)")
         return self
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        structured: StructuredOutput | None = None) -> SamplingParams:
+        """As for every request, plus prompt logprobs when echo and logprobs are both set (lm-eval's scoring)."""
+        params = super().sampling_params(max_tokens, logprobs, structured)
+        return replace(params, prompt_logprobs=logprobs if self.echo else None)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
@@ -310,8 +315,8 @@ class Logprobs(BaseModel):
     """Completions-style logprobs."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

@@ -58,6 +58,7 @@ class _Choice:
     def __init__(self):
         self.text = ""
         self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.finish_reason: str | None = None
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
@@ -236,6 +237,7 @@ class OpenAIServing:
                 c = choices[offset + out.index]
                 c.text += out.text
                 c.logprobs.extend(out.logprobs or [])
+                c.prompt_logprobs = out.prompt_logprobs or c.prompt_logprobs
                 c.num_output_tokens = out.num_output_tokens
                 c.num_cached_tokens = max(c.num_cached_tokens, out.num_cached_tokens)
                 c.finish_reason = out.finish_reason or c.finish_reason
@@ -283,8 +285,19 @@ class OpenAIServing:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in data), data
 
-    def _completion_logprobs(self, lps: list[TokenLogprob], offsets: _TextOffsets) -> Logprobs:
+    def _completion_logprobs(self, lps: list[TokenLogprob], offsets: _TextOffsets,
+                             prompt_ids: list[int] | None = None,
+                             prompt_lps: list[TokenLogprob | None] | None = None) -> Logprobs:
+        """Completions logprobs of the generated tokens, after those of the echoed prompt when given."""
         out = Logprobs()
+        for token_id, lp in zip(prompt_ids or [], prompt_lps or []):
+            token, data = self._token(token_id)
+            out.text_offset.append(offsets.next(data))
+            out.tokens.append(token)
+            out.token_logprobs.append(None if lp is None else lp.logprob)
+            # as vLLM does: the prompt token itself is among its top alternatives
+            out.top_logprobs.append(None if lp is None else {
+                **{self._token(t)[0]: v for t, v in lp.top}, token: lp.logprob})
         for lp in lps:
             token, data = self._token(lp.token_id)
             out.text_offset.append(offsets.next(data))
@@ -317,7 +330,8 @@ class OpenAIServing:
         num_prompt = sum(len(ids) for ids in prompts)  # once per prompt, whatever n is
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            state = {"echo": {i: echoes[i // req.n] for i in range(len(prompts) * req.n)}}
+            state = {"echo": {i: echoes[i // req.n] for i in range(len(prompts) * req.n)},
+                     "prompts": {i: prompts[i // req.n] for i in range(len(prompts) * req.n)}}
             return self._stream(gens, req.n, num_prompt, include_usage, rid, "text_completion",
                                 lambda out, index: self._completion_delta(out, index, state))
         choices = await self._collect(raw, gens, req.n)
@@ -325,16 +339,19 @@ class OpenAIServing:
         usage = self._usage(num_prompt, sum(c.num_output_tokens for c in choices), self._cached(choices, req.n))
         return CompletionResponse(id=rid, model=self.model_name, usage=usage, choices=[
             CompletionChoice(index=i, text=echoes[i // req.n] + c.text, finish_reason=c.finish_reason,
-                             logprobs=(self._completion_logprobs(c.logprobs, _TextOffsets())
+                             logprobs=(self._completion_logprobs(c.logprobs, _TextOffsets(), prompts[i // req.n],
+                                                                 c.prompt_logprobs)
                                        if req.logprobs is not None else None))
             for i, c in enumerate(choices)])
 
     def _completion_delta(self, out: SeqOutput, index: int, state: dict) -> dict:
         echo = state["echo"].pop(index, "")
+        prompt_ids = state["prompts"].pop(index, None) if out.prompt_logprobs else None
         logprobs = None
-        if out.logprobs:
+        if out.logprobs or prompt_ids:
             offsets = state.setdefault(("offsets", index), _TextOffsets())
-            logprobs = self._completion_logprobs(out.logprobs, offsets).model_dump()
+            logprobs = self._completion_logprobs(out.logprobs or [], offsets, prompt_ids,
+                                                 out.prompt_logprobs).model_dump()
         return {"index": index, "text": echo + out.text, "finish_reason": out.finish_reason, "logprobs": logprobs}
 
     def _observe(self, prompts: list[list[int]], n: int, num_outputs: list[int]) -> None:

@@ -21,6 +21,7 @@ class SeqChunk:
     start_pos: int
     needs_logits: bool = True
     block_table: list[int] | None = None
+    all_logits: bool = False  # logits of every position of the chunk, in order (prompt logprobs)
 
 
 class ModelRunner(Protocol):
@@ -33,6 +34,7 @@ class ModelRunner(Protocol):
         """Load weights (and compile, where the backend compiles)."""
 
     supports_paged_kv: bool  # True: allocate_kv_blocks + block tables (the engine can share prefix blocks)
+    supports_prompt_logprobs: bool  # True: honours SeqChunk.all_logits (absent: False)
 
     def allocate_kv(self, num_slots: int) -> None:
         """Reserve KV storage for `num_slots` concurrent sequences of up to max_model_len tokens."""
@@ -44,7 +46,8 @@ class ModelRunner(Protocol):
         """Paged backends: KV bytes one cached token takes (sizes the pool from a memory budget)."""
 
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """Run one forward over all chunks; fp32 logits [num chunks with needs_logits, vocab]."""
+        """Run one forward over all chunks; fp32 logits, one row per chunk with needs_logits (its last
+        position), or one per position for a chunk with all_logits (backends with supports_prompt_logprobs)."""
 
     def release_slot(self, slot: int) -> None:
         """Forget a finished sequence's cache slot (may be a no-op)."""

@@ -25,6 +25,7 @@ class TorchRunner:
     """
 
     supports_paged_kv = True
+    supports_prompt_logprobs = True  # SeqChunk.all_logits
 
     def __init__(self, model_dir: Path, max_model_len: int, dtype: str = "auto", device: str = "cpu",
                  compressed: Path | None = None, num_threads: int | None = None, pack_weights: bool = True,
@@ -86,7 +87,9 @@ class TorchRunner:
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
             seq_index.extend([row] * n)
             context_lens.extend(range(start + 1, start + n + 1) if fused else [0] * n)
-            if chunk.needs_logits:
+            if chunk.all_logits:
+                logits_index.extend(range(len(ids) - n, len(ids)))
+            elif chunk.needs_logits:
                 logits_index.append(len(ids) - 1)
         as_tensor = lambda xs, dtype=torch.long: torch.tensor(xs, dtype=dtype, device=self.device)  # noqa: E731
         width = max(len(t) for t in tables)

@@ -125,7 +125,7 @@ class PagedKV:
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks already holding the sequence's leading full blocks; never all of it (the newest
         token must run through the model to give logits)."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.wants_prompt_logits:  # cached positions give no logits
             return []
         tokens = seq.prompt_ids + seq.output_ids
         hits, parent = [], None

@@ -15,7 +15,7 @@ from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.sampler import sample
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import ScheduledChunk, Scheduler
-from server.engine.sequence import Sequence, SeqOutput, SeqStatus
+from server.engine.sequence import Sequence, SeqOutput, SeqStatus, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,8 @@ class LLMEngine:
         """Queue n sequences for one prompt (the caller has checked lengths)."""
         if request_id in self.seqs:
             raise ValueError(f"duplicate request id {request_id}")
+        if params.prompt_logprobs is not None and not getattr(self.runner, "supports_prompt_logprobs", False):
+            raise ValueError("this backend cannot return prompt logprobs (echo with logprobs)")
         seqs = []
         for index in range(n):
             generator = None
@@ -87,13 +89,16 @@ class LLMEngine:
             return []
         self.max_batch_size_seen = max(self.max_batch_size_seen, len(chunks))
         sampled = [c for c in chunks if c.completes_seq]
+        scored = [c.seq.wants_prompt_logits for c in chunks]
         try:
             logits = self.runner.execute([
                 SeqChunk(c.seq.slot, c.seq.token_slice(c.start, c.start + c.num_tokens), c.start, c.completes_seq,
-                         c.seq.block_table or None)
-                for c in chunks])
+                         c.seq.block_table or None, all_logits)
+                for c, all_logits in zip(chunks, scored)])
             # the runner may hand back inference-mode tensors, which penalties edit in place
             with torch.inference_mode():
+                if any(scored):
+                    logits = self._score_prompts(chunks, scored, logits)
                 tokens, logprobs = sample(logits, [c.seq for c in sampled])
         except Exception as exc:  # fail this step's sequences, keep the engine alive
             log.exception("forward or sampling failed for %d sequences", len(chunks))
@@ -110,6 +115,19 @@ class LLMEngine:
             for observer in self.observers:
                 observer(stats)
         return outputs
+
+    @staticmethod
+    def _score_prompts(chunks: list[ScheduledChunk], scored: list[bool], logits: torch.Tensor) -> torch.Tensor:
+        """Record prompt logprobs from the all-position rows of scored chunks; the rows the sampler needs."""
+        keep, row = [], 0
+        for chunk, all_logits in zip(chunks, scored):
+            num_rows = chunk.num_tokens if all_logits else int(chunk.completes_seq)
+            if all_logits:
+                _record_prompt_logprobs(chunk, logits[row:row + num_rows])
+            if chunk.completes_seq:
+                keep.append(row + num_rows - 1)
+            row += num_rows
+        return logits[keep]
 
     @staticmethod
     def _stats(seqs: list[Sequence], num_prompt_tokens: int, batch_size: int, now: float) -> StepStats:
@@ -154,9 +172,12 @@ class LLMEngine:
         token_ids = seq.output_ids[-1:] if seq.output_ids else []
         lps = seq.pending_logprobs or None
         seq.pending_logprobs = []
+        prompt_lps = seq.prompt_logprobs if seq.output_ids and seq.prompt_logprobs else None
+        if prompt_lps:
+            seq.prompt_logprobs = []  # sent once, with the first token
         out = SeqOutput(seq.request_id, seq.index, seq.detok.take_delta(finished), token_ids, lps,
                         seq.finish_reason if finished else None, len(seq.prompt_ids), len(seq.output_ids), error,
-                        seq.num_cached_tokens)
+                        seq.num_cached_tokens, prompt_lps)
         if finished and all(s.is_finished for s in self.seqs.get(seq.request_id, [])):
             self.seqs.pop(seq.request_id, None)
         return out
@@ -182,3 +203,22 @@ class LLMEngine:
         for rid in request_ids:
             self.seqs.pop(rid, None)
         return outputs
+
+
+def _record_prompt_logprobs(chunk: ScheduledChunk, logits: torch.Tensor) -> None:
+    """Append the logprob of each prompt token this chunk's positions predict (position p scores token p+1)."""
+    seq = chunk.seq
+    if chunk.start == 0:  # a new prefill (or one restarted after preemption): the first token has no context
+        seq.prompt_logprobs = [None]
+    targets = seq.prompt_ids[chunk.start + 1:chunk.start + chunk.num_tokens + 1]
+    if not targets:
+        return
+    logprobs = torch.log_softmax(logits[:len(targets)].float(), dim=-1)
+    target_ids = torch.tensor(targets, device=logprobs.device)
+    chosen = logprobs.gather(1, target_ids.unsqueeze(1)).squeeze(1).tolist()
+    num_top = seq.params.prompt_logprobs
+    tops = [[] for _ in targets]
+    if num_top:
+        values, ids = torch.topk(logprobs, num_top, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    seq.prompt_logprobs.extend(TokenLogprob(t, lp, top) for t, lp, top in zip(targets, chosen, tops))

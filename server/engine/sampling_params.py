@@ -44,6 +44,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # CTRL-style, over prompt and output tokens (1: off)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     logprobs: int | None = None  # number of top alternatives per token (0..MAX_LOGPROBS), None: off
+    prompt_logprobs: int | None = None  # the same for every prompt token (echo + logprobs); None: off
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
     structured: StructuredOutput | None = None
@@ -61,8 +62,9 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be > 0")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be between 0 and max_tokens")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}")
+        for value in (self.logprobs, self.prompt_logprobs):
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}")
         if any(abs(v) > MAX_LOGIT_BIAS for v in self.logit_bias.values()):
             raise ValueError(f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}")
 

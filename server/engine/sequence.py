@@ -41,6 +41,8 @@ class SeqOutput:
     num_output_tokens: int
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # with the first token, when asked: one entry per prompt token (None for the first, which has no context)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Sequence:
     last_token_time: float | None = None
     last_itl: float | None = None  # seconds between the two newest tokens
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # filled chunk by chunk
     logits_state: object | None = None  # owned by engine.logits_processors (grammar matcher, caches)
 
     @property
@@ -79,6 +82,11 @@ class Sequence:
         if end <= n_prompt:
             return self.prompt_ids[start:end]
         return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Its prompt still has to be scored position by position (so no prefix-cache hit may skip any)."""
+        return self.params.prompt_logprobs is not None and not self.output_ids
 
     @property
     def is_finished(self) -> bool:

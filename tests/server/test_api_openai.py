@@ -120,7 +120,6 @@ def test_echo_prepends_the_prompt(client):
 
 @pytest.mark.parametrize("body, param", [
     ({"logprobs": 21}, "logprobs"),
-    ({"echo": True, "logprobs": 1}, None),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"min_p": 2}, "min_p"),
