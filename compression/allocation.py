@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -121,3 +122,77 @@ def params_used(spectra: list[Spectrum], ranks: dict[str, int | None]) -> int:
     """Parameters the chosen ranks use (dense matrices count in·out)."""
     return sum(s.in_features * s.out_features if ranks[s.name] is DENSE
                else low_rank_params(s.in_features, s.out_features, ranks[s.name]) for s in spectra)
+
+
+MAX_DP_CELLS = 50_000_000  # options × capacity cells the exact DP may touch before it coarsens its parameter unit
+
+
+def rank_options(s: Spectrum, rank_multiple: int) -> list[int | None]:
+    """Every rank a matrix may take: the multiples of rank_multiple that save parameters, then dense (always)."""
+    limit = min(s.in_features, s.out_features)
+    ranks = [r for r in range(rank_multiple, limit, rank_multiple) if saves_parameters(s.in_features, s.out_features, r)]
+    return ranks + [DENSE]
+
+
+def _option_cost(s: Spectrum, rank: int | None) -> int:
+    return s.in_features * s.out_features if rank is DENSE else low_rank_params(s.in_features, s.out_features, rank)
+
+
+def _option_loss(loss: np.ndarray, rank: int | None) -> float:
+    return 0.0 if rank is DENSE else float(loss[min(rank, len(loss) - 1)])
+
+
+def allocate_exact(spectra: list[Spectrum], keep_ratio: float, rank_multiple: int,
+                   max_cells: int = MAX_DP_CELLS) -> dict:
+    """Ranks minimising Σ truncation loss (see truncation_loss) under the whole-MLP budget: a multiple-choice knapsack
+    over rank_options per matrix, solved by dynamic programming over the budget in parameter units.
+
+    The unit is the gcd of every option's parameter count, so the DP is exact; when options × capacity would exceed
+    max_cells the unit is coarsened and costs are rounded UP to it (still never over budget, no longer guaranteed
+    optimal; "exact" is then False). Returns allocate's dict plus "exact", "unit" and "total_loss".
+    """
+    if rank_multiple < 1:
+        raise ValueError(f"rank_multiple must be >= 1, got {rank_multiple}")
+    budget = budget_for(spectra, keep_ratio)
+    options = [rank_options(s, rank_multiple) for s in spectra]
+    costs = [[_option_cost(s, r) for r in opts] for s, opts in zip(spectra, options)]
+    losses = [[_option_loss(truncation_loss(s), r) for r in opts] for s, opts in zip(spectra, options)]
+    unit = 0
+    for row in costs:
+        for c in row:
+            unit = math.gcd(unit, c)
+    unit = max(unit, 1)
+    num_options = sum(len(o) for o in options)
+    exact = (budget // unit + 1) * num_options <= max_cells
+    if not exact:  # the smallest unit that keeps the table within max_cells
+        unit = max(unit, -(-budget * num_options // max_cells))
+    capacity = budget // unit
+    units = [[-(-c // unit) for c in row] for row in costs]  # ceil: a coarse unit never under-counts a cost
+    if sum(min(row) for row in units) > capacity:
+        cheapest = sum(min(row) for row in costs)
+        raise ValueError(f"keep_ratio {keep_ratio} leaves {budget} parameters, below the {cheapest} that the smallest "
+                         f"option of every matrix (rank {rank_multiple} or dense) needs")
+    # best[c]: least total loss of the matrices so far using at most c units; choice[k, c]: matrix k's option there.
+    best = np.zeros(capacity + 1)
+    choice = np.zeros((len(spectra), capacity + 1), dtype=np.int32)
+    for k in range(len(spectra)):
+        nxt = np.full(capacity + 1, np.inf)
+        for j, (w, loss) in enumerate(zip(units[k], losses[k])):
+            if w > capacity:
+                continue
+            cand = np.full(capacity + 1, np.inf)
+            cand[w:] = best[:capacity + 1 - w] + loss
+            better = cand < nxt
+            nxt[better] = cand[better]
+            choice[k, better] = j
+        best = nxt
+    ranks: dict[str, int | None] = {}
+    c = capacity
+    for k in range(len(spectra) - 1, -1, -1):
+        j = int(choice[k, c])
+        ranks[spectra[k].name] = options[k][j]
+        c -= units[k][j]
+    ranks = {s.name: ranks[s.name] for s in spectra}
+    loss = {s.name: _option_loss(truncation_loss(s), ranks[s.name]) for s in spectra}
+    return {"ranks": ranks, "budget": budget, "used": params_used(spectra, ranks), "exact": exact, "unit": unit,
+            "total_loss": float(sum(loss.values())), "loss": {k: float(f"{v:.6g}") for k, v in loss.items()}}

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from compression.compress import CompressSettings, compress_model
 from compression.recovery import recover_artifact
-from server.config import CompressionConfig, Config, RecoveryConfig, load_config, validate_section
+from server.config import Config, RecoveryConfig, load_config, validate_section
 from server.errors import ConfigError, first_error
 from server.models.source import resolve_model_dir
 
@@ -33,14 +33,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--calib-seqlen", type=int, help="tokens per calibration window")
     p.add_argument("--calib-data", help="calibration jsonl (default: the config's compression.calib_data)")
     p.add_argument("--seed", type=int)
-    p.add_argument("--allocation", choices=["uniform", "sensitivity"],
-                   help="rank allocation (sensitivity, the default: spread the whole-MLP budget by whitened truncation "
-                        "loss measured on the dense model; uniform: the rank formula per matrix, faster)")
+    p.add_argument("--allocation", choices=["exact", "sensitivity", "uniform"],
+                   help="rank allocation (exact, the default: the whole-MLP budget spread by an exact knapsack over each "
+                        "matrix's rank options and dense, scored by Fisher-weighted whitened truncation loss on the dense "
+                        "model; sensitivity: the same measure, greedy one rank step at a time; uniform: the rank formula "
+                        "per matrix, fastest)")
     p.add_argument("--sensitivity", choices=["fisher", "normalised"],
                    help="allocation measure: fisher (truncation loss weighted by the output Fisher, default) or "
                         "normalised (each matrix's relative output error)")
     p.add_argument("--latency-model", choices=["none", "trn1"],
                    help="trn1: break allocation ties toward the kernels' cost model and record MODELED MLP latency")
+    p.add_argument("--refit", action=argparse.BooleanOptionalAction, default=None,
+                   help="after truncation, refit each B factor by least squares on the compressed model's inputs "
+                        "against the dense layer's outputs (default on; --no-refit turns it off)")
+    p.add_argument("--sensitivity-cache", help="JSON file keeping the allocation's dense pre-pass (spectra, Fisher "
+                                               "weights): reused when model, calibration and measure match, else "
+                                               "written; for allocation experiments")
     p.add_argument("--recover", choices=["lora"], help="after compressing, LoRA-recover the factors "
                                                        "(`neuronmm recover` defaults; see its --help)")
     p.add_argument("--recover-steps", type=int, default=200, help="with --recover lora: training steps")
@@ -51,12 +59,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def settings_from(args: argparse.Namespace, cfg: Config) -> CompressSettings:
     """CompressSettings: CLI flags over the config's compression block (a bad value names its flag)."""
-    flags = {name: getattr(args, name) for name in CompressionConfig.model_fields if getattr(args, name) is not None}
+    flags = {name: getattr(args, name) for name in CompressSettings.model_fields
+             if getattr(args, name, None) is not None}
+    # Only the keys the config sets: fields it leaves out take CompressSettings' defaults (allocation, refit), which
+    # the server's config schema does not know about.
     try:
-        return CompressSettings.model_validate({**cfg.compression.model_dump(), **flags})
+        settings = CompressSettings.model_validate({**cfg.compression.model_dump(exclude_unset=True), **flags})
     except ValidationError as exc:
         name = str(exc.errors()[0]["loc"][0])
         raise ConfigError("--" + first_error(exc).replace(name, name.replace("_", "-"), 1)) from None
+    if settings.allocation == "exact" and settings.sensitivity != "fisher":  # fail before minutes of calibration
+        raise ConfigError("--allocation exact needs --sensitivity fisher (normalised losses of different matrices "
+                          "are not in one unit)")
+    return settings
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -69,7 +84,8 @@ def _run(args: argparse.Namespace) -> int:
     torch.set_num_threads(max(1, args.num_threads))
     model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
     out = Path(args.out).expanduser()
-    manifest = compress_model(model_dir, settings, out, model_id=cfg.model.name)
+    cache = Path(args.sensitivity_cache).expanduser() if args.sensitivity_cache else None
+    manifest = compress_model(model_dir, settings, out, model_id=cfg.model.name, sensitivity_cache=cache)
     if args.recover:
         recover_artifact(out, model_dir, rcfg)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

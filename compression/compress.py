@@ -2,26 +2,32 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
+import numpy as np
 import torch
 from pydantic import Field
 from torch import nn
 from tqdm import tqdm
 
 from compression import latency
-from compression.allocation import allocate
+from compression.allocation import Spectrum, allocate, allocate_exact, truncation_loss
 from compression.calibration import calibration_windows
 from compression.rank import block_rank, saves_parameters
 from compression.sensitivity import dense_mlp_spectra, output_fisher
-from compression.statistics import MLP, batched_gram, capture_layer0_inputs, gram, input_grams, mlp_inputs
+from compression.refit import dense_output_rel_error, refit_b
+from compression.statistics import (MLP, batched_gram, capture_layer0_inputs, cross_gram, gram, input_grams,
+                                    mlp_inputs)
 from compression.whiten import activation_rel_error, damped_cholesky, plain_factors, whitened_factors
 from server.config import CompressionConfig, data_path
 from server.errors import ConfigError
-from server.fileio import file_sha256
+from server.fileio import file_sha256, write_json_atomic
 from server.models.artifact import (FORMAT_VERSION, CalibrationRecord, Manifest, ModuleRecord, ParameterCounts,
                                     SourceRecord, factor_keys, save_artifact, weights_sha256)
 from server.models.lowrank import LowRankLinear
@@ -33,8 +39,11 @@ ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 class CompressSettings(CompressionConfig):
     """Everything that decides the factors (recorded in the manifest): the config's compression block plus
-    two knobs of the calibration passes."""
+    the knobs the server's config schema does not carry (allocation exact, refit) and two of the calibration passes."""
 
+    allocation: Literal["exact", "sensitivity", "uniform"] = "exact"
+    refit: bool = True  # least-squares refit of each B factor against the dense layer's outputs
+    refit_damp: float = Field(1e-2, ge=0)  # ridge toward the SVD's B, relative to the mean diagonal of the Gram
     fisher_windows: int = Field(16, ge=1)  # calibration windows the Fisher estimate back-propagates
     batch_size: int = Field(8, ge=1)  # windows per forward pass of the calibration passes
 
@@ -53,6 +62,14 @@ def _batch_size(num_samples: int, wanted: int) -> int:
     return math.gcd(num_samples, max(1, wanted))
 
 
+@dataclass
+class _RefitStats:
+    """What the refit of one group of matrices needs: X_dᵀX_c and the dense outputs' squared norms per child."""
+
+    cross: torch.Tensor  # [in, in] float64, dense inputs against compressed inputs
+    dense_sq: dict[str, float]  # child name -> ‖X_d Wᵀ‖²_F
+
+
 class _Compressor:
     """Compresses one matrix at a time and keeps the per-module record and factors."""
 
@@ -61,14 +78,16 @@ class _Compressor:
         self.ranks = ranks  # per-module ranks from a sensitivity allocation (None: keep matrix dense); None: uniform
         self.modules: dict[str, ModuleRecord] = {}
         self.tensors: dict[str, torch.Tensor] = {}
+        self.refit: dict[str, list[float]] = {}  # module -> [dense-output rel error before refit, after]
 
-    def compress(self, parent: nn.Module, child: str, hf_name: str, xtx: torch.Tensor, L: torch.Tensor | None) -> None:
+    def compress(self, parent: nn.Module, child: str, hf_name: str, xtx: torch.Tensor, L: torch.Tensor | None,
+                 refit: _RefitStats | None = None) -> None:
         linear = getattr(parent, child)
         out_f, in_f = linear.weight.shape
         if self.ranks is not None and hf_name in self.ranks:
             rank = self.ranks[hf_name]
             if rank is None:
-                reason = "sensitivity allocation kept it dense (its next rank step would not save parameters)"
+                reason = f"{self.s.allocation} allocation kept it dense"
                 log.info("%s kept dense: %s", hf_name, reason)
                 self.modules[hf_name] = ModuleRecord(dense=True, reason=reason, in_features=in_f, out_features=out_f)
                 return
@@ -81,20 +100,26 @@ class _Compressor:
             return
         W = linear.weight.detach()
         A, B = whitened_factors(W, L, rank) if self.s.method == "whitened" else plain_factors(W, rank)
+        if refit is not None:
+            before = dense_output_rel_error(W, A, B, xtx, refit.cross, refit.dense_sq[child])
+            B = refit_b(W, A, B, xtx, refit.cross, self.s.refit_damp)
+            after = dense_output_rel_error(W, A, B, xtx, refit.cross, refit.dense_sq[child])
+            self.refit[hf_name] = [round(before, 6), round(after, 6)]
         rel = activation_rel_error(W, A, B, xtx)
         self.modules[hf_name] = ModuleRecord(rank=rank, in_features=in_f, out_features=out_f, rel_error=round(rel, 6))
         a_key, b_key = factor_keys(hf_name)
         self.tensors[a_key], self.tensors[b_key] = A.to(torch.float32), B.to(torch.float32)
         setattr(parent, child, LowRankLinear(A.to(W.dtype), B.to(W.dtype), linear.bias))
 
-    def group(self, parent: nn.Module, children: tuple[str, ...], prefix: str, xtx: torch.Tensor) -> dict:
+    def group(self, parent: nn.Module, children: tuple[str, ...], prefix: str, xtx: torch.Tensor,
+              refit: _RefitStats | None = None) -> dict:
         """Compress matrices that share one input (one XᵀX, one Cholesky); returns the damping record."""
         L, lam = (None, 0.0)
         if self.s.method == "whitened":
             L, lam = damped_cholesky(xtx)
             log.debug("%s: cholesky damping %.3g", prefix, lam)
         for child in children:
-            self.compress(parent, child, f"{prefix}.{child}", xtx, L)
+            self.compress(parent, child, f"{prefix}.{child}", xtx, L, refit)
         return {"children": list(children), "damp": lam}
 
 
@@ -106,12 +131,47 @@ def _attention_pass(comp: _Compressor, layer: nn.Module, i: int, hidden, kwargs,
             comp.group(attn, ("o_proj",), prefix, grams["o"])]
 
 
-def _mlp_pass(comp: _Compressor, layer: nn.Module, i: int, hidden, kwargs, bs: int) -> tuple[torch.Tensor, list[dict]]:
-    """Compress gate/up, then down on the compressed gate/up's output; returns the next layer's input."""
+@dataclass
+class _DensePass:
+    """The DENSE layer's MLP on the dense model's own hidden states (the refit's targets)."""
+
+    normed: torch.Tensor  # [num_samples, seqlen, hidden]: gate/up input
+    inner: torch.Tensor  # [num_samples, seqlen, intermediate]: down input, act(gate)·up
+    out_sq: dict[str, float]  # child -> ‖output‖²_F over the calibration tokens
+    next_hidden: torch.Tensor  # the dense next layer's input
+
+
+def _dense_pass(layer: nn.Module, hidden: torch.Tensor, kwargs, bs: int) -> _DensePass:
+    """Run layer (still dense) on hidden; keep what the refit needs. Call before the layer is compressed."""
+    mlp = layer.mlp
+    residual, normed = mlp_inputs(layer, hidden, kwargs, bs)
+    sq = {"gate_proj": 0.0, "up_proj": 0.0, "down_proj": 0.0}
+    inner, outs = [], []
+    with torch.no_grad():
+        for start in range(0, normed.shape[0], bs):
+            x = normed[start:start + bs]
+            g, u = mlp.gate_proj(x), mlp.up_proj(x)
+            m = mlp.act_fn(g) * u
+            d = mlp.down_proj(m)
+            for name, y in (("gate_proj", g), ("up_proj", u), ("down_proj", d)):
+                sq[name] += float(y.double().pow(2).sum())
+            inner.append(m)
+            outs.append(residual[start:start + bs] + d)
+    return _DensePass(normed, torch.cat(inner), sq, torch.cat(outs))
+
+
+def _mlp_pass(comp: _Compressor, layer: nn.Module, i: int, hidden, kwargs, bs: int,
+              dense: _DensePass | None = None) -> tuple[torch.Tensor, list[dict]]:
+    """Compress gate/up, then down on the compressed gate/up's output; returns the next layer's input.
+
+    With `dense` (refit on) each B is refitted against the dense layer's outputs, so down is fitted on the refitted
+    gate/up's output.
+    """
     mlp, prefix = layer.mlp, f"model.layers.{i}.mlp"
     residual, normed = mlp_inputs(layer, hidden, kwargs, bs)
     xtx = batched_gram(normed, bs)
-    damps = [comp.group(mlp, ("gate_proj", "up_proj"), prefix, xtx)]
+    refit = _RefitStats(cross_gram(dense.normed, normed, bs), dense.out_sq) if dense is not None else None
+    damps = [comp.group(mlp, ("gate_proj", "up_proj"), prefix, xtx, refit)]
     inner, xtx_down = [], None
     with torch.no_grad():
         for start in range(0, normed.shape[0], bs):
@@ -119,7 +179,10 @@ def _mlp_pass(comp: _Compressor, layer: nn.Module, i: int, hidden, kwargs, bs: i
             m = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
             xtx_down = gram(m) if xtx_down is None else xtx_down + gram(m)
             inner.append(m)
-    damps.append(comp.group(mlp, ("down_proj",), prefix, xtx_down))
+    refit = None
+    if dense is not None:
+        refit = _RefitStats(cross_gram(dense.inner, torch.cat(inner), bs), dense.out_sq)
+    damps.append(comp.group(mlp, ("down_proj",), prefix, xtx_down, refit))
     with torch.no_grad():
         out = torch.cat([residual[k:k + bs] + mlp.down_proj(inner[j]) for j, k in enumerate(range(0, normed.shape[0], bs))])
     return out, damps
@@ -136,14 +199,67 @@ def _param_counts(model: nn.Module, modules: dict[str, ModuleRecord]) -> Paramet
                            model_ratio=round(total / (total + saved), 6), mlp_ratio=round(mlp_after / mlp_before, 6))
 
 
-def _allocate(model: nn.Module, windows: torch.Tensor, hidden, kwargs, bs: int,
-              settings: CompressSettings) -> tuple[dict, dict | None]:
-    """(manifest "allocation" record, per-module MLP ranks or None for the uniform formula)."""
+def _spectra_key(settings: CompressSettings, source_sha: str, calib_sha: str) -> dict:
+    """Everything the dense pre-pass depends on: a cache file is reused only when all of it matches."""
+    keys = ("method", "sensitivity", "fisher_windows", "calib_samples", "calib_seqlen", "seed", "batch_size")
+    return {"source_sha256": source_sha, "calib_sha256": calib_sha, **{k: getattr(settings, k) for k in keys}}
+
+
+def _load_spectra(path: Path | None, key: dict) -> list[Spectrum] | None:
+    if path is None or not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    if data.get("key") != key:
+        log.warning("%s was made with other settings or weights; recomputing the sensitivity pre-pass", path)
+        return None
+    log.info("sensitivity pre-pass read from %s", path)
+    return [Spectrum(d["name"], d["in"], d["out"], np.asarray(d["sigma"]), d["weight"]) for d in data["spectra"]]
+
+
+def _save_spectra(path: Path | None, key: dict, spectra: list[Spectrum]) -> None:
+    if path is not None:
+        write_json_atomic(path, {"key": key, "spectra": [
+            {"name": s.name, "in": s.in_features, "out": s.out_features, "sigma": s.sigma.tolist(),
+             "weight": s.weight} for s in spectra]})
+
+
+def _allocate(model: nn.Module, windows: torch.Tensor, hidden, kwargs, bs: int, settings: CompressSettings,
+              cache: Path | None = None, cache_key: dict | None = None) -> tuple[dict, dict | None]:
+    """(manifest "allocation" record, per-module MLP ranks or None for the uniform formula).
+
+    cache: a JSON file holding the dense pre-pass (spectra and Fisher weights) for cache_key; read when it matches,
+    else computed and written, so allocation experiments on one model and calibration pay the pre-pass once.
+    """
     record = {"method": settings.allocation, "latency_model": settings.latency_model}
     if settings.allocation == "uniform":
         return record, None
-    weights = output_fisher(model, windows[:settings.fisher_windows]) if settings.sensitivity == "fisher" else None
-    spectra = dense_mlp_spectra(model, hidden, kwargs, bs, whitened=settings.method == "whitened", weights=weights)
+    if settings.allocation == "exact" and settings.sensitivity != "fisher":
+        raise ConfigError("--allocation exact needs --sensitivity fisher (normalised losses of different matrices "
+                          "are not in one unit, so their sum is not a model loss to minimise)")
+    spectra = _load_spectra(cache, cache_key)
+    if spectra is None:
+        weights = output_fisher(model, windows[:settings.fisher_windows]) if settings.sensitivity == "fisher" else None
+        spectra = dense_mlp_spectra(model, hidden, kwargs, bs, whitened=settings.method == "whitened", weights=weights)
+        _save_spectra(cache, cache_key, spectra)
+    weights = spectra[0].weight if spectra else None
+    measure = (f"whitened truncation loss weighted by the output Fisher (mean ‖∂loss/∂y‖² per output, "
+               f"{settings.fisher_windows} calibration windows)" if weights is not None
+               else "normalised whitened truncation loss (relative output error)")
+    if settings.allocation == "exact":
+        try:
+            result = allocate_exact(spectra, settings.keep_ratio, settings.rank_multiple)
+        except ValueError as e:
+            raise ConfigError(f"--allocation exact: {e}") from e
+        greedy = allocate(spectra, settings.keep_ratio, settings.rank_multiple)  # for comparison in the manifest
+        greedy_loss = sum(truncation_loss(sp)[greedy["ranks"][sp.name]] if greedy["ranks"][sp.name] else 0.0
+                          for sp in spectra)
+        record.update({"sensitivity": measure,
+                       "solver": "multiple-choice knapsack, dynamic programming over the budget: per matrix every "
+                                 "rank multiple that saves parameters, or dense; minimises the summed measure",
+                       "exact": result["exact"], "param_unit": result["unit"], "total_loss": result["total_loss"],
+                       "greedy_total_loss": float(greedy_loss),
+                       "mlp_budget": result["budget"], "mlp_params_used": result["used"], "loss": result["loss"]})
+        return record, result["ranks"]
     step_latency = None
     if settings.latency_model == "trn1":
         step_latency = latency.step_latency(128)
@@ -151,9 +267,6 @@ def _allocate(model: nn.Module, windows: torch.Tensor, hidden, kwargs, bs: int,
         result = allocate(spectra, settings.keep_ratio, settings.rank_multiple, step_latency)
     except ValueError as e:
         raise ConfigError(f"--allocation sensitivity: {e}") from e
-    measure = (f"whitened truncation loss weighted by the output Fisher (mean ‖∂loss/∂y‖² per output, "
-               f"{settings.fisher_windows} calibration windows)" if weights is not None
-               else "normalised whitened truncation loss (relative output error)")
     record.update({"sensitivity": f"{measure} per parameter (greedy, one rank step)",
                    "tie_break": "lowest modeled trn1 latency at 128 tokens among steps within 2 % of the best gain "
                                 "per parameter" if step_latency else "none",
@@ -161,8 +274,26 @@ def _allocate(model: nn.Module, windows: torch.Tensor, hidden, kwargs, bs: int,
     return record, result["ranks"]
 
 
-def compress_model(model_dir: Path, settings: CompressSettings, out_dir: Path, model_id: str) -> Manifest:
-    """Compress the model in model_dir per settings and write the artifact to out_dir; returns the manifest."""
+def _refit_record(settings: CompressSettings, comp: _Compressor) -> dict:
+    """The manifest's "refit" block: whether, how, and each module's dense-output error before and after."""
+    if not settings.refit:
+        return {"enabled": False}
+    before = [v[0] for v in comp.refit.values()]
+    after = [v[1] for v in comp.refit.values()]
+    return {"enabled": True, "damp": settings.refit_damp,
+            "solve": "A fixed; B = (W·X_dᵀX_c·Aᵀ + λB₀)(A·X_cᵀX_c·Aᵀ + λI)⁻¹, X_c the compressed model's inputs, X_d the "
+                     "dense model's, λ = damp·mean diag; layer by layer, down after the refitted gate/up",
+            "mean_dense_rel_error_before": round(sum(before) / max(len(before), 1), 6),
+            "mean_dense_rel_error_after": round(sum(after) / max(len(after), 1), 6),
+            "dense_rel_error": comp.refit}
+
+
+def compress_model(model_dir: Path, settings: CompressSettings, out_dir: Path, model_id: str,
+                   sensitivity_cache: Path | None = None) -> Manifest:
+    """Compress the model in model_dir per settings and write the artifact to out_dir; returns the manifest.
+
+    sensitivity_cache: optional JSON file that keeps the allocation's dense pre-pass between runs (see _allocate).
+    """
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     started = time.perf_counter()
@@ -175,30 +306,37 @@ def compress_model(model_dir: Path, settings: CompressSettings, out_dir: Path, m
     damping = {}
     with torch.no_grad():
         hidden, kwargs = capture_layer0_inputs(model, windows, bs)
-    allocation, ranks = _allocate(model, windows, hidden, kwargs, bs, settings)
+    source_sha, calib_sha = weights_sha256(model_dir), file_sha256(calib_path)
+    allocation, ranks = _allocate(model, windows, hidden, kwargs, bs, settings, sensitivity_cache,
+                                  _spectra_key(settings, source_sha, calib_sha))
     comp = _Compressor(settings, ranks)
+    hidden_dense = hidden  # the dense model's hidden states, advanced beside the compressed ones for the refit
     with torch.no_grad():
         layers = model.model.layers
         for i in tqdm(range(len(layers)), desc=f"compress {settings.method} keep {settings.keep_ratio}", unit="layer"):
             layer, records = layers[i], []
+            dense = _dense_pass(layer, hidden_dense, kwargs, bs) if settings.refit else None
             if settings.targets == "mlp+attn":
                 records += _attention_pass(comp, layer, i, hidden, kwargs, bs)
-            hidden, mlp_records = _mlp_pass(comp, layer, i, hidden, kwargs, bs)
+            hidden, mlp_records = _mlp_pass(comp, layer, i, hidden, kwargs, bs, dense)
+            if dense is not None:
+                hidden_dense = dense.next_hidden
+            del dense
             damping[str(i)] = {r["children"][0]: r["damp"] for r in records + mlp_records}
     counts = _param_counts(model, comp.modules)
     if settings.latency_model == "trn1":
         allocation["modeled_latency"] = latency.model_latency(comp.modules)
     manifest = Manifest(
         format_version=FORMAT_VERSION,
-        source=SourceRecord(model_id=model_id, model_dir_name=Path(model_dir).name, sha256=weights_sha256(model_dir)),
+        source=SourceRecord(model_id=model_id, model_dir_name=Path(model_dir).name, sha256=source_sha),
         method=settings.method, keep_ratio=settings.keep_ratio, rank_multiple=settings.rank_multiple,
         targets=settings.targets, allocation=allocation,
-        calibration=CalibrationRecord(data=calib_path.name, sha256=file_sha256(calib_path),
+        calibration=CalibrationRecord(data=calib_path.name, sha256=calib_sha,
                                       samples=settings.calib_samples, seqlen=settings.calib_seqlen, seed=settings.seed,
                                       statistics="float64 XᵀX", sequential=True, document_ids=calib.document_ids),
         seed=settings.seed, tool_version=_tool_version(), settings=settings.model_dump(),
         parameters=counts, params_before=counts.model_before, params_after=counts.model_after,
-        damping=damping, compress_wall_s=round(time.perf_counter() - started, 1),
+        damping=damping, refit=_refit_record(settings, comp), compress_wall_s=round(time.perf_counter() - started, 1),
         modules=comp.modules,
     )
     save_artifact(out_dir, manifest, comp.tensors)

@@ -92,6 +92,7 @@ class Manifest(_Record):
     params_before: int | None = None
     params_after: int | None = None
     damping: dict[str, Any] | None = None
+    refit: dict[str, Any] | None = None  # least-squares refit of the factors (absent in older artifacts)
     compress_wall_s: float | None = None
     recovery: dict[str, Any] | None = None
 
