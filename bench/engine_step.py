@@ -63,7 +63,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
         seen.add(id(t))
         total += t.numel() * t.element_size()
     for module in model.modules():
-        packed = getattr(module, "packed", None)
+        packed = getattr(module, "packed", getattr(module, "panels", None))
         if isinstance(packed, torch.Tensor) and id(packed) not in seen:
             seen.add(id(packed))
             total += packed.numel() * packed.element_size()
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--compressed", help="a compressed artifact folder to apply (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-panel-gemm", action="store_true", help="oneDNN's packed GEMM even where the panel GEMM applies")
     p.add_argument("--out", default=str(RESULTS / "engine_step.json"))
     args = p.parse_args(argv)
 
@@ -87,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model_dir(cfg.model, Path(cfg.cache_dir).expanduser())
     compressed = args.compressed or cfg.model.compressed
     runner = TorchRunner(model_dir, args.context + args.steps + 6, cfg.model.dtype, cfg.device,
-                         Path(compressed) if compressed else None, num_threads=args.num_threads)
+                         Path(compressed) if compressed else None, num_threads=args.num_threads,
+                         panel_gemm=not args.no_panel_gemm)
     runner.load()
     runner.allocate_kv(max(args.batch_sizes))
     rows = []
@@ -100,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
               "cpus": os.cpu_count(), "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS),
               "torch_threads": torch.get_num_threads(), "config": args.config, "compressed": compressed,
+              "panel_gemm": not args.no_panel_gemm,
               "dtype": str(runner.dtype).removeprefix("torch."), "weight_bytes": weight_bytes(runner.model),
               "context": args.context, "rows": rows}
     print("| batch | step p50 ms | step min ms | decode tok/s |\n|---:|---:|---:|---:|")

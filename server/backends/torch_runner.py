@@ -12,7 +12,7 @@ from server.models.cpu_features import resolve_dtype
 from server.models.fused_ops import kernels_for
 from server.models.llama import Attention, FlatBatch, KVCache, LlamaModel, PrefillChunk
 from server.models.loader import load_llama
-from server.models.packed_linear import pack_linears, packing_available
+from server.models.packed_linear import pack_linears, packing_available, panels_available
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class TorchRunner:
 
     def __init__(self, model_dir: Path, max_model_len: int, dtype: str = "auto", device: str = "cpu",
                  compressed: Path | None = None, num_threads: int | None = None, pack_weights: bool = True,
-                 fused_kernels: bool = True):
+                 fused_kernels: bool = True, panel_gemm: bool = True):
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.device = torch.device(device)
@@ -38,6 +38,7 @@ class TorchRunner:
         self.num_threads = num_threads
         self.pack_weights = pack_weights
         self.fused_kernels = fused_kernels
+        self.panel_gemm = panel_gemm  # bf16 panels for our GEMM where the CPU has AVX512-BF16 (else oneDNN)
         self.model: LlamaModel | None = None
         self.cache: KVCache | None = None
         self.vocab_size = 0
@@ -48,7 +49,7 @@ class TorchRunner:
         self.model = load_llama(self.model_dir, self.max_model_len, self.dtype, self.compressed).to(self.device)
         self.vocab_size = self.model.config.vocab_size
         if self.pack_weights and packing_available(self.device, self.dtype):
-            pack_linears(self.model)
+            pack_linears(self.model, use_panels=self.panel_gemm and panels_available(self.device, self.dtype))
         if self.fused_kernels:
             self.model.use_kernels(kernels_for(self.device))
 

@@ -26,20 +26,21 @@ from server.models.cpu_features import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "fused_ops.cpp", CSRC / "small_gemm.cpp")
 # No FMA contraction: the reference rounds each product, and rotary must match it bit for bit.
 CXXFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 _loaded: bool | None = None
 
 
 def _build_dir(cache_dir: Path) -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CXXFLAGS).encode()
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + torch.__version__.encode() + " ".join(CXXFLAGS).encode()
                          + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
     return cache_dir / "ext" / f"fused_ops-{key}"
 
 
 def _compile(target: Path) -> None:
-    """Compile SOURCE into `target` (written under a temporary name, then renamed: never half a library)."""
+    """Compile SOURCES into `target` (written under a temporary name, then renamed: never half a library)."""
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler ({cxx}) on PATH")
@@ -49,10 +50,10 @@ def _compile(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [cxx, *CXXFLAGS, abi, *includes, str(SOURCE), "-o", str(out), *libs]
+        cmd = [cxx, *CXXFLAGS, abi, *includes, *map(str, SOURCES), "-o", str(out), *libs]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"compiling {SOURCE.name} failed: {result.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"compiling {', '.join(s.name for s in SOURCES)} failed: {result.stderr.strip()[-2000:]}")
         os.replace(out, target)
 
 

@@ -1,9 +1,11 @@
-"""CPU fast path: Linear layers with weights pre-packed for oneDNN.
+"""CPU fast path: Linear layers with weights pre-packed, for our bf16 panel GEMM or for oneDNN.
 
-On an AVX-512 CPU oneDNN's packed GEMM is about 2x faster than the default call for the skinny shapes
-of decoding (a few rows against a wide weight), in fp32 (the tied LM head [16, 576] x [576, 49152]:
-8.7 ms vs 19.5 ms) and in bf16 where the CPU has native bf16 dot products. Results equal F.linear up
-to summation order.
+bf16 on a CPU with AVX512-BF16: `PanelLinear`, our own GEMM (csrc/small_gemm.cpp) over a panel layout
+made once at load. At decode sizes it streams each weight at close to memory bandwidth where oneDNN
+spends ~20 µs a call on dispatch (as long as reading a 0.6 MB matrix), and it is no slower at prefill
+sizes (measured in docs/BENCHMARKS.md). Elsewhere (fp32, or bf16 via AMX only): `PackedLinear`, oneDNN's
+packed GEMM, about 2x faster than the default call for the skinny shapes of decoding (fp32 LM head
+[16, 576] x [576, 49152]: 8.7 ms vs 19.5 ms). Results equal F.linear up to summation order.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import torch
 from torch import nn
 
+from server.models import fused_ops
 from server.models.lowrank import LowRankLinear
 
 log = logging.getLogger(__name__)
@@ -62,22 +65,60 @@ class PackedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, onednn-packed"
 
 
-def _packed(module: nn.Module) -> nn.Module | None:
+def panels_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """The panel GEMM runs bf16 on CPUs whose fused-ops build has it (compiled only with AVX512-BF16)."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and fused_ops.load()
+            and hasattr(torch.ops.neuronmm, "panel_linear"))
+
+
+class PanelLinear(nn.Module):
+    """y = x Wᵀ for bf16 x and W [N, K] (K even) held as 32-column panels for csrc/small_gemm.cpp (no bias)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+        self.panels = torch.ops.neuronmm.pack_panels(weight.detach().contiguous())
+        self._gemm = torch.ops.neuronmm.panel_linear.default  # the overload, resolved once
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # the model's flat batches: one call, nothing else
+            return self._gemm(x, self.panels, self.out_features)
+        out = self._gemm(x.reshape(-1, self.in_features), self.panels, self.out_features)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bf16 panels"
+
+
+def _packer(use_panels: bool):
+    """The packed module for one weight: panels where they apply (even K), else oneDNN's layout."""
+    def pack(weight: torch.Tensor) -> nn.Module:
+        if use_panels and weight.shape[1] % 2 == 0:
+            return PanelLinear(weight)
+        return PackedLinear(weight)
+    return pack
+
+
+def _packed(module: nn.Module, pack) -> nn.Module | None:
     if type(module) is nn.Linear and module.bias is None:
-        return PackedLinear(module.weight)
+        return pack(module.weight)
     if isinstance(module, LowRankLinear) and module.bias is None:
-        return nn.Sequential(PackedLinear(module.A), PackedLinear(module.B))
+        return nn.Sequential(pack(module.A), pack(module.B))
     return None
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every bias-free Linear / LowRankLinear under `model` by its packed form; returns the count."""
-    count = 0
+def pack_linears(model: nn.Module, use_panels: bool = False) -> int:
+    """Replace every bias-free Linear / LowRankLinear under `model` by its packed form; returns the count.
+
+    use_panels: bf16 panels for our GEMM (see panels_available), else oneDNN's packed layout.
+    """
+    pack, count = _packer(use_panels), 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            replacement = _packed(child)
+            replacement = _packed(child, pack)
             if replacement is not None:
                 setattr(parent, name, replacement)
                 count += 1
-    log.info("packed %d linear layers for oneDNN", count)
+    log.info("packed %d linear layers (%s)", count, "bf16 panels" if use_panels else "oneDNN")
     return count
