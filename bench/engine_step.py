@@ -1,7 +1,8 @@
 """Decode step time of the torch backend in-process (no HTTP, no client): the engine's own ceiling.
 
-Fills `batch` cache slots with a 128-token random prompt each, then times single-token decode steps
-for all of them together (model forward + logits, no sampling). Compare with `bench.serve`, whose
+Fills `batch` sequences of the paged KV cache (the config's block size, as served) with a 128-token
+random prompt each, then times single-token decode steps for all of them together (model forward +
+logits, no sampling). Compare with `bench.serve`, whose
 TPOT adds the sampler, detokenisation, SSE and a client sharing the same cores.
 
     python -m bench.engine_step --batch-sizes 1 4 16 32
@@ -31,16 +32,21 @@ from server.models.source import resolve_model_dir
 RESULTS = Path(__file__).parent / "results"
 
 
-def step_times(runner, batch_size: int, context: int, steps: int, seed: int) -> list[float]:
-    """Seconds per decode step for `batch_size` sequences that each hold `context` tokens."""
+def step_times(runner, batch_size: int, context: int, steps: int, seed: int, block_size: int) -> list[float]:
+    """Seconds per decode step for `batch_size` sequences that each hold `context` tokens.
+
+    The cache is paged as the server runs it: sequence s owns blocks s*per_seq .. (s+1)*per_seq - 1.
+    """
     rng = random.Random(seed)
+    per_seq = -(-(context + steps) // block_size)
+    tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(batch_size)]
     for slot in range(batch_size):
         prompt = [rng.randrange(1000, runner.vocab_size) for _ in range(context)]
-        runner.execute([SeqChunk(slot=slot, token_ids=prompt, start_pos=0)])
+        runner.execute([SeqChunk(slot=slot, token_ids=prompt, start_pos=0, block_table=tables[slot])])
     times = []
     for i in range(steps):
-        chunks = [SeqChunk(slot=s, token_ids=[rng.randrange(1000, runner.vocab_size)], start_pos=context + i)
-                  for s in range(batch_size)]
+        chunks = [SeqChunk(slot=s, token_ids=[rng.randrange(1000, runner.vocab_size)], start_pos=context + i,
+                           block_table=tables[s]) for s in range(batch_size)]
         start = time.perf_counter()
         runner.execute(chunks)
         times.append(time.perf_counter() - start)
@@ -91,11 +97,13 @@ def main(argv: list[str] | None = None) -> int:
                          Path(compressed) if compressed else None, num_threads=args.num_threads,
                          panel_gemm=not args.no_panel_gemm)
     runner.load()
-    runner.allocate_kv(max(args.batch_sizes))
+    block_size = cfg.engine.block_size  # the paged cache the server runs
+    max_len = args.context + args.steps + 6
+    runner.allocate_kv_blocks(max(args.batch_sizes) * -(-max_len // block_size), block_size)
     rows = []
     with torch.inference_mode():
         for bs in tqdm(args.batch_sizes, desc="batch sizes"):
-            times = step_times(runner, bs, args.context, args.steps + 5, args.seed)[5:]
+            times = step_times(runner, bs, args.context, args.steps + 5, args.seed, block_size)[5:]
             median = statistics.median(times)
             rows.append({"batch_size": bs, "step_ms_p50": 1000 * median,
                          "step_ms_min": 1000 * min(times), "tok_s": bs / median})
@@ -104,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
               "torch_threads": torch.get_num_threads(), "config": args.config, "compressed": compressed,
               "panel_gemm": not args.no_panel_gemm,
               "dtype": str(runner.dtype).removeprefix("torch."), "weight_bytes": weight_bytes(runner.model),
-              "context": args.context, "rows": rows}
+              "context": args.context, "block_size": block_size, "rows": rows}
     print("| batch | step p50 ms | step min ms | decode tok/s |\n|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['batch_size']} | {r['step_ms_p50']:.1f} | {r['step_ms_min']:.1f} | {r['tok_s']:.1f} |")

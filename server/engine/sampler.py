@@ -2,9 +2,11 @@
 
 Every sampled row draws one uniform number from its own generator (so a seed reproduces its sequence
 whatever else is in the batch) and picks the token where that number falls in the row's cumulative
-distribution (inverse-CDF sampling). Top-k and top-p usually cut the distribution to its few hundred
-most likely tokens, so rows whose filtered distribution provably lies inside the leading candidates
-are sampled there; the rest use the whole vocabulary.
+distribution (inverse-CDF sampling). Rows with plain temperature sampling (no top-k, no top-p: what
+most clients send) go straight to the whole vocabulary: one softmax and a two-level cumulative sum.
+Top-k and top-p usually cut the distribution to its few hundred most likely tokens, so rows whose
+filtered distribution provably lies inside the leading candidates are sampled there; the rest use
+the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from server.engine.logits_processors import apply_logits_processors
+from server.models import fused_ops
 from server.engine.sequence import Sequence, TokenLogprob
 
 # Leading candidates per row: the nucleus and the top-k set of real requests almost always fit.
@@ -56,7 +59,8 @@ def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     if padded:
         probs = torch.cat([probs, probs.new_zeros(rows, padded)], dim=1)
     blocks = probs.view(rows, -1, block)
-    block_cum = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [rows, num_blocks]
+    # fp32 sums of 256 columns lose nothing that matters; only the running sum over blocks needs fp64
+    block_cum = blocks.sum(-1).double().cumsum(-1)  # [rows, num_blocks]
     target = uniform.double() * block_cum[:, -1]
     chosen = torch.searchsorted(block_cum, target.unsqueeze(1), right=True).squeeze(1).clamp_(max=blocks.shape[1] - 1)
     before = torch.where(chosen > 0, block_cum.gather(1, (chosen - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
@@ -75,9 +79,23 @@ def sample_scaled(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
                   uniform: torch.Tensor) -> torch.Tensor:
     """Token ids [rows] from temperature-scaled logits [rows, vocab] under per-row top_k (vocab: off), top_p.
 
-    Exact for every row: candidate rows sample among the leading NUM_CANDIDATES tokens only when the
-    filtered distribution lies inside them; the others fall back to the whole vocabulary.
+    Exact for every row: plain temperature rows sample the whole vocabulary; filtered rows sample among
+    the leading NUM_CANDIDATES tokens only when the filtered distribution lies inside them.
     """
+    unfiltered = (top_k >= scaled.shape[-1]) & (top_p >= 1.0)
+    if bool(unfiltered.all()):  # the common batch: no gathers, no sort
+        return _inverse_cdf(scaled.softmax(-1), uniform)
+    tokens = torch.empty(scaled.shape[0], dtype=torch.long, device=scaled.device)
+    plain, filtered = unfiltered.nonzero().squeeze(1), (~unfiltered).nonzero().squeeze(1)
+    if plain.numel():
+        tokens[plain] = _inverse_cdf(scaled[plain].softmax(-1), uniform[plain])
+    tokens[filtered] = _sample_filtered(scaled[filtered], top_k[filtered], top_p[filtered], uniform[filtered])
+    return tokens
+
+
+def _sample_filtered(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                     uniform: torch.Tensor) -> torch.Tensor:
+    """sample_scaled for rows with a top-k or top-p filter: among the leading candidates where they cover it."""
     vocab = scaled.shape[-1]
     k = min(NUM_CANDIDATES, vocab)
     values, ids = torch.topk(scaled, k, dim=-1)
@@ -91,12 +109,10 @@ def sample_scaled(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     probs = probs * (cum - probs < top_p.unsqueeze(1))
     covered = small_k | ((top_k == vocab) & (cum[:, -1] >= top_p))
     tokens = ids.gather(1, _inverse_cdf(probs, uniform).unsqueeze(1)).squeeze(1)
-    unfiltered = (top_k == vocab) & (top_p >= 1.0)  # plain temperature sampling: no sort needed
-    for rest in ((~covered & unfiltered).nonzero().squeeze(1), (~covered & ~unfiltered).nonzero().squeeze(1)):
-        if rest.numel():
-            rest_scaled = scaled[rest] if bool(unfiltered[rest[0]]) else filter_top_k_top_p(
-                scaled[rest], top_k[rest], top_p[rest])
-            tokens[rest] = _inverse_cdf(rest_scaled.softmax(-1), uniform[rest])
+    rest = (~covered).nonzero().squeeze(1)
+    if rest.numel():
+        rest_scaled = filter_top_k_top_p(scaled[rest], top_k[rest], top_p[rest])
+        tokens[rest] = _inverse_cdf(rest_scaled.softmax(-1), uniform[rest])
     return tokens
 
 
@@ -107,7 +123,15 @@ def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
     uniform = torch.cat([torch.rand(1, generator=s.generator) for s in seqs]).to(logits.device)
+    if _fused_temperature_sampling(logits) and bool(((top_k >= vocab) & (top_p >= 1.0)).all()):
+        return torch.ops.neuronmm.sample_temperature(logits, 1.0 / temps, uniform)  # one pass a row
     return sample_scaled(logits / temps.unsqueeze(1), top_k, top_p, uniform)
+
+
+def _fused_temperature_sampling(logits: torch.Tensor) -> bool:
+    """The fused CPU op applies: contiguous fp32 CPU logits and the fused ops built on this machine."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous()
+            and fused_ops.load())
 
 
 def _logprobs(raw_logprobs: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
@@ -124,11 +148,14 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     raw = torch.log_softmax(logits, dim=-1) if any(wants_logprobs) else None
     logits = apply_penalties(logits, seqs)
     apply_logits_processors(logits, seqs)
-    tokens = logits.argmax(dim=-1)
     sampled = [row for row, seq in enumerate(seqs) if not seq.params.is_greedy]
-    if sampled:
-        rows = torch.tensor(sampled, device=logits.device)
-        tokens[rows] = _sample_rows(logits[rows], [seqs[row] for row in sampled])
+    if len(sampled) == len(seqs):  # no greedy row: no argmax, no row gather
+        tokens = _sample_rows(logits, seqs)
+    else:
+        tokens = logits.argmax(dim=-1)
+        if sampled:
+            rows = torch.tensor(sampled, device=logits.device)
+            tokens[rows] = _sample_rows(logits[rows], [seqs[row] for row in sampled])
     tokens = tokens.tolist()
     lps = [(_logprobs(raw[row], tokens[row], seq.params.logprobs) if wants_logprobs[row] else None)
            for row, seq in enumerate(seqs)]

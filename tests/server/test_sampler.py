@@ -8,6 +8,7 @@ import torch
 from server.engine.sampler import NUM_CANDIDATES, apply_penalties, filter_top_k_top_p, sample_scaled
 from server.engine.sampling_params import SamplingParams
 from server.engine.sequence import Sequence
+from server.models import fused_ops
 
 VOCAB = 2000
 
@@ -50,3 +51,42 @@ def test_penalties_apply_per_row_in_one_pass():
     assert logits[0, 3] == -2.0 and logits[0, 5] == -1.0
     assert logits[1, 3] == -2.0 and logits[1, 5] == -2.0
     assert logits[2].abs().sum() == 0
+
+
+needs_fused_ops = pytest.mark.skipif(not fused_ops.load(), reason="the fused CPU ops cannot be built here")
+
+
+@needs_fused_ops
+def test_fused_temperature_sampling_picks_the_torch_paths_token():
+    """The one-pass C++ op lands where the torch inverse CDF lands, up to a rounding tie at a boundary."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(64, 3000, generator=g) * 3
+    temps = torch.rand(64, generator=g) + 0.3
+    uniform = torch.rand(64, generator=g)
+    want = sample_scaled(logits / temps.unsqueeze(1), torch.full((64,), 3000), torch.ones(64), uniform)
+    got = torch.ops.neuronmm.sample_temperature(logits, 1.0 / temps, uniform)
+    assert got.dtype == torch.long and got.shape == (64,)
+    assert (got == want).sum() >= 62
+
+
+@needs_fused_ops
+def test_fused_temperature_sampling_never_picks_a_masked_token():
+    """Grammar masks and logit_bias -inf: zero probability exactly, at the ends of the unit interval too."""
+    logits = torch.full((5, 1000), float("-inf"))
+    allowed = [3, 517, 998]
+    logits[:, allowed] = torch.tensor([1.0, 0.0, -2.0])
+    uniform = torch.tensor([0.0, 1e-9, 0.5, 1 - 1e-9, 1.0])
+    got = torch.ops.neuronmm.sample_temperature(logits, torch.ones(5), uniform)
+    assert set(got.tolist()) <= set(allowed)
+    assert got[0] == 3 and got[-1] == 998
+
+
+@needs_fused_ops
+def test_fused_temperature_sampling_draws_the_softmax_distribution():
+    scaled = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0))
+    draws = 4000
+    uniform = torch.rand(draws, generator=torch.Generator().manual_seed(1))
+    tokens = torch.ops.neuronmm.sample_temperature(scaled.expand(draws, -1).contiguous(), torch.full((draws,), 2.0),
+                                                  uniform)
+    got = torch.bincount(tokens, minlength=VOCAB).float() / draws
+    assert (got - torch.softmax(scaled * 2.0, -1)).abs().max() < 0.03

@@ -326,12 +326,77 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& qkv, const at::Te
   return {out, q_rot};
 }
 
+// ---- sample_temperature ------------------------------------------------------------------------
+// Plain temperature sampling (no top-k/top-p) of each row of fp32 logits [rows, vocab]: the token where
+// uniforms[r] falls in the cumulative distribution of softmax(logits[r] / T_r), i.e. inverse-CDF
+// sampling with one uniform per row, as server/engine/sampler.py's torch path does. One pass of
+// exp((x - max) / T) writes the unnormalised probabilities and their 256-column block sums, so the
+// target is found by scanning the block sums (fp64), then one block. A column with zero probability is
+// never chosen (the pick moves back to the last positive column of its block).
+constexpr int64_t kCdfBlock = 256;
+
+int64_t sample_row(const float* logits, float* probs, double* block_sums, int64_t vocab, float inv_t, double u) {
+  float max_x = -INFINITY;
+#pragma omp simd reduction(max : max_x)
+  for (int64_t i = 0; i < vocab; ++i) max_x = std::max(max_x, logits[i]);
+  const int64_t num_blocks = (vocab + kCdfBlock - 1) / kCdfBlock;
+  double total = 0.0;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t lo = b * kCdfBlock, hi = std::min(vocab, lo + kCdfBlock);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = lo; i < hi; ++i) {
+      // a masked (-inf) logit has probability 0 exactly (fast_exp clamps its input, so it would give 1e-38)
+      probs[i] = logits[i] == -INFINITY ? 0.f : fast_exp((logits[i] - max_x) * inv_t);
+      sum += probs[i];
+    }
+    block_sums[b] = sum;
+    total += sum;
+  }
+  double target = u * total, before = 0.0;
+  int64_t b = 0;
+  while (b < num_blocks - 1 && before + block_sums[b] <= target) before += block_sums[b++];
+  const int64_t lo = b * kCdfBlock, hi = std::min(vocab, lo + kCdfBlock);
+  double cum = before;
+  int64_t last_positive = lo;
+  for (int64_t i = lo; i < hi; ++i) {
+    if (probs[i] > 0.f) last_positive = i;
+    cum += probs[i];
+    if (cum > target && probs[i] > 0.f) return i;
+  }
+  return last_positive;
+}
+
+at::Tensor sample_temperature(const at::Tensor& logits, const at::Tensor& inv_temps, const at::Tensor& uniforms) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "sample_temperature: contiguous fp32 logits [rows, vocab] expected");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(inv_temps.numel() == rows && uniforms.numel() == rows, "sample_temperature: one temperature and one uniform per row");
+  const auto t = inv_temps.to(at::kFloat).contiguous();
+  const auto u = uniforms.to(at::kDouble).contiguous();
+  auto tokens = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* lp = logits.data_ptr<float>();
+  const float* tp = t.data_ptr<float>();
+  const double* up = u.data_ptr<double>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    // kept per thread: a fresh 200 KB buffer a call would be a new mmap and its page faults every step
+    thread_local std::vector<float> probs;
+    thread_local std::vector<double> block_sums;
+    probs.resize(vocab);
+    block_sums.resize((vocab + kCdfBlock - 1) / kCdfBlock);
+    for (int64_t r = b; r < e; ++r) out[r] = sample_row(lp + r * vocab, probs.data(), block_sums.data(), vocab, tp[r], up[r]);
+  });
+  return tokens;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(neuronmm, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor y, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("sample_temperature(Tensor logits, Tensor inv_temps, Tensor uniforms) -> Tensor");
   m.def(
       "attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_index, Tensor context_lens, int num_heads, int num_kv_heads, float scale) "
@@ -342,5 +407,6 @@ TORCH_LIBRARY_IMPL(neuronmm, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
+  m.impl("sample_temperature", &sample_temperature);
   m.impl("attention", &attention);
 }
