@@ -9,6 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported 
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from bench.harness import make_tiny_model  # noqa: E402
 from server.config import load_config  # noqa: E402
@@ -31,3 +32,11 @@ def smol_dir(default_config) -> Path:
 def tiny_model_dir(tmp_path_factory, smol_dir) -> Path:
     """A 2-layer random Llama with SmolLM2's tokenizer and chat template (fast, deterministic)."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), smol_dir)
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """A test that sets torch's thread count (runners do) must not change the GEMM sum order of the next."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

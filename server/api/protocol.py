@@ -26,9 +26,13 @@ Probability = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class _Lenient(BaseModel):
-    """A request part that keeps unknown fields aside (in model_extra) instead of failing."""
+    """A request part that keeps unknown fields aside (in model_extra) instead of failing.
 
-    model_config = ConfigDict(extra="allow")
+    Strict: a value of the wrong JSON type (`"stream": 0`, `"max_tokens": "5"`) is a 400, as the
+    published schema says, not silently coerced.
+    """
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     def unknown_fields(self, prefix: str = "") -> list[str]:
         """Dotted names of every unknown field in this part and the parts inside it."""

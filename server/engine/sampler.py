@@ -144,6 +144,8 @@ def _logprobs(raw_logprobs: torch.Tensor, token: int, num_top: int) -> TokenLogp
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per row of fp32 logits [num_seqs, vocab]; logprobs are of the model's raw distribution."""
+    if not seqs:
+        return [], []
     wants_logprobs = [seq.params.logprobs is not None for seq in seqs]
     raw = torch.log_softmax(logits, dim=-1) if any(wants_logprobs) else None
     logits = apply_penalties(logits, seqs)

@@ -16,6 +16,9 @@ PROMPTS = ["The three primary colors are", "def fibonacci(n):"]
 # bf16 logits near 20 are spaced 0.125 apart, and GEMMs that sum in another order move them by a step:
 # where HF's top two are that close, either token is HF's greedy choice up to bf16 resolution.
 BF16_TIE_MARGIN = 0.25
+# fp32 the same, at fp32 resolution: the thread count an earlier test left set changes the GEMMs' sum
+# order, and a near-tie (seen once in a full run) flips by a few ulps of a logit near 20.
+FP32_TIE_MARGIN = 1e-3
 
 
 def _engine_greedy(smol_dir, tok, dtype: str, fused: bool) -> list[list[int]]:
@@ -38,8 +41,8 @@ def _engine_greedy(smol_dir, tok, dtype: str, fused: bool) -> list[list[int]]:
 def test_engine_greedy_equals_hf(smol_dir, dtype, fused):
     """Each generated token is HF's argmax given the same prefix (teacher-forced, HF in the same dtype).
 
-    fp32: exactly. bf16: exactly, or within BF16_TIE_MARGIN of HF's best logit (a tie at bf16
-    resolution), and exactly at most positions.
+    Exactly, or within the dtype's tie margin of HF's best logit (a tie at that dtype's resolution),
+    and exactly at most positions.
     """
     tok = load_tokenizer(smol_dir)
     ours = _engine_greedy(smol_dir, tok, dtype, fused)
@@ -52,7 +55,7 @@ def test_engine_greedy_equals_hf(smol_dir, dtype, fused):
             logits = hf(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1].float()
         best = logits.max(-1).values
         chosen = logits.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
-        margin = 0.0 if dtype == "float32" else BF16_TIE_MARGIN
+        margin = FP32_TIE_MARGIN if dtype == "float32" else BF16_TIE_MARGIN
         assert torch.all(best - chosen <= margin), (prompt, (best - chosen).max().item())
         num_exact += int((logits.argmax(-1) == torch.tensor(tokens)).sum())
     assert num_exact >= 0.9 * NEW_TOKENS * len(PROMPTS)

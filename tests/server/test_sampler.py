@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.sampler import NUM_CANDIDATES, apply_penalties, filter_top_k_top_p, sample_scaled
+from server.engine.sampler import NUM_CANDIDATES, apply_penalties, filter_top_k_top_p, sample, sample_scaled
 from server.engine.sampling_params import SamplingParams
 from server.engine.sequence import Sequence
 from server.models import fused_ops
@@ -51,6 +51,11 @@ def test_penalties_apply_per_row_in_one_pass():
     assert logits[0, 3] == -2.0 and logits[0, 5] == -1.0
     assert logits[1, 3] == -2.0 and logits[1, 5] == -2.0
     assert logits[2].abs().sum() == 0
+
+
+def test_a_step_with_no_row_to_sample_samples_nothing():
+    """Every sequence of a step still mid-prefill: the engine asks for no token."""
+    assert sample(torch.zeros(0, 8), []) == ([], [])
 
 
 needs_fused_ops = pytest.mark.skipif(not fused_ops.load(), reason="the fused CPU ops cannot be built here")
