@@ -57,7 +57,10 @@ def _cache_case(dtype, block_size: int, num_blocks: int):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,num_blocks", [(4, 4), (8, 4)])
-def test_attention_matches_reference(dtype, block_size, num_blocks):
+@pytest.mark.parametrize("threads", [1, 8], ids=["items-of-all-kv-heads", "items-of-one-kv-head"])
+def test_attention_matches_reference(dtype, block_size, num_blocks, threads):
+    """Both work splits (a token's KV heads together with few threads, one KV head each with many)."""
+    torch.set_num_threads(threads)
     case = _cache_case(dtype, block_size, num_blocks)
     ref_case = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
     out, q_rot = torch.ops.neuronmm.attention(*case.values())
