@@ -138,12 +138,14 @@ async def run_level(url: str, model: str, prompts: list[list[int]], concurrency:
     }
 
 
-def neuronmm_systems(config: str, compressed: str | None, port: int) -> list[System]:
-    """neuronmm dense greedy, dense sampled, and compressed greedy (when an artifact is given)."""
+def neuronmm_systems(config: str, compressed: str | None, port: int, fp32: bool = False) -> list[System]:
+    """neuronmm dense greedy, dense sampled, compressed greedy (when an artifact is given), fp32 (when asked)."""
     serve = [*NEURONMM, "serve", "--config", config, "--port", str(port)]
     systems = [System("neuronmm", serve), System("neuronmm sampled", serve, sampled=True)]
     if compressed:
         systems.append(System("neuronmm compressed", [*serve, "--compressed", compressed]))
+    if fp32:
+        systems.append(System("neuronmm fp32", [*serve, "--dtype", "float32"]))
     return systems
 
 
@@ -234,6 +236,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compressed", help="also serve this compressed artifact (e.g. the default compress output)")
     p.add_argument("--systems", nargs="+", default=["neuronmm", "llama-server"],
                    help="which to run: neuronmm (dense, sampled, compressed) and/or llama-server")
+    p.add_argument("--fp32", action="store_true",
+                   help="also serve in fp32 (what a CPU without native bf16 runs), against llama-server f32")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
@@ -249,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     port = free_port()
-    systems = neuronmm_systems(args.config, args.compressed, port) if "neuronmm" in args.systems else []
+    systems = neuronmm_systems(args.config, args.compressed, port, args.fp32) if "neuronmm" in args.systems else []
     peers = peer_systems(model_dir, port, max(args.concurrency)) if "llama-server" in args.systems else []
     peer_note = "" if peers or "llama-server" not in args.systems else (
         f"llama-server not found in {PEERS}: run ../shared/peers/llama-server.sh to compare (ours ran alone).")

@@ -37,13 +37,27 @@ def _row_bucket(rows: int) -> int:
     return rows if rows <= _EXACT_ROWS else (rows + 15) // 16 * 16
 
 
-class PackedLinear(nn.Module):
-    """y = x Wᵀ with W held in oneDNN's blocked layout, in W's dtype (no bias; inference only)."""
+class _PrepackedLinear(nn.Module):
+    """A bias-free y = x Wᵀ whose weight is held in one GEMM's own layout (named by `layout`)."""
+
+    layout = ""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.layout}"
+
+
+class PackedLinear(_PrepackedLinear):
+    """y = x Wᵀ with W held in oneDNN's blocked layout, in W's dtype (no bias; inference only)."""
+
+    layout = "onednn-packed"
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__(weight)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,9 +75,6 @@ class PackedLinear(nn.Module):
         out = _LINEAR(flat, self.packed, None, "none", [], "")
         return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
-    def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, onednn-packed"
-
 
 def panels_available(device: torch.device, dtype: torch.dtype) -> bool:
     """The panel GEMM runs bf16 on CPUs whose fused-ops build has it (compiled only with AVX512-BF16)."""
@@ -71,13 +82,13 @@ def panels_available(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.neuronmm, "panel_linear"))
 
 
-class PanelLinear(nn.Module):
+class PanelLinear(_PrepackedLinear):
     """y = x Wᵀ for bf16 x and W [N, K] (K even) held as 32-column panels for csrc/small_gemm.cpp (no bias)."""
 
+    layout = "bf16 panels"
+
     def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.in_features = weight.shape[1]
-        self.out_features = weight.shape[0]
+        super().__init__(weight)
         self.panels = torch.ops.neuronmm.pack_panels(weight.detach().contiguous())
         self._gemm = torch.ops.neuronmm.panel_linear.default  # the overload, resolved once
 
@@ -86,9 +97,6 @@ class PanelLinear(nn.Module):
             return self._gemm(x, self.panels, self.out_features)
         out = self._gemm(x.reshape(-1, self.in_features), self.panels, self.out_features)
         return out.reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bf16 panels"
 
 
 def _packer(use_panels: bool):
