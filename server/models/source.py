@@ -1,6 +1,7 @@
 """Resolve a config's model source to a local Hugging Face folder (config.json + safetensors + tokenizer).
 
-GGUF files are converted once into `<cache_dir>/models/<sha256 prefix>/` so later starts skip the
+GGUF files are converted once into `<cache_dir>/models/<stem>-<sha256 prefix>/` (a suffix names a
+transformers major other than 5, whose saved tokenizer differs) so later starts skip the
 14 s de-quantisation; the conversion writes into a temporary folder and renames it, so a killed
 conversion never leaves a folder that later loads.
 """
@@ -8,10 +9,13 @@ conversion never leaves a folder that later loads.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 import os
 import shutil
 from pathlib import Path
+
+from gguf import GGUFReader
 
 from server.config import ModelConfig
 from server.errors import ConfigError
@@ -41,6 +45,52 @@ def gguf_path(cfg: ModelConfig) -> Path:
     return path
 
 
+_SPECIAL_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
+
+
+def _gguf_scalars(src: Path) -> dict[str, int | bool | str]:
+    """The GGUF's scalar tokenizer settings (model, add_bos_token, special token ids), by key; memory-mapped read."""
+    fields = GGUFReader(src).fields
+    out: dict[str, int | bool | str] = {}
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.add_bos_token", *_SPECIAL_IDS.values()):
+        field = fields.get(key)
+        if field is not None and field.data:
+            value = field.parts[field.data[0]]
+            out[key] = bytes(value).decode() if key == "tokenizer.ggml.model" else value[0].item()
+    return out
+
+
+_BYTE_LEVEL_DECODER = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+
+
+def _match_gguf_tokenizer(tok, meta: dict[str, int | bool | str]) -> None:
+    """Make the tokenizer say what the GGUF says: a byte-level BPE, BOS added or not, the special tokens.
+
+    transformers 4.48 (the Neuron DLC's) converts a GPT2-style GGUF tokenizer (SmolLM2's) into a
+    LlamaTokenizerFast with byte_fallback and a sentencepiece decoder around the byte-level one (its
+    text is right, but llguidance then reads every token's bytes as sentencepiece text: 'Ġ' for a
+    space, so structured output and logprob bytes go wrong), adds BOS whatever the file says, and
+    takes eos from the wrong token (<|im_start|> for <|im_end|>, no pad). 5.x reads all of it from
+    the file, so this changes nothing there."""
+    if meta.get("tokenizer.ggml.model") == "gpt2":
+        from tokenizers import Tokenizer
+
+        state = json.loads(tok.backend_tokenizer.to_str())
+        if (state["pre_tokenizer"] or {}).get("type") == "ByteLevel" and (
+                state["model"].get("byte_fallback") or state["decoder"] != _BYTE_LEVEL_DECODER):
+            state["model"].update(byte_fallback=False, unk_token=None, fuse_unk=False)
+            state["decoder"], state["normalizer"] = _BYTE_LEVEL_DECODER, None
+            tok._tokenizer = Tokenizer.from_str(json.dumps(state))
+    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    if add_bos is not None and getattr(tok, "add_bos_token", add_bos) != bool(add_bos):
+        tok.add_bos_token = bool(add_bos)
+    for attr, key in _SPECIAL_IDS.items():
+        token_id = meta.get(key)
+        if token_id is not None and 0 <= token_id < len(tok) and getattr(tok, f"{attr}_id") != token_id:
+            setattr(tok, attr, tok.convert_ids_to_tokens(int(token_id)))
+
+
 def _convert_gguf(src: Path, dest: Path, sha: str) -> None:
     """De-quantise a GGUF into an fp32 safetensors folder, atomically."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -48,6 +98,7 @@ def _convert_gguf(src: Path, dest: Path, sha: str) -> None:
 
     log.info("converting %s to safetensors (first start only, ~20 s)", src.name)
     tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    _match_gguf_tokenizer(tok, _gguf_scalars(src))
     model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name)
     # transformers marks GGUF-loaded models as quantised and refuses to save them, although the
     # weights are already plain fp32 tensors; drop the marker to save them as such.
@@ -59,6 +110,16 @@ def _convert_gguf(src: Path, dest: Path, sha: str) -> None:
         tok.save_pretrained(tmp)
         (tmp / _COMPLETE_MARKER).write_text(f'{{"source": "{src.name}", "sha256": "{sha}"}}\n')
     log.info("converted model cached at %s", dest)
+
+
+def _converter_suffix() -> str:
+    """'' for transformers 5 (the folders it has always written), '-transformers4' and so on for another major.
+
+    The saved tokenizer's format depends on the major that wrote it (4.48 cannot load 5.x's
+    TokenizersBackend config), so a venv on another transformers (the Neuron DLC's 4.48, the compat CI
+    job) converts into a folder of its own beside the main one instead of failing on it."""
+    major = importlib.metadata.version("transformers").split(".")[0]
+    return "" if major == "5" else f"-transformers{major}"
 
 
 def resolve_model_dir(cfg: ModelConfig, cache_dir: Path) -> Path:
@@ -78,7 +139,7 @@ def resolve_model_dir(cfg: ModelConfig, cache_dir: Path) -> Path:
             raise ConfigError(f"model.hf_id: cannot fetch {cfg.hf_id!r} ({exc.__class__.__name__})") from None
     src = gguf_path(cfg)
     sha = file_sha256(src)
-    dest = cache_dir / "models" / f"{src.stem}-{sha[:16]}"
+    dest = cache_dir / "models" / f"{src.stem}-{sha[:16]}{_converter_suffix()}"
     if not (dest / _COMPLETE_MARKER).is_file():
         if dest.exists():  # an older layout or a foreign folder: never trust it half-way
             shutil.rmtree(dest)
