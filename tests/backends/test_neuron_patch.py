@@ -42,7 +42,8 @@ class FakeLlamaHlo:
     slots in0_weight, in0_scales, in1_weight, in1_scales, out_weight, out_scales; flat_compiler_layer
     (:312-322) calls gated_mlp_bsh with the scales as keywords."""
 
-    neuron_config = SimpleNamespace(quant=None, is_sequence_parallel=False, fused_rmsnorm_mlp=False)
+    neuron_config = SimpleNamespace(quant=None, sequence_parallel_norm=False, is_sequence_parallel=False,
+                                    fused_rmsnorm_mlp=False)
 
     def __init__(self, hlo):
         self.hlo = hlo
@@ -153,7 +154,7 @@ def test_mixed_dense_and_lowrank_layers_build_through_the_real_graph(patched):
     assert again[1][0] == "dense_mlp"
 
 
-@pytest.mark.parametrize("setting", ["quant", "is_sequence_parallel", "fused_rmsnorm_mlp"])
+@pytest.mark.parametrize("setting", ["quant", "is_sequence_parallel", "sequence_parallel_norm", "fused_rmsnorm_mlp"])
 def test_unsupported_tnx_settings_are_refused_for_compressed_layers(patched, setting, monkeypatch):
     monkeypatch.setattr(FakeLlamaHlo, "neuron_config",
                         SimpleNamespace(**{**vars(FakeLlamaHlo.neuron_config), setting: True}))

@@ -25,6 +25,7 @@ def test_trn1_config_translates_to_tnx_kwargs():
     assert args.continuous_batching == {"batch_size_for_shared_caches": 8}
     assert args.neuron_config["attention_layout"] == "BSH"
     assert not args.neuron_config["fused_rmsnorm_mlp"] and not args.neuron_config["fuse_mlp"]
+    assert args.neuron_config["sequence_parallel_norm"] is False  # the low-rank MLP only all-reduces
     assert args.env["NEURON_COMPILE_CACHE_URL"] == "/data/neuron-compile-cache"
 
 

@@ -51,11 +51,12 @@ def build_tnx_model(model_dir: Path, args: TnxArgs, factors: dict, hf_config: di
     from server.backends.neuron import tnx_patch
 
     state = None
+    neuron_config = build_tnx_config(args, tnx_config)
     if factors:
+        tnx_patch.check_neuron_config(neuron_config)  # before any weight loads or bucket compiles
         state = tnx_patch.install_into_sdk(factors, hf_config["hidden_size"], hf_config["intermediate_size"])
     try:
-        model = LlamaForSampling.from_pretrained(str(model_dir), neuron_config=build_tnx_config(args, tnx_config),
-                                                 **args.model_kwargs)
+        model = LlamaForSampling.from_pretrained(str(model_dir), neuron_config=neuron_config, **args.model_kwargs)
         model.to_neuron()  # loads weights (factor injection happens here) and compiles every bucket
         if state is not None:
             tnx_patch.verify_injection(state, sorted(factors))

@@ -96,7 +96,11 @@ def check_neuron_config(neuron_config: Any) -> None:
         return
     if getattr(neuron_config, "quant", None):  # scales slots filled: dense and factor layers look alike
         raise PatchError("neuron_config.quant (weight quantization) cannot be combined with low-rank MLP factors")
-    if getattr(neuron_config, "is_sequence_parallel", False):  # tnx hlo.py:730 reduce-scatters along tokens
+    # sequence_parallel_norm: tnx sets is_sequence_parallel for graphs above its threshold
+    # (layers/transformer.py:56-59) and gated_mlp_bsh then reduce-scatters along tokens (hlo.py:730);
+    # refused up front (the flag) as well as per graph, so no bucket compiles before the error
+    if getattr(neuron_config, "sequence_parallel_norm", False) or getattr(neuron_config, "is_sequence_parallel",
+                                                                          False):
         raise PatchError("sequence_parallel_norm is not supported with low-rank MLP factors "
                          "(tnx reduce-scatters the MLP output there; the patch only all-reduces)")
     if getattr(neuron_config, "fused_rmsnorm_mlp", False):  # llama/hlo.py:394 calls its own MLP kernel

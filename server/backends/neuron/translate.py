@@ -69,12 +69,15 @@ def translate(cfg: Config, hf_config: dict[str, Any]) -> TnxArgs:
     }
     # BSH keeps hidden states token-major ([seqs, tokens, hidden]), so reshaping to the kernel's
     # [num_tokens, hidden] is free; the fused private MLP/QKV kernels stay off so that our MLP path
-    # (flat_compiler_layer -> gated_mlp) is the one that gets built.
+    # (flat_compiler_layer -> gated_mlp) is the one that gets built. Sequence-parallel norm stays off:
+    # above its threshold tnx's gated_mlp_bsh reduce-scatters along tokens (v0.13.0 hlo.py:730), which
+    # the low-rank MLP graph does not mirror (tnx_patch.check_neuron_config refuses it with factors).
     neuron_config = {
         "attention_layout": "BSH",
         "fuse_mlp": False,
         "fused_rmsnorm_qkv": False,
         "fused_rmsnorm_mlp": False,
+        "sequence_parallel_norm": False,
     }
     cache = str(Path(ncfg.compile_cache).expanduser())
     return TnxArgs(
