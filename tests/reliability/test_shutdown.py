@@ -15,6 +15,7 @@ from bench.load import ServerProcess, write_config
 
 pytestmark = pytest.mark.slow
 
+GRACE_S = 0.3
 API_KEY = "sk-reliability-" + "7f3a9c" * 4
 
 
@@ -32,7 +33,8 @@ def servers(tmp_path_factory, tiny_model_dir):
     """Three servers, started side by side (each test ends its own with signals)."""
     root = tmp_path_factory.mktemp("shutdown")
     procs = {"drain": _spawn(root / "drain", tiny_model_dir, grace_s=60, api_key=API_KEY),
-             "grace": _spawn(root / "grace", tiny_model_dir, grace_s=1.5),
+             # short enough that 4,000 tokens cannot finish inside it (the tiny model once took ~1.5 s for them)
+             "grace": _spawn(root / "grace", tiny_model_dir, grace_s=GRACE_S),
              "twice": _spawn(root / "twice", tiny_model_dir, grace_s=60)}
     try:
         for proc in procs.values():
@@ -99,7 +101,7 @@ def test_sigterm_drains_in_flight_then_exits_0(servers):
 
 
 def test_grace_period_cuts_off_a_long_request_and_still_exits_0(servers):
-    proc, grace_s = servers["grace"], 1.5
+    proc, grace_s = servers["grace"], GRACE_S
     thread, result = _start_stream(proc, max_tokens=4000)
     sigterm_at = time.monotonic()
     proc.signal(signal.SIGTERM)
