@@ -2,8 +2,8 @@
 
 The analytical-selector idea of PIM-LLM applied to our kernels: enumerate a small grid of block
 sizes, trace each candidate with the emulator (trace-only, loop-sampled: milliseconds), drop the
-ones that break a hardware rule (SBUF > 176 KiB or PSUM > 8 banks live), keep the fastest.
-Results are cached per shape.
+ones that break a hardware rule (SBUF > 176 KiB or PSUM > 8 banks live), keep the fastest (near
+ties go to the one that moves fewer HBM bytes). Results are cached per shape.
 """
 
 from __future__ import annotations
@@ -19,8 +19,14 @@ log = logging.getLogger(__name__)
 KINDS = ("dense_matmul", "lowrank_matmul", "lowrank_mlp")
 
 
+# Blocks above 512 tokens read every factor once for more tokens (prefill); SBUF caps them (the
+# (XU)ᵀ strips and Xᵀ of a whole block stay resident), and the selector drops those that do not fit.
+TOKEN_BLOCKS = (128, 256, 512, 1024, 2048)
+PSUM_TOKENS = 512  # one fp32 PSUM bank: blocks above it run in chunks of this many tokens
+
+
 def _token_blocks(num_tokens: int) -> list[int]:
-    return sorted({min(num_tokens, b) for b in (128, 256, 512)})
+    return sorted({min(num_tokens, b) for b in TOKEN_BLOCKS})
 
 
 def candidates(kind: str, num_tokens: int, transpose_out: bool = False) -> list[dict]:
@@ -43,10 +49,20 @@ def candidates(kind: str, num_tokens: int, transpose_out: bool = False) -> list[
         grid["h_in_hbm"] = (False, True)
     keys = list(grid)
     combos = [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
-    # spilling hᵀ only pays when it buys the largest token block (fewer weight reloads);
+    return [c for c in combos if _worth_tracing(c, min(num_tokens, PSUM_TOKENS))]
+
+
+def _worth_tracing(c: dict, largest_resident_h_block: int) -> bool:
+    """Drop candidates that repeat another's schedule or cannot win, to keep the first selection fast."""
+    tb = c["token_block"]
+    if tb > PSUM_TOKENS:
+        # above one PSUM bank of tokens: the kernels clamp group to 8 / chunks (4 and 8 coincide), and the
+        # MLP streams hᵀ by gate_block columns (h_in_hbm unused; narrow blocks cost a VectorE add each)
+        return c.get("group", 8) == 8 and not c.get("h_in_hbm") and c.get("gate_block", 512) >= 512
+    # spilling hᵀ only pays when it buys the largest block whose hᵀ is otherwise resident;
     # a resident U makes the group width irrelevant to DMA, so one group size is enough
-    return [c for c in combos if (not c.get("h_in_hbm") or c["token_block"] == tbs[-1])
-            and (not c.get("hoist_u") or c["group"] == 8)]
+    return ((not c.get("h_in_hbm") or tb == largest_resident_h_block)
+            and (not c.get("hoist_u") or c["group"] == 8))
 
 
 def _model(kind: str, num_tokens: int, dims: tuple, tiles: dict, transpose_out: bool):
@@ -59,28 +75,37 @@ def _model(kind: str, num_tokens: int, dims: tuple, tiles: dict, transpose_out: 
     return cm.model_lowrank_mlp(num_tokens, *dims, tiles=tiles)
 
 
+# Candidates within this fraction of the fastest count as ties, broken by fewer HBM bytes: at
+# PE-bound prefill shapes many token blocks model the same time, and the one that rereads the
+# factors least leaves HBM bandwidth to the other NeuronCore and to the next layer's prefetch.
+TIE_FRACTION = 0.005
+
+
 @functools.lru_cache(maxsize=1024)
 def _select(kind: str, num_tokens: int, dims: tuple, transpose_out: bool) -> tuple:
-    best, best_us, rejected = None, float("inf"), []
+    feasible, rejected = [], []
     for tiles in candidates(kind, num_tokens, transpose_out):
         try:
-            us = _model(kind, num_tokens, dims, tiles, transpose_out).total_us
+            m = _model(kind, num_tokens, dims, tiles, transpose_out)
         except NKIRuleError as err:
             rejected.append(err.rule)
             continue
         except AssertionError as err:  # a kernel's own precondition (e.g. u_moving with rank > 4096)
             rejected.append(str(err))
             continue
-        if us < best_us:
-            best, best_us = tiles, us
-    if best is None:
+        feasible.append((m.total_us, m.hbm_bytes, tiles))
+    if not feasible:
         raise ValueError(f"no feasible tiling for {kind} tokens={num_tokens} dims={dims}: {sorted(set(rejected))}")
-    log.debug("%s tokens=%d dims=%s -> %s (%.1f us modeled)", kind, num_tokens, dims, best, best_us)
+    fastest = min(us for us, _, _ in feasible)
+    best_us, best_bytes, best = min((f for f in feasible if f[0] <= fastest * (1 + TIE_FRACTION)),
+                                    key=lambda f: (f[1], f[0]))
+    log.debug("%s tokens=%d dims=%s -> %s (%.1f us modeled, %d HBM bytes)", kind, num_tokens, dims, best, best_us,
+              best_bytes)
     return tuple(sorted(best.items()))
 
 
 def select_tiles(kind: str, num_tokens: int, *dims, transpose_out: bool = False) -> dict:
-    """Fastest feasible block sizes (kernel kwargs) for a shape, by modeled trn1 time; cached per shape.
+    """Fastest feasible block sizes (kernel kwargs) for a shape by modeled trn1 time (near ties: fewest HBM bytes).
 
     kind and dims: "dense_matmul" (d_in, d_out), "lowrank_matmul" (d_in, rank, d_out),
     "lowrank_mlp" (hidden, intermediate, ranks) with ranks an int or (r_gate, r_up, r_down).

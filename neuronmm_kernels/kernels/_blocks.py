@@ -17,6 +17,7 @@ from ..compat import nisa, nl
 
 P = 128            # partitions = contraction tile
 MOVING_FMAX = 512  # moving free size = one fp32 PSUM bank
+PSUM_BANKS = 8
 
 
 def blocks(total: int, size: int, body) -> None:
@@ -78,17 +79,23 @@ def _src_tile(srcT, k, k0, ksz: int, tsz: int, src_hbm, t0):
     return nl.load(src_hbm[nl.ds(k0, ksz), nl.ds(t0, tsz)])
 
 
-def project_transposed(w, srcT, zT, tsz: int, group: int, src_hbm=None, t0=0, w_sbuf=None) -> None:
-    """zT[:, j, 0:tsz] = (src · w)ᵀ for w [K, R] in HBM (R a multiple of 128) and srcT in SBUF.
+def project_transposed(w, srcT, zT, tsz: int, group: int, src_hbm=None, t0=0, w_sbuf=None, z0=0) -> None:
+    """zT[:, j, z0:z0+tsz] = (src · w)ᵀ for w [K, R] in HBM (R a multiple of 128) and srcT in SBUF.
 
-    w tiles are stationary (free = 128 rank columns), srcT is moving (free = tsz <= 512), so the
-    result comes out already transposed, rank on partitions, ready to be the next matmul's operand.
-    `group` rank tiles accumulate at once (one PSUM bank each); w rows load group*128 wide.
-    With src_hbm (a feature-major [K, tokens] HBM tensor) the source streams from HBM instead;
-    with w_sbuf (w already resident as (128, ceil(K/128), R), see load_columns) nothing is loaded.
+    w tiles are stationary (free = 128 rank columns), srcT is moving, so the result comes out already
+    transposed, rank on partitions, ready to be the next matmul's operand. tsz may exceed one PSUM
+    bank's 512 tokens: each w tile then serves every 512-token chunk before the next loads, so w is
+    read once for all tsz tokens; `group` rank tiles (clamped so group x chunks <= 8 banks)
+    accumulate at once and w rows load group*128 wide. With src_hbm (a feature-major [K, tokens]
+    HBM tensor) the source streams from HBM instead; with w_sbuf (w already resident as
+    (128, ceil(K/128), R), see load_columns) nothing is loaded.
     """
+    num_chunks = -(-tsz // MOVING_FMAX)
+    assert num_chunks <= PSUM_BANKS, ("at most 8 PSUM banks of 512 tokens", tsz)
+    group = max(1, min(group, PSUM_BANKS // num_chunks))
+
     def rank_group(_, g0, gsz):
-        acc = nl.zeros((P, gsz, MOVING_FMAX), nl.float32, buffer=nl.psum)
+        acc = nl.zeros((P, num_chunks * gsz, MOVING_FMAX), nl.float32, buffer=nl.psum)
 
         def contraction_tile(k, k0, ksz):
             if w_sbuf is None:
@@ -96,17 +103,26 @@ def project_transposed(w, srcT, zT, tsz: int, group: int, src_hbm=None, t0=0, w_
             else:
                 wt = w_sbuf[0:ksz, k, nl.ds(g0 * P, gsz * P)]
             src = _src_tile(srcT, k, k0, ksz, tsz, src_hbm, t0)
+
+            def chunk(c, c0, csz):
+                for j in nl.affine_range(gsz):
+                    acc[:, c * gsz + j, 0:csz] += nisa.nc_matmul(wt[:, nl.ds(j * P, P)], src[:, nl.ds(c0, csz)])
+
+            blocks(tsz, MOVING_FMAX, chunk)
+
+        def evict(c, c0, csz):
             for j in nl.affine_range(gsz):
-                acc[:, j, 0:tsz] += nisa.nc_matmul(wt[:, nl.ds(j * P, P)], src)
+                zT[:, g0 + j, nl.ds(z0 + c0, csz)] = nisa.activation(nl.copy, acc[:, c * gsz + j, 0:csz],
+                                                                    dtype=zT.dtype)
 
         blocks(w.shape[0], P, contraction_tile)
-        for j in nl.affine_range(gsz):
-            zT[:, g0 + j, 0:tsz] = nisa.activation(nl.copy, acc[:, j, 0:tsz], dtype=zT.dtype)
+        blocks(tsz, MOVING_FMAX, evict)
 
     blocks(w.shape[1] // P, group, rank_group)
 
 
-def project_transposed_small(w, srcT, zT, tsz: int, src_hbm=None, t0=0, w_sbuf=None, ident=None) -> None:
+def project_transposed_small(w, srcT, zT, tsz: int, src_hbm=None, t0=0, w_sbuf=None, ident=None,
+                             z0=0) -> None:
     """Same result as project_transposed for tsz <= 128 tokens, with w moving instead of stationary.
 
     srcT tiles are stationary (free = tsz), w streams as moving operands 512 columns at a time, so
@@ -130,19 +146,19 @@ def project_transposed_small(w, srcT, zT, tsz: int, src_hbm=None, t0=0, w_sbuf=N
         def evict_chunk(c, c0, csz):
             z = nisa.activation(nl.copy, acc[:, c, 0:csz], dtype=zT.dtype)  # [tsz, csz] token-major
             for j in nl.affine_range(csz // P):
-                transpose_into(zT[:, c * (MOVING_FMAX // P) + j, 0:tsz], z[:, nl.ds(j * P, P)], ident)
+                transpose_into(zT[:, c * (MOVING_FMAX // P) + j, nl.ds(z0, tsz)], z[:, nl.ds(j * P, P)], ident)
 
         blocks(w.shape[0], P, contraction_tile)
         blocks(rank, MOVING_FMAX, evict_chunk)
 
 
 def project(w, srcT, zT, tsz: int, group: int, u_moving: bool, src_hbm=None, t0=0, w_sbuf=None,
-            ident=None) -> None:
-    """zT = (src · w)ᵀ with w stationary (any tsz) or, when u_moving, w moving (tsz <= 128)."""
+            ident=None, z0=0) -> None:
+    """zT[..., z0:z0+tsz] = (src · w)ᵀ with w stationary (any tsz) or, when u_moving, w moving (tsz <= 128)."""
     if u_moving:
-        project_transposed_small(w, srcT, zT, tsz, src_hbm, t0, w_sbuf, ident)
+        project_transposed_small(w, srcT, zT, tsz, src_hbm, t0, w_sbuf, ident, z0)
     else:
-        project_transposed(w, srcT, zT, tsz, group, src_hbm, t0, w_sbuf)
+        project_transposed(w, srcT, zT, tsz, group, src_hbm, t0, w_sbuf, z0)
 
 
 def load_columns(v, n0, nsz: int):
@@ -182,18 +198,21 @@ def store_natural(zT, v, y, t0, tsz: int, out_block: int) -> None:
 
 
 def store_transposed(zT, v, yT, t0, tsz: int, out_block: int) -> None:
-    """yT[:, t0:t0+tsz] = (z · v)ᵀ, feature-major: v tiles stationary (128 cols), zT moving (tsz tokens)."""
+    """yT[:, t0:t0+tsz] = (z · v)ᵀ, feature-major: v tiles stationary (128 cols), zT moving (512-token chunks)."""
     def out_columns(_, n0, nsz):
         vb = load_columns(v, n0, nsz)
 
         def feature_tile(_, c0, csz):
-            acc = nl.zeros((csz, tsz), nl.float32, buffer=nl.psum)
+            def token_chunk(_, s0, ssz):
+                acc = nl.zeros((csz, ssz), nl.float32, buffer=nl.psum)
 
-            def rank_tile(r, _, rsz):
-                acc[...] += nisa.nc_matmul(vb[0:rsz, r, nl.ds(c0, csz)], zT[0:rsz, r, 0:tsz])
+                def rank_tile(r, _, rsz):
+                    acc[...] += nisa.nc_matmul(vb[0:rsz, r, nl.ds(c0, csz)], zT[0:rsz, r, nl.ds(s0, ssz)])
 
-            blocks(v.shape[0], P, rank_tile)
-            nl.store(yT[nl.ds(n0 + c0, csz), nl.ds(t0, tsz)], nisa.tensor_copy(acc, dtype=yT.dtype))
+                blocks(v.shape[0], P, rank_tile)
+                nl.store(yT[nl.ds(n0 + c0, csz), nl.ds(t0 + s0, ssz)], nisa.tensor_copy(acc, dtype=yT.dtype))
+
+            blocks(tsz, MOVING_FMAX, token_chunk)
 
         blocks(nsz, P, feature_tile)
 
@@ -229,3 +248,66 @@ def swiglu_transposed(zgT, zuT, gate_v, up_v, hT, tsz: int, block: int, h_hbm=No
         blocks(nsz, P, feature_tile)
 
     blocks(gate_v.shape[1], block, column_block)
+
+
+def load_rows(w, r0, rsz: int):
+    """w[r0:r0+rsz, :] as (128, ceil(rsz/128), cols): rows on partitions, each a whole contiguous row."""
+    wb = nl.ndarray((P, num_tiles(rsz), w.shape[1]), w.dtype, buffer=nl.sbuf)
+
+    def row_tile(r, q0, qsz):
+        wb[0:qsz, r, :] = nl.load(w[nl.ds(r0 + q0, qsz), :])
+
+    blocks(rsz, P, row_tile)
+    return wb
+
+
+def swiglu_down_streamed(zgT, zuT, gate_v, up_v, down_u, zdT, tsz: int, block: int) -> None:
+    """zdT[:, :, 0:tsz] = (h · down_u)ᵀ, h = silu(zg · gate_v) ⊙ (zu · up_v), without hᵀ ever whole on chip.
+
+    For token blocks whose hᵀ [intermediate, tokens] cannot stay in SBUF: each `block` of intermediate
+    columns loads its gate_v/up_v columns and down_u rows once, computes that slice of hᵀ 512 tokens
+    at a time, and adds its down-projection partial (fp32 PSUM) into an fp32 SBUF accumulator, so
+    every factor is read once per token block however many tokens it has. The column loop is a
+    sequential_range because it carries the accumulator from one block to the next.
+    """
+    num_rg, num_ru, num_rd = gate_v.shape[0] // P, up_v.shape[0] // P, down_u.shape[1] // P
+    zd_acc = nl.zeros((P, num_rd, tsz), nl.float32, buffer=nl.sbuf)
+
+    def column_block(n0, nsz):
+        gb, ub, du = load_columns(gate_v, n0, nsz), load_columns(up_v, n0, nsz), load_rows(down_u, n0, nsz)
+
+        def token_chunk(_, s0, ssz):
+            hT = nl.ndarray((P, num_tiles(nsz), ssz), zgT.dtype, buffer=nl.sbuf)
+
+            def feature_tile(c, c0, csz):
+                acc_g = nl.zeros((csz, ssz), nl.float32, buffer=nl.psum)
+                acc_u = nl.zeros((csz, ssz), nl.float32, buffer=nl.psum)
+                for r in nl.affine_range(num_rg):
+                    acc_g += nisa.nc_matmul(gb[:, r, nl.ds(c0, csz)], zgT[:, r, nl.ds(s0, ssz)])
+                for r in nl.affine_range(num_ru):
+                    acc_u += nisa.nc_matmul(ub[:, r, nl.ds(c0, csz)], zuT[:, r, nl.ds(s0, ssz)])
+                g = nisa.activation(nl.silu, acc_g, dtype=zgT.dtype)
+                hT[0:csz, c, 0:ssz] = nl.multiply(g, acc_u, dtype=hT.dtype)
+
+            blocks(nsz, P, feature_tile)
+            for j in nl.affine_range(num_rd):
+                acc_d = nl.zeros((P, ssz), nl.float32, buffer=nl.psum)
+
+                def h_tile(c, _, csz):
+                    acc_d[...] += nisa.nc_matmul(du[0:csz, c, nl.ds(j * P, P)], hT[0:csz, c, 0:ssz])
+
+                blocks(nsz, P, h_tile)
+                zd_acc[:, j, nl.ds(s0, ssz)] += acc_d
+
+        blocks(tsz, MOVING_FMAX, token_chunk)
+
+    num_full, tail = divmod(gate_v.shape[1], block)
+    for b in nl.sequential_range(num_full):
+        column_block(b * block, block)
+    for _ in nl.sequential_range(1 if tail else 0):
+        column_block(num_full * block, tail)
+    for j in nl.affine_range(num_rd):
+        def evict(_, s0, ssz):
+            zdT[:, j, nl.ds(s0, ssz)] = nisa.tensor_copy(zd_acc[:, j, nl.ds(s0, ssz)], dtype=zdT.dtype)
+
+        blocks(tsz, MOVING_FMAX, evict)

@@ -15,7 +15,8 @@ def lowrank_matmul(x, u, v, transpose_out=False, token_block=512, group=8, out_b
     [out_features, num_tokens] when transpose_out. dtypes: bf16 in/out; both matmuls accumulate in
     fp32 PSUM over their whole contraction (NeuronMM accumulates in bf16); (XU)ᵀ is rounded to bf16
     once, as a TensorE operand. Limits: rank a multiple of 128; num_tokens, in_features and
-    out_features any size >= 1 (partial 128-partition tiles for the tails); token_block <= 512;
+    out_features any size >= 1 (partial 128-partition tiles for the tails); token_block <= 4096
+    (beyond 512 tokens a block is projected in 512-token PSUM chunks, group clamped to 8 / chunks);
     group <= 8 (PSUM banks); u_moving (U tiles as moving operands, whole-row U loads: the decode
     schedule) needs token_block <= 128 and rank <= 4096; out_block a multiple of 512 (natural)
     or 128 (transposed); hoist_u keeps all of U in SBUF for the whole kernel (loaded once, as
@@ -23,13 +24,15 @@ def lowrank_matmul(x, u, v, transpose_out=False, token_block=512, group=8, out_b
     Schedule per token block: Xᵀ by PE transposes; (XU)ᵀ = Uᵀ Xᵀ with U tiles stationary, kept in
     SBUF as (128, rank/128, tokens); then Y = (XU)·V with (XU)ᵀ stationary (token-major output) or
     Yᵀ = Vᵀ(XU)ᵀ with V stationary (feature-major output). No HBM round trip, no transpose of XU.
+    U and V are read once per token block, so a block larger than 512 tokens (the tile selector
+    picks it when (XU)ᵀ and Xᵀ of the block fit SBUF) cuts their HBM traffic at prefill sizes.
     """
     num_tokens, d_in = x.shape
     rank, d_out = v.shape
     assert u.shape == (d_in, rank) and rank % P == 0, ("rank must be a multiple of 128", u.shape, v.shape)
     token_block = min(token_block, num_tokens)
     assert not u_moving or (token_block <= 128 and rank <= 4096), "u_moving: <= 128 tokens, rank <= 4096"
-    assert 1 <= token_block <= 512 and 1 <= group <= 8
+    assert 1 <= token_block <= 8 * 512 and 1 <= group <= 8
     shape = (d_out, num_tokens) if transpose_out else (num_tokens, d_out)
     y = nl.ndarray(shape, dtype=x.dtype, buffer=nl.shared_hbm)
     u_sbuf = load_columns(u, 0, rank) if hoist_u else None
