@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 
 NUM_CLIENTS = 200
 PREFILL_WATCHED = (100, 101, 102)  # token ids of the prompts that hang up mid-prefill, one each
+DECODE_WATCHED = 103  # the prompt that hangs up mid-decode: random delays alone miss decode on a fast engine
 PROBE = {"model": "tiny", "prompt": "The probe request", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
 
 
@@ -74,11 +75,18 @@ async def _client(url: str, rng: random.Random, outcomes: collections.Counter) -
             outcomes["hung up"] += 1
 
 
-async def _hang_up_in_prefill(url: str, scheduler, token_id: int) -> None:
-    """A client whose 950-token prompt is watched in the engine: it hangs up mid-prefill (timing-independent).
+async def _hang_up_watched(url: str, scheduler, token_id: int, phase: str) -> None:
+    """A client whose prompt is watched in the engine: it hangs up mid-prefill or mid-decode (timing-independent).
 
     Each call needs its own prompt: the prefix cache would serve a repeated one without a prefill."""
-    body = {"model": "tiny", "prompt": [token_id] * 950, "max_tokens": 8, "stream": True}
+    prompt_len = 950 if phase == "prefill" else 8
+    body = {"model": "tiny", "prompt": [token_id] * prompt_len, "max_tokens": 8 if phase == "prefill" else 900,
+            "ignore_eos": True, "stream": True}
+
+    def reached(s) -> bool:
+        if phase == "prefill":
+            return 0 < s.num_computed < len(s.prompt_ids)
+        return s.num_computed > len(s.prompt_ids)  # at least one generated token fed back
 
     async def send():
         async with httpx.AsyncClient(timeout=60) as client:
@@ -88,9 +96,8 @@ async def _hang_up_in_prefill(url: str, scheduler, token_id: int) -> None:
 
     task = asyncio.ensure_future(send())
     deadline = time.monotonic() + 30
-    while not any(s.prompt_ids[0] == token_id and 0 < s.num_computed < len(s.prompt_ids)
-                  for s in list(scheduler.running)):
-        assert time.monotonic() < deadline and not task.done(), "never saw the prefill"
+    while not any(s.prompt_ids[0] == token_id and reached(s) for s in list(scheduler.running)):
+        assert time.monotonic() < deadline and not task.done(), f"never saw the {phase}"
         await asyncio.sleep(0.001)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -131,7 +138,8 @@ def test_random_disconnects_free_every_slot(tiny_model_dir):
         async def storm():
             scheduler = live.state.runtime.engine.scheduler
             for token_id in PREFILL_WATCHED:
-                await _hang_up_in_prefill(live.url, scheduler, token_id)
+                await _hang_up_watched(live.url, scheduler, token_id, "prefill")
+            await _hang_up_watched(live.url, scheduler, DECODE_WATCHED, "decode")
             await asyncio.gather(*(_client(live.url, rng, outcomes) for _ in range(NUM_CLIENTS)))
 
         asyncio.run(storm())
