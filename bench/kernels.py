@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
-import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
 from neuronmm_kernels import cost_model as cm
+from server.fileio import atomic_file, write_json_atomic
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -152,14 +150,6 @@ def to_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: model, print the markdown table, write JSON + markdown under bench/results."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -173,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     result = run_bench(args.models, args.tokens)
     result["wall_s"] = round(time.perf_counter() - start, 1)
     md = to_markdown(result)
-    _write_atomic(args.out, json.dumps(result, indent=1) + "\n")
-    _write_atomic(args.out.with_suffix(".md"), md)
+    write_json_atomic(args.out, result)
+    with atomic_file(args.out.with_suffix(".md")) as tmp:
+        tmp.write_text(md, encoding="utf-8")
     print(md)
     print(f"wrote {args.out} and {args.out.with_suffix('.md')} ({result['wall_s']} s)")
     return 0

@@ -35,8 +35,3 @@ class PaddingStats:
         """{(phase, bucket): {"runs", "real", "padding"}}."""
         with self._lock:
             return {k: {"runs": v[0], "real": v[1], "padding": v[2]} for k, v in self._counts.items()}
-
-    def waste_fraction(self, phase: str, bucket: int) -> float:
-        """Padding / (real + padding) for one bucket; 0.0 before any run."""
-        c = self.snapshot().get((phase, bucket))
-        return c["padding"] / (c["real"] + c["padding"]) if c else 0.0
