@@ -19,10 +19,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from bench.harness import NEURONMM, REPO, run_logged
+from bench.harness import NEURONMM, REPO, run_logged, save_report
 from compression.evaluation.report import TASK_TITLES, mean_accuracy
 from compression.rank import block_rank, saves_parameters
-from server.fileio import files_sha256, write_json_atomic
+from server.fileio import files_sha256
 from server.models.artifact import MANIFEST, Manifest, read_manifest
 
 
@@ -83,8 +83,7 @@ def _header(args) -> dict:
 def _checkpoint(args, rows: list[dict], complete: bool) -> dict:
     """Write what is done so far (so an interrupted run still leaves its finished rows)."""
     result = dict(_header(args), complete=complete, rows=rows)
-    out = write_json_atomic(REPO / args.out, result)
-    out.with_suffix(".md").write_text(markdown(result) + "\n")
+    save_report(REPO / args.out, result, markdown(result))
     return result
 
 

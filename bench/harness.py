@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from server.config import DEFAULT_CONFIG
+from server.fileio import atomic_file, write_json_atomic
 
 REPO = Path(__file__).resolve().parent.parent
 NEURONMM = [sys.executable, "-m", "server.cli"]
@@ -80,15 +81,24 @@ def free_port() -> int:
 
 
 def write_config(path: Path, model_dir: Path | None, engine: dict | None = None, server: dict | None = None,
-                 base: Path | None = None) -> Path:
-    """A serve config: the tiny safetensors model in `model_dir`, or the `base` config's model."""
+                 base: Path | None = None, model: dict | None = None) -> Path:
+    """A serve config: the tiny safetensors model in `model_dir`, or the `base` config's model (`model` updates it)."""
     data = yaml.safe_load((base or DEFAULT_CONFIG).read_text())
     if model_dir is not None:
         data["model"] = {"name": "tiny", "source": "safetensors", "path": str(model_dir)}
+    data.setdefault("model", {}).update(model or {})
     data.setdefault("engine", {}).update(engine or {})
     data.setdefault("server", {}).update(server or {})
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+def save_report(out: Path, report: dict, md: str) -> Path:
+    """Write a benchmark's JSON report and its markdown beside it (`.md`), each atomically."""
+    out = write_json_atomic(out, report)
+    with atomic_file(out.with_suffix(".md")) as tmp:
+        tmp.write_text(md.rstrip("\n") + "\n", encoding="utf-8")
+    return out
 
 
 class ServerProcess:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from bench.harness import save_report
 from neuronmm_kernels import cost_model as cm
-from server.fileio import atomic_file, write_json_atomic
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -163,9 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_bench(args.models, args.tokens)
     result["wall_s"] = round(time.perf_counter() - start, 1)
     md = to_markdown(result)
-    write_json_atomic(args.out, result)
-    with atomic_file(args.out.with_suffix(".md")) as tmp:
-        tmp.write_text(md, encoding="utf-8")
+    save_report(args.out, result, md)
     print(md)
     print(f"wrote {args.out} and {args.out.with_suffix('.md')} ({result['wall_s']} s)")
     return 0

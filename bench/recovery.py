@@ -21,8 +21,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from bench.harness import NEURONMM, REPO, run_logged
-from server.fileio import write_json_atomic
+from bench.harness import NEURONMM, REPO, run_logged, save_report
 from server.models.artifact import MANIFEST, read_manifest
 
 CORPORA = ("wikitext2", "ptb", "c4")
@@ -128,8 +127,7 @@ def _write(args, rows: list[dict], complete: bool) -> None:
                        "tasks": args.tasks, "task_items": args.task_limit},
               "complete": complete, "rows": rows}
     _gaps(rows)
-    out = write_json_atomic(REPO / args.out, result)
-    out.with_suffix(".md").write_text(markdown(result) + "\n")
+    save_report(REPO / args.out, result, markdown(result))
 
 
 def _row(label: str, keep: float | None, artifact: Path | None, result: dict) -> dict:

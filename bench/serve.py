@@ -30,7 +30,6 @@ from pathlib import Path
 
 import httpx
 import torch
-import yaml
 
 from bench.engine_step import BENCH_FLAGS
 from bench.harness import NEURONMM, REPO, free_port, run_logged, wait_healthy
@@ -270,9 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                                           RESULTS / f"serve-{system.name.replace(' ', '-')}.log")
     if systems:
         report["engine_step"] = engine_steps(args.config, args.compressed, args.step_batch_sizes)
-    out = Path(args.out)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(report) + "\n")
+    out = save_report(Path(args.out), report, markdown(report))
     print(markdown(report))
     print(f"saved {out}")
     return 0
