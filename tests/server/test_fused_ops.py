@@ -71,6 +71,41 @@ def test_attention_matches_reference(dtype, block_size, num_blocks, threads):
     torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
 
 
+def _decode_case(dtype, head_dim: int, num_kv_heads: int, group: int, block_size: int, context_lens: list[int]):
+    """One decode token per sequence at position context_len - 1, each sequence's blocks scattered over the pool."""
+    g = torch.Generator().manual_seed(3)
+    num_heads, num_seqs = num_kv_heads * group, len(context_lens)
+    max_blocks = max(-(-n // block_size) for n in context_lens)
+    num_blocks = num_seqs * max_blocks + 3
+    tables = torch.randperm(num_blocks, generator=g)[:num_seqs * max_blocks].view(num_seqs, max_blocks).int()
+    positions = torch.tensor(context_lens) - 1
+    slot_mapping = tables[torch.arange(num_seqs), positions // block_size].long() * block_size + positions % block_size
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    angles = positions.float().unsqueeze(1) * torch.linspace(0.1, 1.0, head_dim // 2).repeat(2)
+    return dict(qkv=torch.randn(num_seqs, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype),
+                cos=angles.cos().to(dtype), sin=angles.sin().to(dtype),
+                k_cache=torch.randn(shape, generator=g).to(dtype), v_cache=torch.randn(shape, generator=g).to(dtype),
+                slot_mapping=slot_mapping, block_tables=tables, seq_index=torch.arange(num_seqs, dtype=torch.int32),
+                context_lens=torch.tensor(context_lens, dtype=torch.int32), num_heads=num_heads,
+                num_kv_heads=num_kv_heads, scale=1 / math.sqrt(head_dim))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 3, 3), (64, 2, 8), (128, 2, 3), (128, 1, 4)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("threads", [1, 8], ids=["items-of-all-kv-heads", "items-of-one-kv-head"])
+def test_vectorised_attention_matches_reference(dtype, head_dim, num_kv_heads, group, block_size, threads):
+    """Model head sizes (64, 128), where whole 16-key runs take the vector path and the rest the scalar tail,
+    with groups that split into several register chunks."""
+    torch.set_num_threads(threads)
+    case = _decode_case(dtype, head_dim, num_kv_heads, group, block_size, [1, 15, 16, 17, 40, 71])
+    ref_case = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    out, _ = torch.ops.neuronmm.attention(*case.values())
+    ref_out, _ = fused_ops.attention_ref(*ref_case.values())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+
+
 def test_attention_skips_tokens_with_no_context():
     case = _cache_case(torch.float32, 4, 4)
     case["context_lens"] = torch.tensor([6, 0, 0, 0], dtype=torch.int32)

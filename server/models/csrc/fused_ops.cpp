@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -92,6 +93,74 @@ inline void axpy_head(float p, const c10::BFloat16* v, float* acc, int64_t d) {
     return;
   }
   axpy_head_avx512(p, v, acc, d);
+}
+
+// Attention over a block of the cache with the running sums in registers. One query head against 16 keys
+// ends in 16 horizontal sums; a transpose-add tree does them together (45 shuffles and adds instead of
+// 16 full reductions). Values: the accumulators of up to 16 / D16 query heads stay in registers across a
+// block's keys, each value row widened once for the whole group (a store-to-load chain through memory per
+// key made the old axpy loop latency-bound). D16 = head_dim / 16.
+template <typename T>
+constexpr bool kVectorAttention = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+// lane i of the result: the sum of v[i]'s lanes
+inline __m512 hsum16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// q (fp32, D16 * 16) against 16 consecutive keys of one head: their 16 scores
+template <typename T, int D16>
+inline __m512 dot16_keys(const float* q, const T* k) {
+  __m512 qv[D16], dots[16];
+  for (int d = 0; d < D16; ++d) qv[d] = _mm512_loadu_ps(q + 16 * d);
+  for (int j = 0; j < 16; ++j) {
+    const T* kj = k + j * D16 * 16;
+    __m512 a = _mm512_mul_ps(qv[0], load16(kj));
+    for (int d = 1; d < D16; ++d) a = _mm512_fmadd_ps(qv[d], load16(kj + 16 * d), a);
+    dots[j] = a;
+  }
+  return hsum16(dots);
+}
+
+// acc[h] += sum_j p[h * stride + j] * v[j] for NH query heads over `len` value rows
+template <typename T, int D16, int NH>
+inline void pv_heads(const float* p, int64_t stride, const T* v, int64_t len, float* acc) {
+  __m512 a[NH][D16];
+  for (int h = 0; h < NH; ++h)
+    for (int d = 0; d < D16; ++d) a[h][d] = _mm512_loadu_ps(acc + (h * D16 + d) * 16);
+  for (int64_t j = 0; j < len; ++j) {
+    __m512 vv[D16];
+    for (int d = 0; d < D16; ++d) vv[d] = load16(v + j * D16 * 16 + 16 * d);
+    for (int h = 0; h < NH; ++h) {
+      const __m512 pb = _mm512_set1_ps(p[h * stride + j]);
+      for (int d = 0; d < D16; ++d) a[h][d] = _mm512_fmadd_ps(pb, vv[d], a[h][d]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int d = 0; d < D16; ++d) _mm512_storeu_ps(acc + (h * D16 + d) * 16, a[h][d]);
+}
+
+template <typename T, int D16>
+inline void pv_group(const float* p, int64_t stride, const T* v, int64_t len, float* acc, int64_t num_heads) {
+  constexpr int64_t kMaxHeads = 16 / D16;  // 16 accumulators + D16 value registers of the 32
+  for (int64_t h0 = 0; h0 < num_heads; h0 += kMaxHeads) {
+    const float* ph = p + h0 * stride;
+    float* ah = acc + h0 * D16 * 16;
+    switch (std::min(kMaxHeads, num_heads - h0)) {
+      case 1: pv_heads<T, D16, 1>(ph, stride, v, len, ah); break;
+      case 2: pv_heads<T, D16, 2>(ph, stride, v, len, ah); break;
+      case 3: pv_heads<T, D16, 3>(ph, stride, v, len, ah); break;
+      default: pv_heads<T, D16, 4>(ph, stride, v, len, ah); break;
+    }
+  }
 }
 #endif
 
@@ -286,7 +355,22 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
         const int64_t len = std::min(block_size, n - start);
         for (int64_t k = 0; k < heads_per_item; ++k) {
           const T* kb = block_at(kc, start, k);
-          for (int64_t j = 0; j < len; ++j) {
+          int64_t j = 0;
+#if defined(__AVX512F__)
+          if constexpr (kVectorAttention<T>) {
+            if (head_dim == 64 || head_dim == 128) {
+              for (; j + 16 <= len; j += 16) {
+                for (int64_t g = k * group; g < (k + 1) * group; ++g) {
+                  const __m512 r = head_dim == 64 ? dot16_keys<T, 4>(q.data() + g * head_dim, kb + j * head_dim)
+                                                  : dot16_keys<T, 8>(q.data() + g * head_dim, kb + j * head_dim);
+                  _mm512_storeu_ps(scores.data() + g * n + start + j, r);
+                  max_s[g] = std::max(max_s[g], _mm512_reduce_max_ps(r));
+                }
+              }
+            }
+          }
+#endif
+          for (; j < len; ++j) {
             for (int64_t g = k * group; g < (k + 1) * group; ++g) {
               const float dot = dot_head(q.data() + g * head_dim, kb + j * head_dim, head_dim);
               scores[g * n + start + j] = dot;
@@ -311,6 +395,20 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
         const int64_t len = std::min(block_size, n - start);
         for (int64_t k = 0; k < heads_per_item; ++k) {
           const T* vb = block_at(vc, start, k);
+#if defined(__AVX512F__)
+          if constexpr (kVectorAttention<T>) {
+            const float* p = scores.data() + k * group * n + start;
+            float* a = acc.data() + k * group * head_dim;
+            if (head_dim == 64) {
+              pv_group<T, 4>(p, n, vb, len, a, group);
+              continue;
+            }
+            if (head_dim == 128) {
+              pv_group<T, 8>(p, n, vb, len, a, group);
+              continue;
+            }
+          }
+#endif
           for (int64_t j = 0; j < len; ++j)
             for (int64_t g = k * group; g < (k + 1) * group; ++g)
               axpy_head(scores[g * n + start + j], vb + j * head_dim, acc.data() + g * head_dim, head_dim);
