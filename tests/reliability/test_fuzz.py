@@ -63,7 +63,7 @@ def _fuzz(live, op, mode: GenerationMode, max_examples: int) -> None:
     session = requests.Session()
     checks = CHECKS + ([negative_data_rejection] if mode is GenerationMode.NEGATIVE else [])
 
-    @settings(max_examples=max_examples, deadline=None, database=None, phases=[Phase.generate],
+    @settings(max_examples=max_examples, deadline=None, database=None, phases=[Phase.generate], derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(case=op.as_strategy(generation_mode=mode), ours=st.integers(0, 9))
     def run(case, ours):
