@@ -10,6 +10,7 @@ import torch
 from server.backends.base import SeqChunk
 from server.models.cpu_features import resolve_dtype
 from server.models.fused_ops import kernels_for
+from server.models.hugepages import return_freed_heap
 from server.models.llama import Attention, FlatBatch, KVCache, LlamaModel, PrefillChunk
 from server.models.loader import load_llama
 from server.models.packed_linear import pack_linears, packing_available, panels_available
@@ -52,6 +53,8 @@ class TorchRunner:
             pack_linears(self.model, use_panels=self.panel_gemm and panels_available(self.device, self.dtype))
         if self.fused_kernels:
             self.model.use_kernels(kernels_for(self.device))
+        if self.device.type == "cpu":
+            return_freed_heap()
 
     def allocate_kv(self, num_slots: int) -> None:
         self.allocate_kv_blocks(num_slots, self.max_model_len)

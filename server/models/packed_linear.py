@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from server.models import fused_ops
+from server.models.hugepages import into_huge_pages
 from server.models.lowrank import LowRankLinear
 
 log = logging.getLogger(__name__)
@@ -128,5 +129,9 @@ def pack_linears(model: nn.Module, use_panels: bool = False) -> int:
             if replacement is not None:
                 setattr(parent, name, replacement)
                 count += 1
+    panel_layers = [m for m in model.modules() if isinstance(m, PanelLinear)]
+    if panel_layers:  # one huge-page mapping for all panels: a step streams every one of them
+        for layer, panels in zip(panel_layers, into_huge_pages([m.panels for m in panel_layers])):
+            layer.panels = panels
     log.info("packed %d linear layers (%s)", count, "bf16 panels" if use_panels else "oneDNN")
     return count

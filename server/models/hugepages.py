@@ -1,0 +1,74 @@
+"""Large CPU buffers on transparent huge pages: a decode step streams every weight and much of the KV cache,
+and with 4 KiB pages each 2 MiB of that costs 512 TLB misses.
+
+Linux backs memory with 2 MiB pages only where asked (`transparent_hugepage/enabled` is `madvise` on most
+distributions), so the weights and the KV cache are moved into one private anonymous mapping each, advised
+MADV_HUGEPAGE before first touch. Where the kernel or Python cannot (not Linux, THP `never`), the same
+buffer comes back on ordinary pages; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+
+import torch
+
+log = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+_ALIGN = 64  # each tensor in an arena starts on a cache line
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor of `nbytes` starting on a 2 MiB boundary, advised MADV_HUGEPAGE where the OS allows."""
+    size = nbytes + HUGE_PAGE  # room to slide the start onto a huge-page boundary
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: shared memory has its own THP knob
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    offset = -address % HUGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError as exc:  # THP compiled out or disabled
+            log.debug("MADV_HUGEPAGE refused: %s", exc)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+
+
+def into_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of contiguous CPU `tensors` packed into one huge-page buffer (same shapes, dtypes and values)."""
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    arena = huge_page_buffer(max(total, 1))
+    out = []
+    for t, start in zip(tensors, offsets):
+        view = arena[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        out.append(view)
+    return out
+
+
+def empty_in_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Uninitialised CPU tensors of `shapes` in one huge-page buffer (pages are committed as they are written)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = [-(-torch.Size(s).numel() * itemsize // _ALIGN) * _ALIGN for s in shapes]
+    arena = huge_page_buffer(max(sum(sizes), 1))
+    out, start = [], 0
+    for shape, size in zip(shapes, sizes):
+        n = torch.Size(shape).numel() * itemsize
+        out.append(arena[start:start + n].view(dtype).view(shape))
+        start += size
+    return out
+
+
+def return_freed_heap() -> None:
+    """Hand the heap's freed pages back to the OS (glibc's malloc_trim); a no-op elsewhere.
+
+    Loading converts and packs every weight once, and glibc keeps the freed originals mapped: after load
+    that is a third of the process's resident size, never to be reused."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

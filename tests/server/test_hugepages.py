@@ -1,0 +1,56 @@
+"""Weights and KV cache moved onto huge-page mappings keep their values, shapes and separate storage."""
+
+import mmap
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.models.hugepages import HUGE_PAGE, empty_in_huge_pages, huge_page_buffer, into_huge_pages
+from server.models.llama import KVCache
+
+
+def test_copies_keep_values_shapes_and_dtypes():
+    originals = [torch.randn(3, 5).to(torch.bfloat16), torch.arange(7), torch.randn(2, 2, 9)]
+    moved = into_huge_pages(originals)
+    assert moved[0].data_ptr() % HUGE_PAGE == 0
+    for before, after in zip(originals, moved):
+        assert after.dtype == before.dtype and after.shape == before.shape and after.is_contiguous()
+        assert torch.equal(after, before) and after.data_ptr() != before.data_ptr()
+        assert after.data_ptr() % 64 == 0
+    moved[1].zero_()  # the arena's tensors do not overlap
+    assert torch.equal(moved[0], originals[0]) and torch.equal(moved[2], originals[2])
+
+
+def test_kv_cache_layers_are_separate_tensors_of_the_cache_layout():
+    cache = KVCache(num_layers=3, num_blocks=5, num_kv_heads=2, block_size=4, head_dim=8, dtype=torch.bfloat16)
+    tensors = cache.k + cache.v
+    assert all(t.shape == (5, 2, 4, 8) and t.is_contiguous() and t.dtype == torch.bfloat16 for t in tensors)
+    for i, t in enumerate(tensors):
+        t.fill_(i)
+    assert [int(t[4, 1, 3, 7]) for t in tensors] == list(range(6))
+    assert cache.nbytes() == 6 * 5 * 2 * 4 * 8 * 2
+
+
+def test_empty_tensors_need_not_be_zero_but_are_writable():
+    a, b = empty_in_huge_pages([(4, 4), (3,)], torch.float32)
+    a.fill_(1.5)
+    b.fill_(-2)
+    assert a.sum() == 24 and b.sum() == -6
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not Path("/proc/self/smaps").exists(),
+                    reason="MADV_HUGEPAGE and /proc/self/smaps are Linux-only")
+def test_the_mapping_is_advised_huge_pages():
+    buf = huge_page_buffer(3 * HUGE_PAGE)
+    start = buf.data_ptr()
+    flags = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            low, high = (int(x, 16) for x in head.split("-"))
+            inside = low <= start < high
+        elif line.startswith("VmFlags:") and inside:
+            flags = line.split()[1:]
+            break
+    assert flags is not None and "hg" in flags  # hg: the VMA carries MADV_HUGEPAGE
