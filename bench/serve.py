@@ -32,7 +32,7 @@ import httpx
 import torch
 
 from bench.engine_step import BENCH_FLAGS
-from bench.harness import NEURONMM, REPO, free_port, run_logged, wait_healthy
+from bench.harness import NEURONMM, REPO, free_port, run_logged, save_report, wait_healthy
 from server.config import load_config
 from server.models.cpu_features import cpu_flags
 from server.models.source import resolve_model_dir
