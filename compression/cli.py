@@ -34,10 +34,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--calib-data", help="calibration jsonl (default: the config's compression.calib_data)")
     p.add_argument("--seed", type=int)
     p.add_argument("--allocation", choices=["exact", "sensitivity", "uniform"],
-                   help="rank allocation (exact, the default: the whole-MLP budget spread by an exact knapsack over each "
-                        "matrix's rank options and dense, scored by Fisher-weighted whitened truncation loss on the dense "
-                        "model; sensitivity: the same measure, greedy one rank step at a time; uniform: the rank formula "
-                        "per matrix, fastest)")
+                   help="rank allocation (sensitivity, the default: Fisher-weighted whitened truncation loss on the dense "
+                        "model, spent greedily one rank step at a time; exact: the same measure and budget spread by an "
+                        "exact knapsack over each matrix's rank options and dense; uniform: the rank formula per matrix, "
+                        "fastest)")
     p.add_argument("--sensitivity", choices=["fisher", "normalised"],
                    help="allocation measure: fisher (truncation loss weighted by the output Fisher, default) or "
                         "normalised (each matrix's relative output error)")
@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="trn1: break allocation ties toward the kernels' cost model and record MODELED MLP latency")
     p.add_argument("--refit", action=argparse.BooleanOptionalAction, default=None,
                    help="after truncation, refit each B factor by least squares on the compressed model's inputs "
-                        "against the dense layer's outputs (default on; --no-refit turns it off)")
+                        "against the dense layer's outputs (default off: it raised perplexity at keep 0.8, docs/BENCHMARKS.md)")
     p.add_argument("--sensitivity-cache", help="JSON file keeping the allocation's dense pre-pass (spectra, Fisher "
                                                "weights): reused when model, calibration and measure match, else "
                                                "written; for allocation experiments")

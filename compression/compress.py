@@ -39,10 +39,13 @@ ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 class CompressSettings(CompressionConfig):
     """Everything that decides the factors (recorded in the manifest): the config's compression block plus
-    the knobs the server's config schema does not carry (allocation exact, refit) and two of the calibration passes."""
+    the knobs the server's config schema does not carry (allocation, refit) and two of the calibration passes.
 
-    allocation: Literal["exact", "sensitivity", "uniform"] = "exact"
-    refit: bool = True  # least-squares refit of each B factor against the dense layer's outputs
+    Defaults are the setting measured best at keep 0.8 on SmolLM2-135M (docs/BENCHMARKS.md, issue 18 ablation):
+    greedy sensitivity allocation, no refit; exact allocation and refit each raised WikiText-2 perplexity there."""
+
+    allocation: Literal["exact", "sensitivity", "uniform"] = "sensitivity"
+    refit: bool = False  # least-squares refit of each B factor against the dense layer's outputs (opt-in)
     refit_damp: float = Field(1e-2, ge=0)  # ridge toward the SVD's B, relative to the mean diagonal of the Gram
     fisher_windows: int = Field(16, ge=1)  # calibration windows the Fisher estimate back-propagates
     batch_size: int = Field(8, ge=1)  # windows per forward pass of the calibration passes

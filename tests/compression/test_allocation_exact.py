@@ -87,7 +87,7 @@ def test_sensitivity_cache_is_reused_and_gives_the_same_ranks(tiny_model_dir, tm
     from compression.compress import CompressSettings, compress_model
 
     s = CompressSettings(keep_ratio=0.5, rank_multiple=8, calib_samples=4, calib_seqlen=32, batch_size=2,
-                         fisher_windows=2, refit=False)
+                         fisher_windows=2, allocation="exact")
     cache = tmp_path / "spectra.json"
     first = compress_model(tiny_model_dir, s, tmp_path / "a", model_id="tiny", sensitivity_cache=cache)
     assert cache.is_file() and first.allocation["total_loss"] <= first.allocation["greedy_total_loss"] + 1e-12

@@ -41,21 +41,22 @@ def test_allocation_comes_from_the_config_unless_a_flag_overrides_it():
     assert (s.allocation, s.latency_model) == ("uniform", "none")
 
 
-def test_exact_allocation_and_refit_are_the_defaults_and_flags_turn_them_off():
+def test_sensitivity_allocation_without_refit_is_the_default_and_flags_choose_others():
     from compression.cli import settings_from
     from server.config import load_config
 
     s = settings_from(_compress_args([]), load_config())
-    assert (s.allocation, s.refit, s.rank_multiple, s.keep_ratio) == ("exact", True, 128, 0.8)
-    s = settings_from(_compress_args(["--allocation", "sensitivity", "--no-refit"]), load_config())
-    assert (s.allocation, s.refit) == ("sensitivity", False)
+    assert (s.allocation, s.refit, s.rank_multiple, s.keep_ratio) == ("sensitivity", False, 128, 0.8)
+    s = settings_from(_compress_args(["--allocation", "exact", "--refit"]), load_config())
+    assert (s.allocation, s.refit) == ("exact", True)
 
 
 def test_exact_allocation_with_normalised_measure_is_one_line_exit_2(tmp_path, capsys, tiny_model_dir):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(f"model: {{name: tiny, source: safetensors, path: {tiny_model_dir}}}\n")
     out = tmp_path / "art"
-    assert main(["compress", "--config", str(cfg), "--sensitivity", "normalised", "--calib-samples", "2",
+    assert main(["compress", "--config", str(cfg), "--allocation", "exact", "--sensitivity", "normalised",
+                 "--calib-samples", "2",
                  "--calib-seqlen", "32", "--num-threads", "1", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--allocation exact" in err[-1] and not out.exists()

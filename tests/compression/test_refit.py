@@ -54,7 +54,8 @@ def test_huge_damping_returns_the_svd_factor():
 @pytest.fixture(scope="module")
 def refit_pair(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("refit")
-    common = dict(keep_ratio=0.5, rank_multiple=8, calib_samples=16, calib_seqlen=64, batch_size=4, fisher_windows=2)
+    common = dict(keep_ratio=0.5, rank_multiple=8, calib_samples=16, calib_seqlen=64, batch_size=4, fisher_windows=2,
+                  allocation="exact")
     arts = {}
     for refit in (False, True):
         out = root / f"refit-{refit}"
