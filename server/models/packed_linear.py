@@ -77,21 +77,26 @@ class PackedLinear(_PrepackedLinear):
         return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
 
+# dtype -> (pack op, GEMM op) names in csrc/small_gemm.cpp; each is built only where the CPU has its
+# instructions (bf16: AVX512-BF16; fp32: AVX512F).
+_PANEL_OPS = {torch.bfloat16: ("pack_panels", "panel_linear"), torch.float32: ("pack_panels_f32", "panel_linear_f32")}
+
+
 def panels_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """The panel GEMM runs bf16 on CPUs whose fused-ops build has it (compiled only with AVX512-BF16)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and fused_ops.load()
-            and hasattr(torch.ops.neuronmm, "panel_linear"))
+    """The panel GEMM for `dtype` is in this CPU's fused-ops build (bf16 with AVX512-BF16, fp32 with AVX512F)."""
+    return (device.type == "cpu" and dtype in _PANEL_OPS and fused_ops.load()
+            and hasattr(torch.ops.neuronmm, _PANEL_OPS[dtype][1]))
 
 
 class PanelLinear(_PrepackedLinear):
-    """y = x Wᵀ for bf16 x and W [N, K] (K even) held as 32-column panels for csrc/small_gemm.cpp (no bias)."""
-
-    layout = "bf16 panels"
+    """y = x Wᵀ with W [N, K] held as column panels for csrc/small_gemm.cpp: bf16 (K even) or fp32 (no bias)."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__(weight)
-        self.panels = torch.ops.neuronmm.pack_panels(weight.detach().contiguous())
-        self._gemm = torch.ops.neuronmm.panel_linear.default  # the overload, resolved once
+        pack, gemm = _PANEL_OPS[weight.dtype]
+        self.layout = f"{'bf16' if weight.dtype == torch.bfloat16 else 'fp32'} panels"
+        self.panels = getattr(torch.ops.neuronmm, pack)(weight.detach().contiguous())
+        self._gemm = getattr(torch.ops.neuronmm, gemm).default  # the overload, resolved once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # the model's flat batches: one call, nothing else
@@ -103,7 +108,7 @@ class PanelLinear(_PrepackedLinear):
 def _packer(use_panels: bool):
     """The packed module for one weight: panels where they apply (even K), else oneDNN's layout."""
     def pack(weight: torch.Tensor) -> nn.Module:
-        if use_panels and weight.shape[1] % 2 == 0:
+        if use_panels and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0):  # bf16 panels pair K
             return PanelLinear(weight)
         return PackedLinear(weight)
     return pack
@@ -133,5 +138,5 @@ def pack_linears(model: nn.Module, use_panels: bool = False) -> int:
     if panel_layers:  # one huge-page mapping for all panels: a step streams every one of them
         for layer, panels in zip(panel_layers, into_huge_pages([m.panels for m in panel_layers])):
             layer.panels = panels
-    log.info("packed %d linear layers (%s)", count, "bf16 panels" if use_panels else "oneDNN")
+    log.info("packed %d linear layers (%s)", count, "panels" if use_panels else "oneDNN")
     return count

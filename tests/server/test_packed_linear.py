@@ -1,4 +1,4 @@
-"""The packed CPU linears (our bf16 panel GEMM, oneDNN's packed layout) compute F.linear, and the model picks them."""
+"""The packed CPU linears (our bf16 and fp32 panel GEMMs, oneDNN's packed layout) compute F.linear, and the model picks them."""
 
 from __future__ import annotations
 
@@ -65,6 +65,40 @@ def test_pack_linears_uses_panels_for_bf16_and_keeps_low_rank_chains():
     assert isinstance(model[3], PackedLinear)  # K = 7 is odd: no panel pairs
     got = model(x).float()
     assert torch.allclose(got, want, rtol=0.05, atol=0.05)
+
+
+needs_fp32_panels = pytest.mark.skipif(not panels_available(torch.device("cpu"), torch.float32),
+                                       reason="the fp32 panel GEMM is built only on CPUs with AVX512F")
+
+
+@needs_fp32_panels
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 16, 49, 100])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (70, 130), (33, 7)])
+def test_fp32_panel_linear_equals_f_linear(rows, out_features, in_features):
+    """Every row count (register tiles of 12, work items of 48), ragged N (32-column panels) and odd K."""
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    w = torch.randn(out_features, in_features, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
+    lin = PanelLinear(w)
+    assert lin.layout == "fp32 panels"
+    got = lin(x)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)  # summation order only
+
+
+@needs_fp32_panels
+def test_pack_linears_uses_fp32_panels_for_every_width():
+    """In fp32 odd K needs no pairing: every dense and low-rank layer becomes panels; the output is unchanged."""
+    g = torch.Generator().manual_seed(4)
+    model = nn.Sequential(nn.Linear(64, 32, bias=False),
+                          LowRankLinear(torch.randn(16, 32, generator=g), torch.randn(48, 16, generator=g)),
+                          nn.Linear(48, 7, bias=False), nn.Linear(7, 5, bias=False))
+    x = torch.randn(4, 64, generator=g)
+    with torch.no_grad():
+        want = model(x)
+    assert pack_linears(model, use_panels=True) == 4
+    assert all(isinstance(m, PanelLinear) for m in (model[0], *model[1], model[2], model[3]))
+    torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 here")

@@ -130,3 +130,107 @@ TORCH_LIBRARY_IMPL(neuronmm, CPU, m) {
 }
 
 #endif  // __AVX512BF16__
+
+// ---- fp32 ------------------------------------------------------------------------------------------
+// The same idea for fp32 weights (CPUs without native bf16 serve in fp32): panels of 32 output columns,
+// [ceil(N/32)][K][32] fp32, so two 64-byte loads are 32 columns at one input position, multiplied by a
+// broadcast x value into 32 fp32 sums (FMA). Register tile: up to 12 rows of x x one panel (24 sums);
+// two loads of W per 24 FMAs leave the load ports room at prefill sizes.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include <algorithm>
+
+namespace {
+
+constexpr int64_t kPanelF = 32;     // output columns per fp32 panel (two zmm of sums)
+constexpr int64_t kMaxRowsF = 12;   // rows of x per register tile
+constexpr int64_t kRowsPerItemF = 4 * kMaxRowsF;
+constexpr int64_t kAheadF = 16;     // input positions prefetched ahead (16 x 128 B)
+
+// W [N, K] fp32 -> panels [ceil(N/32), K, 32] (zero-padded columns).
+at::Tensor pack_panels_f32(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack_panels_f32: fp32 weight [N, K] expected");
+  const auto w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanelF - 1) / kPanelF;
+  auto out = at::zeros({panels, K, kPanelF}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p)
+      for (int64_t c = 0; c < kPanelF && p * kPanelF + c < N; ++c)
+        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanelF + c] = src[(p * kPanelF + c) * K + k];
+  });
+  return out;
+}
+
+template <int MT>
+inline void tile_f32(const float* x, const float* panel, float* y, int64_t m0, int64_t col0, int64_t N, int64_t K) {
+  __m512 lo[MT], hi[MT];
+  for (int j = 0; j < MT; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
+  const float* xp = x + m0 * K;
+  for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAheadF) * kPanelF), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAheadF) * kPanelF + 16), _MM_HINT_T0);
+    const __m512 w0 = _mm512_loadu_ps(panel + k * kPanelF), w1 = _mm512_loadu_ps(panel + k * kPanelF + 16);
+    for (int j = 0; j < MT; ++j) {
+      const __m512 xv = _mm512_set1_ps(xp[j * K + k]);
+      lo[j] = _mm512_fmadd_ps(xv, w0, lo[j]);
+      hi[j] = _mm512_fmadd_ps(xv, w1, hi[j]);
+    }
+  }
+  const auto mask = [](int64_t n) { return n <= 0 ? __mmask16(0) : n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); };
+  const int64_t valid = N - col0;
+  for (int j = 0; j < MT; ++j) {
+    _mm512_mask_storeu_ps(y + (m0 + j) * N + col0, mask(valid), lo[j]);
+    _mm512_mask_storeu_ps(y + (m0 + j) * N + col0 + 16, mask(valid - 16), hi[j]);
+  }
+}
+
+template <int MT>
+void rows_of_f32(const float* x, const float* panel, float* y, int64_t m0, int64_t col0, int64_t N, int64_t K,
+                 int64_t rows) {
+  if constexpr (MT > 0) {
+    if (rows == MT) return tile_f32<MT>(x, panel, y, m0, col0, N, K);
+    rows_of_f32<MT - 1>(x, panel, y, m0, col0, N, K, rows);
+  }
+}
+
+at::Tensor panel_linear_f32(const at::Tensor& x, const at::Tensor& panels, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "panel_linear_f32: fp32 x [M, K] expected");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanelF && panels.size(1) == x.size(1) &&
+                  panels.size(0) * kPanelF >= N && panels.is_contiguous(),
+              "panel_linear_f32: panels [ceil(N/32), K, 32] from pack_panels_f32 expected");
+  const auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), num_panels = panels.size(0);
+  auto y = at::empty({M, N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // (panel, row block) items, one contiguous stretch per thread, as in the bf16 GEMM above
+  const int64_t row_blocks = (M + kRowsPerItemF - 1) / kRowsPerItemF, items = num_panels * row_blocks;
+  const int64_t threads = at::get_num_threads();
+  at::parallel_for(0, items, (items + threads - 1) / threads, [&](int64_t b, int64_t e) {
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t p = item / row_blocks, m_end = std::min(M, (item % row_blocks + 1) * kRowsPerItemF);
+      const float* panel = wp + p * K * kPanelF;
+      for (int64_t m = (item % row_blocks) * kRowsPerItemF; m < m_end; m += kMaxRowsF)
+        rows_of_f32<kMaxRowsF>(xp, panel, yp, m, p * kPanelF, N, K, std::min(kMaxRowsF, m_end - m));
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(neuronmm, m) {
+  m.def("pack_panels_f32(Tensor weight) -> Tensor");
+  m.def("panel_linear_f32(Tensor x, Tensor panels, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(neuronmm, CPU, m) {
+  m.impl("pack_panels_f32", &pack_panels_f32);
+  m.impl("panel_linear_f32", &panel_linear_f32);
+}
+
+#endif  // __AVX512F__
