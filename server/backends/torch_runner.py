@@ -39,7 +39,7 @@ class TorchRunner:
         self.num_threads = num_threads
         self.pack_weights = pack_weights
         self.fused_kernels = fused_kernels
-        self.panel_gemm = panel_gemm  # bf16 panels for our GEMM where the CPU has AVX512-BF16 (else oneDNN)
+        self.panel_gemm = panel_gemm  # panels for our GEMM where the CPU builds it (bf16: AVX512-BF16, fp32: AVX512F)
         self.model: LlamaModel | None = None
         self.cache: KVCache | None = None
         self.vocab_size = 0

@@ -1,12 +1,12 @@
-"""CPU fast path: Linear layers with weights pre-packed, for our bf16 panel GEMM or for oneDNN.
+"""CPU fast path: Linear layers with weights pre-packed, for our panel GEMMs or for oneDNN.
 
-bf16 on a CPU with AVX512-BF16: `PanelLinear`, our own GEMM (csrc/small_gemm.cpp) over a panel layout
-made once at load. At decode sizes it streams each weight at close to memory bandwidth where oneDNN
-spends ~20 µs a call on dispatch (as long as reading a 0.6 MB matrix), and it is no slower at prefill
-sizes (measured in docs/BENCHMARKS.md). Elsewhere (fp32, or bf16 via AMX only): `PackedLinear`, oneDNN's
-packed GEMM, about 2x faster than the default call for the skinny shapes of decoding (fp32 LM head
-[16, 576] x [576, 49152]: 8.7 ms vs 19.5 ms). Results equal F.linear up to summation order.
-"""
+`PanelLinear`: our own GEMM (csrc/small_gemm.cpp) over a panel layout made once at load, in bf16 on CPUs
+with AVX512-BF16 and in fp32 on CPUs with AVX512F. At decode sizes it streams each weight at close to
+memory bandwidth where oneDNN spends ~20 µs a call on dispatch (as long as reading a 0.6 MB matrix), and
+it is level with oneDNN at prefill sizes (measured in docs/BENCHMARKS.md). Elsewhere (AVX2-only CPUs, or
+bf16 via AMX only): `PackedLinear`, oneDNN's packed GEMM, about 2x faster than the default call for the
+skinny shapes of decoding (fp32 LM head [16, 576] x [576, 49152]: 8.7 ms vs 19.5 ms). Results equal
+F.linear up to summation order."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def _packed(module: nn.Module, pack) -> nn.Module | None:
 def pack_linears(model: nn.Module, use_panels: bool = False) -> int:
     """Replace every bias-free Linear / LowRankLinear under `model` by its packed form; returns the count.
 
-    use_panels: bf16 panels for our GEMM (see panels_available), else oneDNN's packed layout.
+    use_panels: panels for our GEMM (see panels_available), else oneDNN's packed layout.
     """
     pack, count = _packer(use_panels), 0
     for parent in list(model.modules()):

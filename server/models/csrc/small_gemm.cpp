@@ -1,4 +1,4 @@
-// bf16 GEMM for a decode step's linears: y[M, N] = x[M, K] · Wᵀ, W [N, K] held in a panel layout,
+// Panel GEMMs for a decode step's linears: y[M, N] = x[M, K] · Wᵀ, W [N, K] held in a panel layout; bf16 first, fp32 below.
 // fp32 accumulation, each output rounded once to bf16 (as oneDNN's bf16 GEMM rounds it).
 //
 // Why: at a decode step every weight is read once from DRAM for a handful of rows, so a linear should
