@@ -39,8 +39,9 @@ def test_empty_tensors_need_not_be_zero_but_are_writable():
     assert a.sum() == 24 and b.sum() == -6
 
 
-@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not Path("/proc/self/smaps").exists(),
-                    reason="MADV_HUGEPAGE and /proc/self/smaps are Linux-only")
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not Path("/proc/self/smaps").exists()
+                    or not Path("/sys/kernel/mm/transparent_hugepage").is_dir(),
+                    reason="needs Linux with transparent huge pages built in (MADV_HUGEPAGE, /proc/self/smaps)")
 def test_the_mapping_is_advised_huge_pages():
     buf = huge_page_buffer(3 * HUGE_PAGE)
     start = buf.data_ptr()
