@@ -35,32 +35,28 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
 
 
+def _views_in_huge_pages(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Uninitialised contiguous tensors of the (shape, dtype) specs, laid out in one huge-page buffer."""
+    sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs]
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + -(-size // _ALIGN) * _ALIGN)
+    arena = huge_page_buffer(max(starts[-1], 1))
+    return [arena[start:start + size].view(dtype).view(shape)
+            for (shape, dtype), start, size in zip(specs, starts, sizes)]
+
+
 def into_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of contiguous CPU `tensors` packed into one huge-page buffer (same shapes, dtypes and values)."""
-    offsets, total = [], 0
-    for t in tensors:
-        offsets.append(total)
-        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    arena = huge_page_buffer(max(total, 1))
-    out = []
-    for t, start in zip(tensors, offsets):
-        view = arena[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        out.append(view)
-    return out
+    """Copies of CPU `tensors` packed into one huge-page buffer (same shapes, dtypes and values)."""
+    copies = _views_in_huge_pages([(tuple(t.shape), t.dtype) for t in tensors])
+    for copy, t in zip(copies, tensors):
+        copy.copy_(t)
+    return copies
 
 
 def empty_in_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
     """Uninitialised CPU tensors of `shapes` in one huge-page buffer (pages are committed as they are written)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = [-(-torch.Size(s).numel() * itemsize // _ALIGN) * _ALIGN for s in shapes]
-    arena = huge_page_buffer(max(sum(sizes), 1))
-    out, start = [], 0
-    for shape, size in zip(shapes, sizes):
-        n = torch.Size(shape).numel() * itemsize
-        out.append(arena[start:start + n].view(dtype).view(shape))
-        start += size
-    return out
+    return _views_in_huge_pages([(tuple(shape), dtype) for shape in shapes])
 
 
 def return_freed_heap() -> None:

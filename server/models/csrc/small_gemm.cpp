@@ -16,6 +16,32 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
+namespace {
+
+constexpr int64_t kMaxRows = 12;  // rows of x per register tile (both dtypes: 2 x 12 accumulators)
+constexpr int64_t kRowsPerItem = 4 * kMaxRows;  // rows of x per work item (a panel stays in L1/L2 across them)
+
+// Calls tile(panel, first row, rows) over an [M, K] x panels GEMM. Work items are (panel, row block) pairs,
+// panel-major, cut into one contiguous stretch per thread: at decode sizes (one row block) each thread
+// streams its own part of the weight once; at prefill sizes a matrix with few panels still spreads over
+// every thread. A row block is cut into register tiles of up to kMaxRows rows.
+template <typename Tile>
+void for_each_tile(int64_t M, int64_t num_panels, const Tile& tile) {
+  const int64_t row_blocks = (M + kRowsPerItem - 1) / kRowsPerItem, items = num_panels * row_blocks;
+  const int64_t threads = at::get_num_threads();
+  at::parallel_for(0, items, (items + threads - 1) / threads, [&](int64_t b, int64_t e) {
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t p = item / row_blocks, m_end = std::min(M, (item % row_blocks + 1) * kRowsPerItem);
+      for (int64_t m = (item % row_blocks) * kRowsPerItem; m < m_end; m += kMaxRows)
+        tile(p, m, std::min(kMaxRows, m_end - m));
+    }
+  });
+}
+
+}  // namespace
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -24,8 +50,6 @@
 namespace {
 
 constexpr int64_t kPanel = 32;    // output columns per panel (two zmm of fp32 sums)
-constexpr int64_t kMaxRows = 12;  // rows of x per register tile
-constexpr int64_t kRowsPerItem = 4 * kMaxRows;  // rows of x per work item (a panel stays in L1/L2 across them)
 constexpr int64_t kAhead = 16;    // pairs of input positions prefetched ahead (16 x 128 B)
 
 // W [N, K] bf16 -> panels [ceil(N/32), K/2, 32, 2] (zero-padded columns).
@@ -101,18 +125,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   const auto* xp = xc.data_ptr<at::BFloat16>();
   const auto* wp = panels.data_ptr<at::BFloat16>();
   auto* yp = y.data_ptr<at::BFloat16>();
-  // Work items are (panel, row block) pairs, panel-major, cut into one contiguous stretch per thread:
-  // at decode sizes (one row block) each thread streams its own part of the weight once; at prefill
-  // sizes a matrix with few panels still spreads over every thread.
-  const int64_t row_blocks = (M + kRowsPerItem - 1) / kRowsPerItem, items = num_panels * row_blocks;
-  const int64_t threads = at::get_num_threads();
-  at::parallel_for(0, items, (items + threads - 1) / threads, [&](int64_t b, int64_t e) {
-    for (int64_t item = b; item < e; ++item) {
-      const int64_t p = item / row_blocks, m_end = std::min(M, (item % row_blocks + 1) * kRowsPerItem);
-      const at::BFloat16* panel = wp + p * K * kPanel;
-      for (int64_t m = (item % row_blocks) * kRowsPerItem; m < m_end; m += kMaxRows)
-        rows_of<kMaxRows>(xp, panel, yp, m, p * kPanel, N, K, std::min(kMaxRows, m_end - m));
-    }
+  for_each_tile(M, num_panels, [&](int64_t p, int64_t m, int64_t rows) {
+    rows_of<kMaxRows>(xp, wp + p * K * kPanel, yp, m, p * kPanel, N, K, rows);
   });
   return y;
 }
@@ -139,13 +153,9 @@ TORCH_LIBRARY_IMPL(neuronmm, CPU, m) {
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-#include <algorithm>
-
 namespace {
 
 constexpr int64_t kPanelF = 32;     // output columns per fp32 panel (two zmm of sums)
-constexpr int64_t kMaxRowsF = 12;   // rows of x per register tile
-constexpr int64_t kRowsPerItemF = 4 * kMaxRowsF;
 constexpr int64_t kAheadF = 16;     // input positions prefetched ahead (16 x 128 B)
 
 // W [N, K] fp32 -> panels [ceil(N/32), K, 32] (zero-padded columns).
@@ -207,16 +217,8 @@ at::Tensor panel_linear_f32(const at::Tensor& x, const at::Tensor& panels, int64
   const float* xp = xc.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // (panel, row block) items, one contiguous stretch per thread, as in the bf16 GEMM above
-  const int64_t row_blocks = (M + kRowsPerItemF - 1) / kRowsPerItemF, items = num_panels * row_blocks;
-  const int64_t threads = at::get_num_threads();
-  at::parallel_for(0, items, (items + threads - 1) / threads, [&](int64_t b, int64_t e) {
-    for (int64_t item = b; item < e; ++item) {
-      const int64_t p = item / row_blocks, m_end = std::min(M, (item % row_blocks + 1) * kRowsPerItemF);
-      const float* panel = wp + p * K * kPanelF;
-      for (int64_t m = (item % row_blocks) * kRowsPerItemF; m < m_end; m += kMaxRowsF)
-        rows_of_f32<kMaxRowsF>(xp, panel, yp, m, p * kPanelF, N, K, std::min(kMaxRowsF, m_end - m));
-    }
+  for_each_tile(M, num_panels, [&](int64_t p, int64_t m, int64_t rows) {
+    rows_of_f32<kMaxRows>(xp, wp + p * K * kPanelF, yp, m, p * kPanelF, N, K, rows);
   });
   return y;
 }
