@@ -11,7 +11,7 @@ from server.backends.base import SeqChunk
 from server.models.cpu_features import resolve_dtype
 from server.models.fused_ops import kernels_for
 from server.models.hugepages import return_freed_heap
-from server.models.llama import Attention, FlatBatch, KVCache, LlamaModel, PrefillChunk
+from server.models.llama import FlatBatch, KVCache, LlamaModel, PrefillChunk
 from server.models.loader import load_llama
 from server.models.packed_linear import pack_linears, packing_available, panels_available
 
@@ -75,6 +75,7 @@ class TorchRunner:
         ids, positions, slot_mapping, seq_index, context_lens, logits_index = [], [], [], [], [], []
         sdpa_chunks, tables = [], []
         block_size = self.cache.block_size
+        sdpa_min_chunk = self.model.kernels.sdpa_min_chunk
         for row, chunk in enumerate(chunks):
             n, start = len(chunk.token_ids), chunk.start_pos
             if start + n > self.max_model_len:
@@ -83,7 +84,7 @@ class TorchRunner:
             if len(table) * block_size < start + n:
                 raise ValueError(f"block table of {len(table)} blocks cannot hold {start + n} positions")
             tables.append(table)
-            fused = n < Attention.SDPA_MIN_CHUNK
+            fused = sdpa_min_chunk is None or n < sdpa_min_chunk
             if not fused:
                 sdpa_chunks.append(PrefillChunk(len(ids), n, row, start))
             ids.extend(chunk.token_ids)

@@ -167,9 +167,6 @@ def _stack_pair(first: nn.Module, second: nn.Module) -> StackedPair | None:
 class Attention(nn.Module):
     """GQA self-attention over a flat batch: QKV GEMM, fused rotary + cache write + attention, output GEMM."""
 
-    # Prefill chunks at least this long are attended by SDPA (a GEMM over the chunk) instead of token by token.
-    SDPA_MIN_CHUNK = 32
-
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.num_heads = config.num_attention_heads
