@@ -188,7 +188,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: FlatBatch, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         if self.qkv_proj is not None:
-            qkv = self.qkv_proj(x)
+            qkv = self.qkv_proj.forward(x)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         out, q_rot = kernels.attention(qkv, cos, sin, k_cache, v_cache, batch.slot_mapping, batch.block_tables,
@@ -197,7 +197,7 @@ class Attention(nn.Module):
         for chunk in batch.sdpa_chunks:
             span = slice(chunk.offset, chunk.offset + chunk.length)
             out[span] = self._attend_chunk(q_rot[span], chunk, batch.block_tables[chunk.seq_row], k_cache, v_cache)
-        return self.o_proj(out)
+        return self.o_proj.forward(out)
 
     def _attend_chunk(self, q: torch.Tensor, chunk: PrefillChunk, table: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -255,10 +255,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)
+            gate_up = self.gate_up_proj.forward(x)
         else:
             gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
-        return self.down_proj(kernels.silu_mul(gate_up))
+        return self.down_proj.forward(kernels.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -273,7 +273,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers, final norm and LM head; forward returns logits of selected tokens."""
+    """Embedding, decoder layers, final norm and LM head; forward returns logits of selected tokens.
+
+    The step calls its submodules' `forward` directly: nn.Module.__call__ (hook checks) costs ~2 µs, and
+    a step makes ~180 such calls (0.4 ms of a 7 ms batch-1 decode step). No hooks are ever registered.
+    """
 
     def __init__(self, config: LlamaConfig, max_len: int):
         super().__init__()
@@ -304,7 +308,7 @@ class LlamaModel(nn.Module):
         h = kernels.rms_norm(x, self.layers[0].input_layernorm.weight, eps)
         norms = [layer.input_layernorm.weight for layer in self.layers[1:]] + [self.norm.weight]
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn(h, batch, cos, sin, cache.k[i], cache.v[i], kernels)
+            attn = layer.self_attn.forward(h, batch, cos, sin, cache.k[i], cache.v[i], kernels)
             h = kernels.add_rms_norm(x, attn, layer.post_attention_layernorm.weight, eps)
-            h = kernels.add_rms_norm(x, layer.mlp(h, kernels), norms[i], eps)
+            h = kernels.add_rms_norm(x, layer.mlp.forward(h, kernels), norms[i], eps)
         return self.lm_head(h[batch.logits_index]).float()
