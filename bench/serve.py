@@ -4,7 +4,9 @@ Each system is started on loopback in turn and driven by the same streaming clie
 token prompts (no request shares a prefix, so no prompt cache helps), EOS ignored so every request
 makes exactly --output-len tokens, at each concurrency level. Reports output tok/s, TTFT, TPOT and ITL
 p50/p99, then the engine-only decode step of the neuronmm models (`bench.engine_step`), the machine's
-memory bandwidth and, per step, the bytes the weights alone take at that bandwidth (the physical floor).
+memory bandwidth and, per step, the bytes the weights alone take at that bandwidth (the physical floor),
+and the same workload run through the engine in-process (`bench.engine_workload`): served ITL over its
+decode step is what the serving side adds.
 
 Systems: neuronmm dense (the config as it is), neuronmm with --compressed, greedy and sampled; and
 llama-server at bf16 and f32 when `../shared/peers/llama-server.sh` has built it (otherwise the
@@ -199,6 +201,24 @@ def engine_steps(config: str, compressed: str | None, batch_sizes: list[int]) ->
     return rows
 
 
+def engine_workloads(config: str, compressed: str | None, fp32: bool, levels: list[int], input_len: int,
+                     output_len: int) -> list[dict]:
+    """bench.engine_workload (the same workload, in-process) in a child process for each neuronmm model."""
+    models = [("neuronmm", [])]
+    if compressed:
+        models.append(("neuronmm compressed", ["--compressed", compressed]))
+    if fp32:
+        models.append(("neuronmm fp32", ["--dtype", "float32"]))
+    rows = []
+    for name, extra in models:
+        out = RESULTS / f"engine_workload-{name.replace(' ', '-')}.json"
+        cmd = [*NEURONMM[:2], "bench.engine_workload", "--config", config, "--concurrency", *map(str, levels),
+               "--input-len", str(input_len), "--output-len", str(output_len), "--out", str(out), *extra]
+        run_logged(cmd, RESULTS / "engine_workload.log")
+        rows += [{"system": name, **r} for r in json.loads(out.read_text())["rows"]]
+    return rows
+
+
 def memory_bandwidth_gbs() -> float:
     """Read bandwidth with all threads: the best of five sums over a 512 MiB tensor, GB/s."""
     data = torch.ones(2**27, dtype=torch.float32)
@@ -224,6 +244,16 @@ def markdown(report: dict) -> str:
     for r in report["engine_step"]:
         lines.append(f"| {r['system']} | {r['dtype']} | {r['batch_size']} | {r['step_ms_p50']:.1f} | "
                      f"{r['step_ms_min']:.1f} | {r['weight_bytes'] / 1e6:.0f} | {r['weight_bytes'] / bw / 1e6:.1f} |")
+    served = {(r["system"], r["concurrency"]): r for r in report["serve"]}
+    if report.get("engine_workload"):
+        lines += ["", "The same workload through the engine in-process (bench.engine_workload: no HTTP, no client); "
+                  "served / engine = what the serving side adds to a decode step:", "",
+                  "| model | c | engine tok/s | decode step p50 ms | served ITL p50 ms | served / engine |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for r in report["engine_workload"]:
+            itl = served.get((r["system"], r["concurrency"]), {}).get("itl_ms_p50", float("nan"))
+            lines.append(f"| {r['system']} | {r['concurrency']} | {r['output_tok_s']:.1f} | {r['decode_step_ms_p50']:.1f} | "
+                         f"{itl:.1f} | {itl / r['decode_step_ms_p50']:.2f} |")
     if report["peer_note"]:
         lines += ["", report["peer_note"]]
     return "\n".join(lines)
@@ -262,13 +292,15 @@ def main(argv: list[str] | None = None) -> int:
               "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "config": args.config, "compressed": args.compressed,
               "input_len": args.input_len, "output_len": args.output_len, "peer_note": peer_note,
               "commands": {s.name: shlex.join(s.command) for s in systems + peers},
-              "memory_bandwidth_gbs": memory_bandwidth_gbs(), "serve": [], "engine_step": []}
+              "memory_bandwidth_gbs": memory_bandwidth_gbs(), "serve": [], "engine_step": [], "engine_workload": []}
     for i, system in enumerate(systems + peers):
         prompts = make_prompts(vocab, num_prompts, args.input_len, args.seed + i)
         report["serve"] += measure_system(system, port, cfg.model.name, prompts, args.concurrency, args.output_len,
                                           RESULTS / f"serve-{system.name.replace(' ', '-')}.log")
     if systems:
         report["engine_step"] = engine_steps(args.config, args.compressed, args.step_batch_sizes)
+        report["engine_workload"] = engine_workloads(args.config, args.compressed, args.fp32, args.concurrency,
+                                                     args.input_len, args.output_len)
     out = save_report(Path(args.out), report, markdown(report))
     print(markdown(report))
     print(f"saved {out}")

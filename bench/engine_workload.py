@@ -1,0 +1,103 @@
+"""bench.serve's workload run through the engine in-process: what the served numbers would be with no HTTP.
+
+Same prompts (distinct random tokens), same concurrency and output length as a `bench.serve` level, fed
+to `LLMEngine` directly: a request is added as soon as one finishes, and every step is timed. A decode
+step here is the served ITL's engine-only counterpart at the same batch and the same contexts (scheduler,
+forward, sampler and detokeniser included), so `served ITL p50 / decode step p50` is what the serving
+side (API process, pipe, SSE, the client on the same cores) adds. `bench.engine_step` times the model's
+forward alone at a fixed context instead.
+
+    python -m bench.engine_workload --concurrency 1 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench.engine_step import BENCH_FLAGS
+from bench.harness import save_report
+from server.config import load_config
+from server.engine.sampling_params import SamplingParams
+from server.models.cpu_features import cpu_flags
+from server.runtime import load_runtime
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def run_level(engine, prompts: list[list[int]], concurrency: int, output_len: int, sampled: bool) -> dict:
+    """All prompts at one concurrency level; output tok/s and the step times, split by kind."""
+    next_prompt, live, out_tokens = 0, 0, 0
+    decode_steps, other_steps = [], []
+    start = time.perf_counter()
+    while next_prompt < len(prompts) or engine.has_work():
+        while live < concurrency and next_prompt < len(prompts):
+            params = SamplingParams(max_tokens=output_len, temperature=0.7 if sampled else 0.0, seed=next_prompt,
+                                    ignore_eos=True)
+            engine.add_request(f"w{next_prompt}", prompts[next_prompt], params)
+            next_prompt, live = next_prompt + 1, live + 1
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        took = time.perf_counter() - step_start
+        out_tokens += sum(len(o.token_ids) for o in outputs)
+        first_tokens = sum(1 for o in outputs if o.num_output_tokens == 1)
+        # a decode step of a full batch: what a served ITL at this concurrency waits for
+        (decode_steps if first_tokens == 0 and len(outputs) >= min(concurrency, live) else other_steps).append(took)
+        live -= sum(1 for o in outputs if o.finish_reason)
+    duration = time.perf_counter() - start
+    return {"concurrency": concurrency, "num_prompts": len(prompts), "sampled": sampled,
+            "output_tokens": out_tokens, "output_tok_s": out_tokens / duration, "duration_s": duration,
+            "decode_step_ms_p50": 1e3 * statistics.median(decode_steps) if decode_steps else float("nan"),
+            "num_decode_steps": len(decode_steps), "other_steps_s": sum(other_steps),
+            "num_other_steps": len(other_steps)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: run each level in-process, print a table, save JSON + markdown."""
+    p = argparse.ArgumentParser(prog="bench.engine_workload", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/smollm2-135m.yaml")
+    p.add_argument("--compressed", help="a compressed artifact folder to apply (default: the config's)")
+    p.add_argument("--dtype", help="override the config's model dtype (e.g. float32)")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--sampled", action="store_true", help="temperature 0.7, seeded per request (else greedy)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(RESULTS / "engine_workload.json"))
+    args = p.parse_args(argv)
+
+    cfg = load_config(args.config)
+    model = {"compressed": args.compressed} if args.compressed else {}
+    if args.dtype:
+        model["dtype"] = args.dtype
+    if model:
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update=model)})
+    engine = load_runtime(cfg).engine
+    vocab = engine.runner.vocab_size
+    rng = random.Random(args.seed)
+    rows = []
+    for c in args.concurrency:
+        n = max(4, 2 * c)  # as bench.serve: two waves of requests per level
+        prompts = [[rng.randrange(1000, vocab) for _ in range(args.input_len)] for _ in range(n)]
+        run_level(engine, prompts[: min(c, 4)], c, 8, args.sampled)  # warm this batch size's shapes
+        rows.append(run_level(engine, prompts, c, args.output_len, args.sampled))
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
+              "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "config": args.config, "compressed": args.compressed,
+              "dtype": str(engine.runner.dtype).removeprefix("torch."), "input_len": args.input_len,
+              "output_len": args.output_len, "rows": rows}
+    lines = ["| c | output tok/s | decode step p50 ms | decode steps | other steps (s) |", "|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['concurrency']} | {r['output_tok_s']:.1f} | {r['decode_step_ms_p50']:.1f} | {r['num_decode_steps']} | "
+              f"{r['num_other_steps']} ({r['other_steps_s']:.2f}) |" for r in rows]
+    out = save_report(Path(args.out), report, "\n".join(lines))
+    print("\n".join(lines))
+    print(f"saved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
