@@ -130,6 +130,23 @@ inline __m512 dot16_keys(const float* q, const T* k) {
   return hsum16(dots);
 }
 
+#if defined(__AVX512BF16__)
+// The same for a bf16 cache with VDPBF16PS: the bf16 query (unscaled) against the keys as they are stored,
+// two products per lane and instruction, no widening; the scale is applied to the 16 sums. D32 = head_dim / 32.
+template <int D32>
+inline __m512 dot16_keys_bf16(const c10::BFloat16* q, const c10::BFloat16* k, __m512 scale) {
+  __m512bh qv[D32];
+  __m512 dots[16];
+  for (int d = 0; d < D32; ++d) qv[d] = (__m512bh)_mm512_loadu_si512(q + 32 * d);
+  for (int j = 0; j < 16; ++j) {
+    __m512 a = _mm512_setzero_ps();
+    for (int d = 0; d < D32; ++d) a = _mm512_dpbf16_ps(a, qv[d], (__m512bh)_mm512_loadu_si512(k + (j * D32 + d) * 32));
+    dots[j] = a;
+  }
+  return _mm512_mul_ps(hsum16(dots), scale);
+}
+#endif
+
 // acc[h] += sum_j p[h * stride + j] * v[j] for NH query heads over `len` value rows
 template <typename T, int D16, int NH>
 inline void pv_heads(const float* p, int64_t stride, const T* v, int64_t len, float* acc) {
@@ -361,6 +378,16 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
             if (head_dim == 64 || head_dim == 128) {
               for (; j + 16 <= len; j += 16) {
                 for (int64_t g = k * group; g < (k + 1) * group; ++g) {
+#if defined(__AVX512BF16__)
+                  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+                    const __m512 sc = _mm512_set1_ps(static_cast<float>(scale));
+                    const __m512 r = head_dim == 64 ? dot16_keys_bf16<2>(qp + g * head_dim, kb + j * head_dim, sc)
+                                                    : dot16_keys_bf16<4>(qp + g * head_dim, kb + j * head_dim, sc);
+                    _mm512_storeu_ps(scores.data() + g * n + start + j, r);
+                    max_s[g] = std::max(max_s[g], _mm512_reduce_max_ps(r));
+                    continue;
+                  }
+#endif
                   const __m512 r = head_dim == 64 ? dot16_keys<T, 4>(q.data() + g * head_dim, kb + j * head_dim)
                                                   : dot16_keys<T, 8>(q.data() + g * head_dim, kb + j * head_dim);
                   _mm512_storeu_ps(scores.data() + g * n + start + j, r);
