@@ -435,26 +435,10 @@ class OpenAIServing:
                       make_choice) -> AsyncIterator[str]:
         """SSE lines: one chunk per output, an error chunk if the engine fails, then [DONE]."""
         created = int(time.time())
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(offset: int, gen) -> None:
-            try:
-                async for out in gen:
-                    await queue.put((offset, out))
-            except Exception as exc:  # noqa: BLE001 - forwarded to the client as an error chunk
-                await queue.put((offset, exc))
-            finally:
-                await queue.put((offset, None))
-
-        tasks = [asyncio.ensure_future(pump(i * n, g)) for i, g in enumerate(gens)]
         completion_tokens, cached_tokens = {}, {}
+        outputs = _merged(gens, n)
         try:
-            remaining = len(tasks)
-            while remaining:
-                offset, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                    continue
+            async for offset, item in outputs:
                 if isinstance(item, Exception) or item.error:
                     err = item if isinstance(item, APIError) else APIError(
                         500, item.error if isinstance(item, SeqOutput) else str(item), code="engine_error")
@@ -477,8 +461,7 @@ class OpenAIServing:
                     yield f"data: {json.dumps(final)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            for task in tasks:
-                task.cancel()
+            await outputs.aclose()
             for gen in gens:
                 await gen.aclose()
 
@@ -499,6 +482,44 @@ class OpenAIServing:
         if any(not 0 <= t < self.vocab_size for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {self.vocab_size})", param="tokens")
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+
+async def _merged(gens: list, n: int) -> AsyncIterator[tuple[int, SeqOutput | Exception]]:
+    """(choice offset, output or the exception that ended a generator) from every prompt's generator as it comes.
+
+    One generator (the usual request) is read in place: a task and a queue per request cost two event-loop
+    hops per streamed token, a fifth of the API process's time per token at c=16.
+    """
+    if len(gens) == 1:
+        try:
+            async for out in gens[0]:
+                yield 0, out
+        except Exception as exc:  # noqa: BLE001 - forwarded to the client as an error chunk
+            yield 0, exc
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(offset: int, gen) -> None:
+        try:
+            async for out in gen:
+                await queue.put((offset, out))
+        except Exception as exc:  # noqa: BLE001 - forwarded to the client as an error chunk
+            await queue.put((offset, exc))
+        finally:
+            await queue.put((offset, None))
+
+    tasks = [asyncio.ensure_future(pump(i * n, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            offset, item = await queue.get()
+            if item is None:
+                remaining -= 1
+                continue
+            yield offset, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _json_or_text(arguments: str):
