@@ -17,6 +17,7 @@ from torch import nn
 
 from server.models import fused_ops
 from server.models.hugepages import into_huge_pages
+from server.models.llama import StackedPair
 from server.models.lowrank import LowRankLinear
 
 log = logging.getLogger(__name__)
@@ -104,39 +105,110 @@ class PanelLinear(_PrepackedLinear):
         out = self._gemm(x.reshape(-1, self.in_features), self.panels, self.out_features)
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def panel_tensors(self) -> list[torch.Tensor]:
+        return [self.panels]
 
-def _packer(use_panels: bool):
-    """The packed module for one weight: panels where they apply (even K), else oneDNN's layout."""
-    def pack(weight: torch.Tensor) -> nn.Module:
-        if use_panels and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0):  # bf16 panels pair K
-            return PanelLinear(weight)
-        return PackedLinear(weight)
-    return pack
+    def set_panel_tensors(self, tensors: list[torch.Tensor]) -> None:
+        (self.panels,) = tensors
 
 
-def _packed(module: nn.Module, pack) -> nn.Module | None:
-    if type(module) is nn.Linear and module.bias is None:
-        return pack(module.weight)
+class FactoredPanelLinear(nn.Module):
+    """y = [t_0 B_0ᵀ | t_1 B_1ᵀ | ...] with t = x Fᵀ split per part, in one call (csrc `factored_linear`).
+
+    A LowRankLinear is one part (F = A); gate and up sharing their first GEMM (a StackedPair) are two, a
+    dense part passing its slice of t through (no B). The intermediate t never leaves the cache, and a
+    layer's factored projections cost one call instead of a GEMM per factor, a split and a concatenation.
+    """
+
+    layout = "factored panels"
+
+    def __init__(self, first: torch.Tensor, splits: list[int], seconds: list[torch.Tensor | None]):
+        super().__init__()
+        pack = getattr(torch.ops.neuronmm, _PANEL_OPS[first.dtype][0])
+        self.in_features = first.shape[1]
+        self.splits = list(splits)
+        self.outs = [s if b is None else b.shape[0] for s, b in zip(splits, seconds)]
+        self.out_features = sum(self.outs)
+        self.first = pack(first.detach().contiguous())
+        self.seconds = [None if b is None else pack(b.detach().contiguous()) for b in seconds]
+        self._op = torch.ops.neuronmm.factored_linear.default
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        out = self._op(flat, self.first, self.splits, self.seconds, self.outs)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+    def panel_tensors(self) -> list[torch.Tensor]:
+        return [self.first] + [b for b in self.seconds if b is not None]
+
+    def set_panel_tensors(self, tensors: list[torch.Tensor]) -> None:
+        it = iter(tensors)
+        self.first = next(it)
+        self.seconds = [None if b is None else next(it) for b in self.seconds]
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, splits={self.splits}, out={self.outs}, {self.layout}"
+
+
+def _factored(module: nn.Module, use_panels: bool) -> FactoredPanelLinear | None:
+    """A LowRankLinear or a StackedPair as one FactoredPanelLinear, where the panel GEMM takes its dtype."""
+    if not use_panels or not hasattr(torch.ops.neuronmm, "factored_linear"):
+        return None
     if isinstance(module, LowRankLinear) and module.bias is None:
-        return nn.Sequential(pack(module.A), pack(module.B))
+        first, splits, seconds = module.A, [module.rank], [module.B]
+    elif isinstance(module, StackedPair):
+        first, splits = module.A.weight, module.splits
+        seconds = [None if b is None else b.weight for b in (module.B0, module.B1)]
+    else:
+        return None
+    even = all(n % 2 == 0 for n in [first.shape[1], *splits])  # bf16 panels pair the inner dimension
+    if first.dtype not in _PANEL_OPS or (first.dtype == torch.bfloat16 and not even):
+        return None
+    return FactoredPanelLinear(first, splits, seconds)
+
+
+def _pack_weight(weight: torch.Tensor, use_panels: bool) -> nn.Module:
+    """One weight packed: panels where they apply (bf16 panels pair K, so K even), else oneDNN's layout."""
+    if use_panels and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0):
+        return PanelLinear(weight)
+    return PackedLinear(weight)
+
+
+def _packed(module: nn.Module, use_panels: bool) -> nn.Module | None:
+    """The packed replacement of one module, or None to leave it (and pack what is inside it)."""
+    factored = _factored(module, use_panels)
+    if factored is not None:
+        return factored
+    if type(module) is nn.Linear and module.bias is None:
+        return _pack_weight(module.weight, use_panels)
+    if isinstance(module, LowRankLinear) and module.bias is None:
+        return nn.Sequential(_pack_weight(module.A, use_panels), _pack_weight(module.B, use_panels))
     return None
 
 
-def pack_linears(model: nn.Module, use_panels: bool = False) -> int:
-    """Replace every bias-free Linear / LowRankLinear under `model` by its packed form; returns the count.
+def _replace(parent: nn.Module, use_panels: bool) -> int:
+    count = 0
+    for name, child in list(parent.named_children()):
+        replacement = _packed(child, use_panels)
+        if replacement is not None:
+            setattr(parent, name, replacement)
+            count += 1
+        else:
+            count += _replace(child, use_panels)
+    return count
 
-    use_panels: panels for our GEMM (see panels_available), else oneDNN's packed layout.
+
+def pack_linears(model: nn.Module, use_panels: bool = False) -> int:
+    """Replace every bias-free Linear / LowRankLinear / StackedPair under `model` by its packed form; returns the count.
+
+    use_panels: panels for our GEMMs (see panels_available; factored modules become one call), else oneDNN's layout.
     """
-    pack, count = _packer(use_panels), 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            replacement = _packed(child, pack)
-            if replacement is not None:
-                setattr(parent, name, replacement)
-                count += 1
-    panel_layers = [m for m in model.modules() if isinstance(m, PanelLinear)]
+    count = _replace(model, use_panels)
+    panel_layers = [m for m in model.modules() if isinstance(m, (PanelLinear, FactoredPanelLinear))]
     if panel_layers:  # one huge-page mapping for all panels: a step streams every one of them
-        for layer, panels in zip(panel_layers, into_huge_pages([m.panels for m in panel_layers])):
-            layer.panels = panels
+        panels = [m.panel_tensors() for m in panel_layers]
+        placed = iter(into_huge_pages([t for group in panels for t in group]))
+        for layer, group in zip(panel_layers, panels):
+            layer.set_panel_tensors([next(placed) for _ in group])
     log.info("packed %d linear layers (%s)", count, "panels" if use_panels else "oneDNN")
     return count

@@ -10,7 +10,9 @@ from torch import nn
 from server.backends.base import SeqChunk
 from server.backends.torch_runner import TorchRunner
 from server.models.lowrank import LowRankLinear
-from server.models.packed_linear import PackedLinear, PanelLinear, pack_linears, packing_available, panels_available
+from server.models.llama import StackedPair
+from server.models.packed_linear import (FactoredPanelLinear, PackedLinear, PanelLinear, pack_linears, packing_available,
+                                         panels_available)
 
 needs_panels = pytest.mark.skipif(not panels_available(torch.device("cpu"), torch.bfloat16),
                                   reason="the panel GEMM is built only on CPUs with AVX512-BF16")
@@ -51,7 +53,8 @@ def test_panel_linear_takes_strided_and_batched_inputs():
 
 @needs_panels
 def test_pack_linears_uses_panels_for_bf16_and_keeps_low_rank_chains():
-    """Dense and low-rank layers are packed as panels (odd K falls back to oneDNN); the output is unchanged."""
+    """Dense layers are packed as panels (odd K falls back to oneDNN), a low-rank pair as one factored call;
+    the output is unchanged."""
     g = torch.Generator().manual_seed(3)
     model = nn.Sequential(nn.Linear(64, 32, bias=False),
                           LowRankLinear(torch.randn(16, 32, generator=g), torch.randn(48, 16, generator=g)),
@@ -61,10 +64,57 @@ def test_pack_linears_uses_panels_for_bf16_and_keeps_low_rank_chains():
         want = model(x).float()
     assert pack_linears(model, use_panels=True) == 4
     assert isinstance(model[0], PanelLinear)
-    assert [type(m) for m in model[1]] == [PanelLinear, PanelLinear]
+    assert isinstance(model[1], FactoredPanelLinear) and model[1].splits == [16]
     assert isinstance(model[3], PackedLinear)  # K = 7 is odd: no panel pairs
     got = model(x).float()
     assert torch.allclose(got, want, rtol=0.05, atol=0.05)
+
+
+def _panel_dtypes():
+    return [d for d in (torch.bfloat16, torch.float32) if panels_available(torch.device("cpu"), d)]
+
+
+@pytest.mark.parametrize("dtype", _panel_dtypes())
+@pytest.mark.parametrize("rows", [1, 5, 16, 49])
+def test_factored_linear_equals_its_two_gemms(dtype, rows):
+    """Gate/up sharing a first GEMM (a low-rank part with ragged N, a dense part passed through) and a lone
+    low-rank linear: each equals x·Fᵀ rounded to the dtype, then each part's second GEMM."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    a0, a1 = (torch.randn(n, 96, generator=g).div(10).to(dtype) for n in (32, 70))
+    b0 = torch.randn(50, 32, generator=g).div(6).to(dtype)
+    t = F.linear(x.float(), torch.cat([a0, a1]).float()).to(dtype)
+    want = torch.cat([F.linear(t[:, :32].float(), b0.float()).to(dtype), t[:, 32:]], dim=1)
+    pair = FactoredPanelLinear(torch.cat([a0, a1]), [32, 70], [b0, None])
+    lone = FactoredPanelLinear(a0, [32], [b0])
+    tol = dict(rtol=2 ** -6, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    assert pair(x).shape == (rows, 120) and torch.allclose(pair(x).float(), want.float(), **tol)
+    assert torch.allclose(lone(x).float(), want[:, :50].float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", _panel_dtypes())
+def test_a_stacked_pair_packs_into_one_factored_call(dtype):
+    g = torch.Generator().manual_seed(1)
+    gate = LowRankLinear(torch.randn(32, 64, generator=g).div(8), torch.randn(96, 32, generator=g).div(6)).to(dtype)
+    up = nn.Linear(64, 96, bias=False).to(dtype)
+    model = nn.Sequential(StackedPair(gate, up))
+    x = torch.randn(7, 64, generator=g).to(dtype)
+    with torch.no_grad():
+        want = model(x).float()
+    assert pack_linears(model, use_panels=True) == 1
+    assert isinstance(model[0], FactoredPanelLinear) and model[0].outs == [96, 96]
+    assert torch.allclose(model(x).float(), want, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("dtype", _panel_dtypes())
+def test_factored_linear_rejects_parts_that_do_not_line_up(dtype):
+    op = torch.ops.neuronmm.factored_linear
+    pack = {torch.bfloat16: torch.ops.neuronmm.pack_panels, torch.float32: torch.ops.neuronmm.pack_panels_f32}[dtype]
+    first = pack(torch.randn(64, 32).to(dtype))
+    with pytest.raises(RuntimeError, match="one entry per part"):
+        op(torch.randn(2, 32).to(dtype), first, [32, 32], [None], [32, 32])
+    with pytest.raises(RuntimeError, match="passes its slice through"):
+        op(torch.randn(2, 32).to(dtype), first, [64], [None], [40])
 
 
 needs_fp32_panels = pytest.mark.skipif(not panels_available(torch.device("cpu"), torch.float32),
@@ -88,7 +138,8 @@ def test_fp32_panel_linear_equals_f_linear(rows, out_features, in_features):
 
 @needs_fp32_panels
 def test_pack_linears_uses_fp32_panels_for_every_width():
-    """In fp32 odd K needs no pairing: every dense and low-rank layer becomes panels; the output is unchanged."""
+    """In fp32 odd K needs no pairing: every dense layer becomes panels, the low-rank one a factored call;
+    the output is unchanged."""
     g = torch.Generator().manual_seed(4)
     model = nn.Sequential(nn.Linear(64, 32, bias=False),
                           LowRankLinear(torch.randn(16, 32, generator=g), torch.randn(48, 16, generator=g)),
@@ -97,7 +148,8 @@ def test_pack_linears_uses_fp32_panels_for_every_width():
     with torch.no_grad():
         want = model(x)
     assert pack_linears(model, use_panels=True) == 4
-    assert all(isinstance(m, PanelLinear) for m in (model[0], *model[1], model[2], model[3]))
+    assert all(isinstance(m, PanelLinear) for m in (model[0], model[2], model[3]))
+    assert isinstance(model[1], FactoredPanelLinear)
     torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
 
 

@@ -17,6 +17,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
+#include <vector>
 
 namespace {
 
@@ -37,6 +39,33 @@ void for_each_tile(int64_t M, int64_t num_panels, const Tile& tile) {
       for (int64_t m = (item % row_blocks) * kRowsPerItem; m < m_end; m += kMaxRows)
         tile(p, m, std::min(kMaxRows, m_end - m));
     }
+  });
+}
+
+// One GEMM of a call: y[M, :N] (row stride ldy) = x[M, :K] (row stride ldx) · Wᵀ, W as panels of 32 columns
+// (panel_elems = K * 32 elements each, in either dtype's layout). Strides let a part read a column range of
+// another GEMM's output and write a column range of a shared output, with no copies.
+template <typename T>
+struct Part {
+  const T* x;
+  int64_t ldx;
+  const T* panels;
+  int64_t K, N;
+  T* y;
+  int64_t ldy;
+};
+
+// All parts' panels as one work list in one parallel region; `rows` computes one register tile:
+// rows(x, ldx, panel, y, ldy, valid_columns, K, num_rows).
+template <typename T, typename Rows>
+void gemm_parts(const std::vector<Part<T>>& parts, int64_t M, const Rows& rows) {
+  std::vector<int64_t> first(parts.size() + 1, 0);  // first panel of each part in the work list
+  for (size_t i = 0; i < parts.size(); ++i) first[i + 1] = first[i] + (parts[i].N + 31) / 32;
+  for_each_tile(M, first.back(), [&](int64_t p, int64_t m, int64_t n) {
+    const size_t i = std::upper_bound(first.begin(), first.end(), p) - first.begin() - 1;
+    const Part<T>& q = parts[i];
+    const int64_t lp = p - first[i];
+    rows(q.x + m * q.ldx, q.ldx, q.panels + lp * q.K * 32, q.y + m * q.ldy + lp * 32, q.ldy, q.N - lp * 32, q.K, n);
   });
 }
 
@@ -82,14 +111,14 @@ inline void store_row(at::BFloat16* y, __m512 lo, __m512 hi, int64_t valid) {
   _mm256_mask_storeu_epi16(y + 16, mask(valid - 16), b);
 }
 
-// Rows m0..m0+MT of x against panel p; writes y[m0.., p*32 ..] (the valid columns of it).
+// MT rows of x (row stride ldx, even) against one panel; writes the first `valid` of its 32 columns of y.
 template <int MT>
-inline void tile(const at::BFloat16* x, const at::BFloat16* panel, at::BFloat16* y, int64_t m0, int64_t col0,
-                 int64_t N, int64_t K) {
+inline void tile(const at::BFloat16* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
+                 int64_t valid, int64_t K) {
   __m512 lo[MT], hi[MT];
   for (int j = 0; j < MT; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
-  const int32_t* xp = reinterpret_cast<const int32_t*>(x + m0 * K);  // a (k, k+1) pair of x is one int32
-  const int64_t pairs = K / 2, stride = K / 2;                        // row stride of x, in pairs
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x);  // a (k, k+1) pair of x is one int32
+  const int64_t pairs = K / 2, stride = ldx / 2;             // row stride of x, in pairs
   for (int64_t kp = 0; kp < pairs; ++kp) {
     // Software prefetch 2 KB ahead: the stream prefetcher alone left ~25 % of the DRAM bandwidth unused.
     _mm_prefetch(reinterpret_cast<const char*>(panel + (kp + kAhead) * 2 * kPanel), _MM_HINT_T0);
@@ -102,32 +131,35 @@ inline void tile(const at::BFloat16* x, const at::BFloat16* panel, at::BFloat16*
       hi[j] = _mm512_dpbf16_ps(hi[j], w1, xv);
     }
   }
-  for (int j = 0; j < MT; ++j) store_row(y + (m0 + j) * N + col0, lo[j], hi[j], N - col0);
+  for (int j = 0; j < MT; ++j) store_row(y + j * ldy, lo[j], hi[j], valid);
 }
 
 template <int MT>
-void rows_of(const at::BFloat16* x, const at::BFloat16* panel, at::BFloat16* y, int64_t m0, int64_t col0, int64_t N,
-             int64_t K, int64_t rows) {
+void rows_of(const at::BFloat16* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
+             int64_t valid, int64_t K, int64_t rows) {
   if constexpr (MT > 0) {
-    if (rows == MT) return tile<MT>(x, panel, y, m0, col0, N, K);
-    rows_of<MT - 1>(x, panel, y, m0, col0, N, K, rows);
+    if (rows == MT) return tile<MT>(x, ldx, panel, y, ldy, valid, K);
+    rows_of<MT - 1>(x, ldx, panel, y, ldy, valid, K, rows);
   }
+}
+
+const auto bf16_rows = [](const at::BFloat16* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
+                          int64_t valid, int64_t K, int64_t rows) { rows_of<kMaxRows>(x, ldx, panel, y, ldy, valid, K, rows); };
+
+void check_panels_bf16(const at::Tensor& panels, int64_t K, int64_t N, const char* op) {
+  TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 && panels.size(2) == kPanel &&
+                  panels.size(1) * 2 == K && panels.size(0) * kPanel >= N && panels.is_contiguous(),
+              op, ": panels [ceil(N/32), K/2, 32, 2] from pack_panels expected");
 }
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "panel_linear: bf16 x [M, K] expected");
-  TORCH_CHECK(panels.dim() == 4 && panels.size(2) == kPanel && panels.size(1) * 2 == x.size(1) &&
-                  panels.size(0) * kPanel >= N && panels.is_contiguous(),
-              "panel_linear: panels [ceil(N/32), K/2, 32, 2] from pack_panels expected");
+  check_panels_bf16(panels, x.size(1), N, "panel_linear");
   const auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), num_panels = panels.size(0);
+  const int64_t M = xc.size(0), K = xc.size(1);
   auto y = at::empty({M, N}, xc.options());
-  const auto* xp = xc.data_ptr<at::BFloat16>();
-  const auto* wp = panels.data_ptr<at::BFloat16>();
-  auto* yp = y.data_ptr<at::BFloat16>();
-  for_each_tile(M, num_panels, [&](int64_t p, int64_t m, int64_t rows) {
-    rows_of<kMaxRows>(xp, wp + p * K * kPanel, yp, m, p * kPanel, N, K, rows);
-  });
+  gemm_parts<at::BFloat16>({{xc.data_ptr<at::BFloat16>(), K, panels.data_ptr<at::BFloat16>(), K, N,
+                             y.data_ptr<at::BFloat16>(), N}}, M, bf16_rows);
   return y;
 }
 
@@ -175,52 +207,108 @@ at::Tensor pack_panels_f32(const at::Tensor& weight) {
 }
 
 template <int MT>
-inline void tile_f32(const float* x, const float* panel, float* y, int64_t m0, int64_t col0, int64_t N, int64_t K) {
+inline void tile_f32(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid, int64_t K) {
   __m512 lo[MT], hi[MT];
   for (int j = 0; j < MT; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
-  const float* xp = x + m0 * K;
   for (int64_t k = 0; k < K; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAheadF) * kPanelF), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAheadF) * kPanelF + 16), _MM_HINT_T0);
     const __m512 w0 = _mm512_loadu_ps(panel + k * kPanelF), w1 = _mm512_loadu_ps(panel + k * kPanelF + 16);
     for (int j = 0; j < MT; ++j) {
-      const __m512 xv = _mm512_set1_ps(xp[j * K + k]);
+      const __m512 xv = _mm512_set1_ps(x[j * ldx + k]);
       lo[j] = _mm512_fmadd_ps(xv, w0, lo[j]);
       hi[j] = _mm512_fmadd_ps(xv, w1, hi[j]);
     }
   }
   const auto mask = [](int64_t n) { return n <= 0 ? __mmask16(0) : n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); };
-  const int64_t valid = N - col0;
   for (int j = 0; j < MT; ++j) {
-    _mm512_mask_storeu_ps(y + (m0 + j) * N + col0, mask(valid), lo[j]);
-    _mm512_mask_storeu_ps(y + (m0 + j) * N + col0 + 16, mask(valid - 16), hi[j]);
+    _mm512_mask_storeu_ps(y + j * ldy, mask(valid), lo[j]);
+    _mm512_mask_storeu_ps(y + j * ldy + 16, mask(valid - 16), hi[j]);
   }
 }
 
 template <int MT>
-void rows_of_f32(const float* x, const float* panel, float* y, int64_t m0, int64_t col0, int64_t N, int64_t K,
+void rows_of_f32(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid, int64_t K,
                  int64_t rows) {
   if constexpr (MT > 0) {
-    if (rows == MT) return tile_f32<MT>(x, panel, y, m0, col0, N, K);
-    rows_of_f32<MT - 1>(x, panel, y, m0, col0, N, K, rows);
+    if (rows == MT) return tile_f32<MT>(x, ldx, panel, y, ldy, valid, K);
+    rows_of_f32<MT - 1>(x, ldx, panel, y, ldy, valid, K, rows);
   }
+}
+
+const auto f32_rows = [](const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid,
+                         int64_t K, int64_t rows) { rows_of_f32<kMaxRows>(x, ldx, panel, y, ldy, valid, K, rows); };
+
+void check_panels_f32(const at::Tensor& panels, int64_t K, int64_t N, const char* op) {
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.size(2) == kPanelF &&
+                  panels.size(1) == K && panels.size(0) * kPanelF >= N && panels.is_contiguous(),
+              op, ": panels [ceil(N/32), K, 32] from pack_panels_f32 expected");
 }
 
 at::Tensor panel_linear_f32(const at::Tensor& x, const at::Tensor& panels, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "panel_linear_f32: fp32 x [M, K] expected");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanelF && panels.size(1) == x.size(1) &&
-                  panels.size(0) * kPanelF >= N && panels.is_contiguous(),
-              "panel_linear_f32: panels [ceil(N/32), K, 32] from pack_panels_f32 expected");
+  check_panels_f32(panels, x.size(1), N, "panel_linear_f32");
   const auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), num_panels = panels.size(0);
+  const int64_t M = xc.size(0), K = xc.size(1);
   auto y = at::empty({M, N}, xc.options());
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  for_each_tile(M, num_panels, [&](int64_t p, int64_t m, int64_t rows) {
-    rows_of_f32<kMaxRows>(xp, wp + p * K * kPanelF, yp, m, p * kPanelF, N, K, rows);
-  });
+  gemm_parts<float>({{xc.data_ptr<float>(), K, panels.data_ptr<float>(), K, N, y.data_ptr<float>(), N}}, M, f32_rows);
   return y;
+}
+
+// ---- factored linear -------------------------------------------------------------------------------
+// y = [t_0 B_0ᵀ | t_1 B_1ᵀ | ...] with t = x Fᵀ = [t_0 | t_1 | ...] split by `splits`: a low-rank linear
+// (one part: F = A, then B) or gate and up sharing their first GEMM (two parts, a dense part passing its
+// slice of t through, B absent). The CPU form of X·U·V: t stays in cache between the two GEMMs, and a
+// layer's low-rank projections are one call instead of a GEMM per factor plus a split and a concatenation.
+template <typename T, typename Rows>
+at::Tensor factored_impl(const at::Tensor& x, const at::Tensor& first, const std::vector<int64_t>& splits,
+                         const std::vector<std::optional<at::Tensor>>& seconds, const std::vector<int64_t>& outs,
+                         const Rows& rows, void (*check)(const at::Tensor&, int64_t, int64_t, const char*)) {
+  TORCH_CHECK(splits.size() == seconds.size() && splits.size() == outs.size() && !splits.empty(),
+              "factored_linear: splits, seconds and out_features must have one entry per part");
+  const auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  int64_t width = 0, out_width = 0;
+  for (size_t i = 0; i < splits.size(); ++i) {
+    TORCH_CHECK(seconds[i].has_value() || outs[i] == splits[i], "factored_linear: a part without B passes its slice through");
+    if (seconds[i].has_value()) check(*seconds[i], splits[i], outs[i], "factored_linear (second)");
+    width += splits[i];
+    out_width += outs[i];
+  }
+  check(first, K, width, "factored_linear (first)");
+  auto t = at::empty({M, width}, xc.options());
+  gemm_parts<T>({{xc.data_ptr<T>(), K, first.data_ptr<T>(), K, width, t.data_ptr<T>(), width}}, M, rows);
+  auto y = at::empty({M, out_width}, xc.options());
+  std::vector<Part<T>> parts;
+  int64_t col = 0, out_col = 0;
+  for (size_t i = 0; i < splits.size(); ++i) {
+    T* dst = y.data_ptr<T>() + out_col;
+    const T* src = t.data_ptr<T>() + col;
+    if (seconds[i].has_value()) {
+      parts.push_back({src, width, seconds[i]->data_ptr<T>(), splits[i], outs[i], dst, out_width});
+    } else {
+      for (int64_t m = 0; m < M; ++m) std::memcpy(dst + m * out_width, src + m * width, splits[i] * sizeof(T));
+    }
+    col += splits[i];
+    out_col += outs[i];
+  }
+  if (!parts.empty()) gemm_parts<T>(parts, M, rows);
+  return y;
+}
+
+at::Tensor factored_linear(const at::Tensor& x, const at::Tensor& first, at::IntArrayRef splits,
+                           at::ArrayRef<std::optional<at::Tensor>> seconds, at::IntArrayRef outs) {
+  TORCH_CHECK(x.dim() == 2, "factored_linear: x [M, K] expected");
+  const std::vector<int64_t> sp(splits.begin(), splits.end()), os(outs.begin(), outs.end());
+  const std::vector<std::optional<at::Tensor>> sec(seconds.begin(), seconds.end());
+  if (x.scalar_type() == at::kFloat) return factored_impl<float>(x, first, sp, sec, os, f32_rows, check_panels_f32);
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16) {
+    for (int64_t s : sp) TORCH_CHECK(s % 2 == 0, "factored_linear: bf16 panels pair K, so every split must be even");
+    return factored_impl<at::BFloat16>(x, first, sp, sec, os, bf16_rows, check_panels_bf16);
+  }
+#endif
+  TORCH_CHECK(false, "factored_linear: fp32 x (or bf16 on a CPU with AVX512-BF16) expected");
 }
 
 }  // namespace
@@ -228,11 +316,13 @@ at::Tensor panel_linear_f32(const at::Tensor& x, const at::Tensor& panels, int64
 TORCH_LIBRARY_FRAGMENT(neuronmm, m) {
   m.def("pack_panels_f32(Tensor weight) -> Tensor");
   m.def("panel_linear_f32(Tensor x, Tensor panels, int out_features) -> Tensor");
+  m.def("factored_linear(Tensor x, Tensor first, int[] splits, Tensor?[] seconds, int[] out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(neuronmm, CPU, m) {
   m.impl("pack_panels_f32", &pack_panels_f32);
   m.impl("panel_linear_f32", &panel_linear_f32);
+  m.impl("factored_linear", &factored_linear);
 }
 
 #endif  // __AVX512F__
