@@ -69,10 +69,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
         seen.add(id(t))
         total += t.numel() * t.element_size()
     for module in model.modules():
-        packed = getattr(module, "packed", getattr(module, "panels", None))
-        if isinstance(packed, torch.Tensor) and id(packed) not in seen:
-            seen.add(id(packed))
-            total += packed.numel() * packed.element_size()
+        packed = module.panel_tensors() if hasattr(module, "panel_tensors") else [getattr(module, "packed", None)]
+        for t in packed:
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
     return total
 
 
