@@ -12,7 +12,7 @@ import uuid
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from server.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 
@@ -360,6 +360,56 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+
+
+class CompletionStreamChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: Logprobs | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A tool call as a streamed delta carries it: whole, with its position among the message's calls."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatDelta(BaseModel):
+    """What a chat chunk adds to the message; only the fields it carries are sent (role once, first)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+    @model_serializer(mode="wrap")
+    def _present_only(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: dict[str, Any] | None = None
+
+
+class StreamChunk(BaseModel):
+    """One SSE event of a streamed completion or chat completion (`usage` only when the client asked)."""
+
+    id: str
+    object: Literal["text_completion", "chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice | ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+    def sse(self, include_usage: bool) -> str:
+        """The chunk as an SSE `data:` line."""
+        return f"data: {self.model_dump_json(exclude=None if include_usage else {'usage'})}\n\n"
 
 
 class HealthStatus(BaseModel):

@@ -15,10 +15,11 @@ from fastapi import Request
 
 from server.api.errors import APIError
 from server.api.metrics import ServerMetrics
-from server.api.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessageOut,
-                                 CompletionChoice, CompletionRequest, CompletionResponse, DetokenizeRequest,
-                                 DetokenizeResponse, Logprobs, NamedToolChoice, TokenizeChatRequest,
-                                 PromptTokensDetails, TokenizeCompletionRequest, TokenizeResponse, UsageInfo)
+from server.api.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatMessageOut,
+                                 ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse,
+                                 CompletionStreamChoice, DetokenizeRequest, DetokenizeResponse, Logprobs,
+                                 NamedToolChoice, PromptTokensDetails, StreamChunk, TokenizeChatRequest,
+                                 TokenizeCompletionRequest, TokenizeResponse, ToolCallDelta, UsageInfo)
 from server.api.tool_parsers import ToolCallStream, get_tool_parser
 from server.config import Config, ConfigError
 from server.engine.async_engine import EngineDeadError, QueueFullError
@@ -344,15 +345,15 @@ class OpenAIServing:
                                        if req.logprobs is not None else None))
             for i, c in enumerate(choices)])
 
-    def _completion_delta(self, out: SeqOutput, index: int, state: dict) -> dict:
+    def _completion_delta(self, out: SeqOutput, index: int, state: dict) -> CompletionStreamChoice:
         echo = state["echo"].pop(index, "")
         prompt_ids = state["prompts"].pop(index, None) if out.prompt_logprobs else None
         logprobs = None
         if out.logprobs or prompt_ids:
             offsets = state.setdefault(("offsets", index), _TextOffsets())
-            logprobs = self._completion_logprobs(out.logprobs or [], offsets, prompt_ids,
-                                                 out.prompt_logprobs).model_dump()
-        return {"index": index, "text": echo + out.text, "finish_reason": out.finish_reason, "logprobs": logprobs}
+            logprobs = self._completion_logprobs(out.logprobs or [], offsets, prompt_ids, out.prompt_logprobs)
+        return CompletionStreamChoice(index=index, text=echo + out.text, finish_reason=out.finish_reason,
+                                      logprobs=logprobs)
 
     def _observe(self, prompts: list[list[int]], n: int, num_outputs: list[int]) -> None:
         for i, count in enumerate(num_outputs):
@@ -406,11 +407,11 @@ class OpenAIServing:
         return ChatChoice(index=index, message=ChatMessageOut(content=content, tool_calls=calls),
                           finish_reason=finish, logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None)
 
-    def _chat_delta(self, out: SeqOutput, index: int, state: dict) -> dict:
-        delta: dict = {}
+    def _chat_delta(self, out: SeqOutput, index: int, state: dict) -> ChatStreamChoice:
+        delta = ChatDelta()
         if index not in state.setdefault("started", set()):
             state["started"].add(index)
-            delta["role"] = "assistant"
+            delta.role = "assistant"
         finish = out.finish_reason
         if state["tools"]:
             follower: ToolCallStream = state.setdefault(("calls", index), self.tool_parser.stream())
@@ -421,14 +422,14 @@ class OpenAIServing:
                 finish = state["calls_reason"] if follower.calls and finish == "stop" else finish
             first = len(follower.calls) - len(calls)
             if calls:
-                delta["tool_calls"] = [{"index": first + k, "id": c.id, "type": "function",
-                                        "function": c.function.model_dump()} for k, c in enumerate(calls)]
+                delta.tool_calls = [ToolCallDelta(index=first + k, id=c.id, function=c.function)
+                                    for k, c in enumerate(calls)]
         else:
             text = out.text
-        if text or not delta.get("tool_calls"):
-            delta["content"] = text
-        return {"index": index, "delta": delta, "finish_reason": finish,
-                "logprobs": self._chat_logprobs(out.logprobs) if out.logprobs else None}
+        if text or not delta.tool_calls:
+            delta.content = text
+        return ChatStreamChoice(index=index, delta=delta, finish_reason=finish,
+                                logprobs=self._chat_logprobs(out.logprobs) if out.logprobs else None)
 
     # ---- streaming -------------------------------------------------------------------------
     async def _stream(self, gens, n: int, num_prompt_tokens: int, include_usage: bool, rid: str, obj: str,
@@ -448,17 +449,15 @@ class OpenAIServing:
                 cached_tokens[offset] = max(cached_tokens.get(offset, 0), item.num_cached_tokens)
                 if item.finish_reason is not None:
                     self.metrics.observe_request(item.num_prompt_tokens, item.num_output_tokens)
-                chunk = {"id": rid, "object": obj, "created": created, "model": self.model_name,
-                         "choices": [make_choice(item, offset + item.index)]}
-                if include_usage:
-                    chunk["usage"] = None
-                yield f"data: {json.dumps(chunk)}\n\n"
+                chunk = StreamChunk(id=rid, object=obj, created=created, model=self.model_name,
+                                    choices=[make_choice(item, offset + item.index)])
+                yield chunk.sse(include_usage)
             else:
                 if include_usage:
                     usage = self._usage(num_prompt_tokens, sum(completion_tokens.values()), sum(cached_tokens.values()))
-                    final = {"id": rid, "object": obj, "created": created, "model": self.model_name,
-                             "choices": [], "usage": usage.model_dump()}
-                    yield f"data: {json.dumps(final)}\n\n"
+                    final = StreamChunk(id=rid, object=obj, created=created, model=self.model_name, choices=[],
+                                        usage=usage)
+                    yield final.sse(include_usage)
             yield "data: [DONE]\n\n"
         finally:
             await outputs.aclose()

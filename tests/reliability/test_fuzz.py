@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 
+import jsonschema
 import pytest
 import requests
 import schemathesis
@@ -59,29 +60,48 @@ def _assert_openai_error(response) -> None:
     assert body["error"]["message"] and body["error"]["type"]
 
 
+def _body_validator(live, op) -> jsonschema.Draft202012Validator | None:
+    """The published request-body schema of an operation as a validator (None: no body)."""
+    body = op.definition.raw.get("requestBody")
+    if body is None:
+        return None
+    document = requests.get(f"{live.url}/openapi.json", timeout=10).json()
+    schema = body["content"]["application/json"]["schema"]
+    return jsonschema.Draft202012Validator({**schema, "components": document["components"]})
+
+
 def _fuzz(live, op, mode: GenerationMode, max_examples: int) -> None:
     session = requests.Session()
     checks = CHECKS + ([negative_data_rejection] if mode is GenerationMode.NEGATIVE else [])
+    validator = _body_validator(live, op)
 
     @settings(max_examples=max_examples, deadline=None, database=None, phases=[Phase.generate], derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(case=op.as_strategy(generation_mode=mode), ours=st.integers(0, 9))
     def run(case, ours):
-        # A random `model` is a 404 before any generation, and a random max_tokens mostly overruns the tiny
-        # model's 64-token context (a 400); name ours and keep the length small in most positive cases so
-        # the engine really runs them (the rest still probe those checks).
+        # A random `model` is a 404 before any generation, a random max_tokens mostly overruns the tiny
+        # model's 64-token context, and a random prompt is often empty or out of the vocabulary (each a 400):
+        # name ours and keep the length small in most positive cases, and give half of them a plain prompt,
+        # so the engine really runs them (the rest still probe those checks).
         if mode is GenerationMode.POSITIVE and isinstance(case.body, dict) and ours < 8:
             case.body["model"] = "tiny"
             for key in ("max_tokens", "max_completion_tokens"):
                 if isinstance(case.body.get(key), int) and not isinstance(case.body[key], bool):
                     case.body[key] = min(case.body[key], 8)
+            if ours < 5 and "prompt" in case.body:
+                case.body["prompt"] = "Hello"
+            if ours < 5 and "messages" in case.body:
+                case.body["messages"] = [{"role": "user", "content": "Hello"}]
         response = case.call(base_url=live.url, session=session, timeout=60)
         cases_run[(op.label, mode.value, response.status_code // 100)] += 1
         assert response.status_code < 500, (response.status_code, response.text[:300], case.body)
         if response.status_code >= 400:
             _assert_openai_error(response)
         if not _content_type(response).startswith("text/event-stream"):
-            case.validate_response(response, checks=checks)
+            # schemathesis' negative mutations inside a discriminated oneOf sometimes give a valid body (a
+            # message role mutated into another valid role): accepting that is right, not a leak
+            accepted_valid = response.status_code < 400 and validator is not None and validator.is_valid(case.body)
+            case.validate_response(response, checks=[c for c in checks if not (accepted_valid and c is negative_data_rejection)])
 
     run()
 
@@ -104,7 +124,7 @@ def test_fuzz_post_endpoints(live, schema, label, mode):
     _fuzz(live, _operations(schema)[label], mode, MAX_EXAMPLES)
     assert cases_run[(label, mode.value, 4)] > 0  # the mode reached the validators
     if mode is GenerationMode.POSITIVE:
-        assert cases_run[(label, mode.value, 2)] > MAX_EXAMPLES // 10  # and the engine, often
+        assert cases_run[(label, mode.value, 2)] > MAX_EXAMPLES // 10, cases_run  # and the engine, often
 
 
 def test_fuzz_covered_every_operation_with_enough_cases(schema):
