@@ -14,7 +14,7 @@ from server.engine.block_manager import KVStats, PagedKV, SlotKV
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.sampler import sample
 from server.engine.sampling_params import SamplingParams
-from server.engine.scheduler import ScheduledChunk, Scheduler
+from server.engine.scheduler import ScheduledTokens, Scheduler
 from server.engine.sequence import Sequence, SeqOutput, SeqStatus, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _score_prompts(chunks: list[ScheduledChunk], scored: list[bool], logits: torch.Tensor) -> torch.Tensor:
+    def _score_prompts(chunks: list[ScheduledTokens], scored: list[bool], logits: torch.Tensor) -> torch.Tensor:
         """Record prompt logprobs from the all-position rows of scored chunks; the rows the sampler needs."""
         keep, row = [], 0
         for chunk, all_logits in zip(chunks, scored):
@@ -142,7 +142,7 @@ class LLMEngine:
                 stats.finished.append((seq.finish_reason, now - seq.arrival_time))
         return stats
 
-    def _advance(self, chunk: ScheduledChunk, token: int, logprob, now: float) -> SeqOutput:
+    def _advance(self, chunk: ScheduledTokens, token: int, logprob, now: float) -> SeqOutput:
         seq = chunk.seq
         seq.output_ids.append(token)
         seq.first_token_time = seq.first_token_time or now
@@ -205,7 +205,7 @@ class LLMEngine:
         return outputs
 
 
-def _record_prompt_logprobs(chunk: ScheduledChunk, logits: torch.Tensor) -> None:
+def _record_prompt_logprobs(chunk: ScheduledTokens, logits: torch.Tensor) -> None:
     """Append the logprob of each prompt token this chunk's positions predict (position p scores token p+1)."""
     seq = chunk.seq
     if chunk.start == 0:  # a new prefill (or one restarted after preemption): the first token has no context

@@ -11,7 +11,7 @@ from server.engine.sequence import Sequence, SeqStatus
 
 
 @dataclass
-class ScheduledChunk:
+class ScheduledTokens:
     """`num_tokens` tokens of `seq`, starting at its first uncomputed position."""
 
     seq: Sequence
@@ -65,15 +65,15 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self) -> list[ScheduledTokens]:
         budget = self.max_num_batched_tokens
-        chunks = [ScheduledChunk(s, 1) for s in self._decodes_with_room()]
+        chunks = [ScheduledTokens(s, 1) for s in self._decodes_with_room()]
         budget -= len(chunks)
         for seq in [s for s in self.running if s.num_tokens - s.num_computed > 1]:
             if budget <= 0:
                 break
             n = min(seq.num_tokens - seq.num_computed, budget)
-            chunks.append(ScheduledChunk(seq, n))
+            chunks.append(ScheduledTokens(seq, n))
             budget -= n
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and self.kv.can_admit(self.waiting[0])):
@@ -83,7 +83,7 @@ class Scheduler:
             seq.scheduled_time = seq.scheduled_time or time.monotonic()
             self.running.append(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
-            chunks.append(ScheduledChunk(seq, n))
+            chunks.append(ScheduledTokens(seq, n))
             budget -= n
         return chunks
 
@@ -109,7 +109,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def mark_computed(self, chunks: list[ScheduledChunk]) -> None:
+    def mark_computed(self, chunks: list[ScheduledTokens]) -> None:
         """After the forward: the chunks' tokens are in the cache; publish full blocks for prefix reuse."""
         for c in chunks:
             c.seq.num_computed += c.num_tokens
