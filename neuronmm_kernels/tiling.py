@@ -21,7 +21,7 @@ KINDS = ("dense_matmul", "lowrank_matmul", "lowrank_mlp")
 
 # Blocks above 512 tokens read every factor once for more tokens (prefill); SBUF caps them (the
 # (XU)ᵀ strips and Xᵀ of a whole block stay resident), and the selector drops those that do not fit.
-TOKEN_BLOCKS = (128, 256, 512, 1024, 2048)
+TOKEN_BLOCKS = (128, 256, 512, 768, 1024, 2048)  # 768: Qwen3-4B's down Xᵀ of 1024 tokens is 2 KiB over SBUF
 PSUM_TOKENS = 512  # one fp32 PSUM bank: blocks above it run in chunks of this many tokens
 
 
@@ -45,6 +45,8 @@ def candidates(kind: str, num_tokens: int, transpose_out: bool = False) -> list[
         grid["u_moving"] = (False, True)
     if kind != "dense_matmul":
         grid["hoist_u"] = (False, True)
+    if kind == "lowrank_matmul":
+        grid["row_pack"] = (1, 2)
     if kind == "lowrank_mlp":
         grid["h_in_hbm"] = (False, True)
     keys = list(grid)
@@ -57,12 +59,19 @@ def _worth_tracing(c: dict, largest_resident_h_block: int) -> bool:
     tb = c["token_block"]
     if tb > PSUM_TOKENS:
         # above one PSUM bank of tokens: the kernels clamp group to 8 / chunks (4 and 8 coincide), and the
-        # MLP streams hᵀ by gate_block columns (h_in_hbm unused; narrow blocks cost a VectorE add each)
-        return c.get("group", 8) == 8 and not c.get("h_in_hbm") and c.get("gate_block", 512) >= 512
+        # MLP streams hᵀ by gate_block columns (h_in_hbm unused; narrow blocks cost a VectorE add each, but
+        # 256 is what fits SBUF beside a 1024-token block of Llama-3.2-3B's shape)
+        return (c.get("group", 8) == 8 and not c.get("h_in_hbm") and c.get("gate_block", 512) >= 256
+                and _packs_whole_rows(c))
     # spilling hᵀ only pays when it buys the largest block whose hᵀ is otherwise resident;
     # a resident U makes the group width irrelevant to DMA, so one group size is enough
     return ((not c.get("h_in_hbm") or tb == largest_resident_h_block)
-            and (not c.get("hoist_u") or c["group"] == 8))
+            and (not c.get("hoist_u") or c["group"] == 8) and _packs_whole_rows(c))
+
+
+def _packs_whole_rows(c: dict) -> bool:
+    """row_pack only pays (and is only legal) where U loads whole rows: u_moving or a resident U."""
+    return c.get("row_pack", 1) == 1 or bool(c.get("u_moving") or c.get("hoist_u"))
 
 
 def _model(kind: str, num_tokens: int, dims: tuple, tiles: dict, transpose_out: bool):

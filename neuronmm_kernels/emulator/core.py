@@ -451,8 +451,11 @@ class Tensor:
         if any(e.v.ndim < 2 for e in exprs):
             raise NKIRuleError("err_1d_arange_not_supported", "use nl.arange(n)[:, None] / [None, :]")
         grid = np.broadcast_shapes(*(e.shape for e in exprs))
-        if len(exprs) != len(grid):
-            raise NKIRuleError("emulator_unsupported", "each arange expression must own one result axis")
+        in_order = len(exprs) == len(grid) and all(
+            _owns_unit_axis(e, grid) and int(np.argmax(_affine_coefficients(np.broadcast_to(e.v, grid)))) == a
+            for a, e in enumerate(exprs))
+        if not in_order:  # not one +1 step per result axis, in order: a general access pattern
+            return self._strided(key, kept, grid)
         new, oob = list(self.index), False
         axis = 0
         for d, k in zip(kept, key):
@@ -465,8 +468,6 @@ class Tensor:
                 continue
             full = np.broadcast_to(k.v, grid)
             line = np.moveaxis(full, axis, 0).reshape(grid[axis], -1)
-            if not (line == line[:, :1]).all() or not (np.diff(line[:, 0]) == 1).all():
-                raise NKIRuleError("emulator_unsupported", "arange expressions must step by 1 along their own axis")
             start, size = int(line[0, 0]), grid[axis]
             oob |= start < 0 or start + size > hi - lo
             new[d] = (lo + start, lo + start + size)
@@ -474,6 +475,40 @@ class Tensor:
         t = Tensor(self.st, new)
         t.oob = oob
         return t
+
+    def _strided(self, key, kept: list, grid: tuple) -> "Tensor":
+        """A general affine access pattern (AWS's transpose2d tutorial indexes `in_tile[i_p0, i_f1*sz_f2+i_f2]`:
+        aws-neuron-sdk 2086a70 general/nki/examples/transpose2d/transpose2d_nki_kernels.py): per result
+        axis one element stride over the storage, as a view that aliases it (numpy as_strided).
+
+        On-chip tensors keep the partition rule: result axis 0 walks the partitions with step 1 from
+        partition 0 of the view, and no other axis moves across partitions (free-dim strides only).
+        Every element must lie inside the view (no masks on this form).
+        """
+        n = len(grid)
+        st_strides = [math.prod(self.st.shape[d + 1:]) for d in range(len(self.st.shape))]
+        base, strides = 0, [0] * n
+        for d, ix in enumerate(self.index):
+            lo, hi = (ix, ix + 1) if not isinstance(ix, tuple) else ix
+            pos = kept.index(d) if d in kept else None
+            k = key[pos] if pos is not None else 0
+            full = np.broadcast_to(k.v if isinstance(k, IndexExpr) else np.int64(as_int(k)), grid)
+            coef = _affine_coefficients(full)
+            if full.min() < 0 or full.max() >= hi - lo:
+                raise NKIRuleError("err_tensor_access_out_of_bound",
+                                   f"affine index on dim {d} reaches [{int(full.min())}, {int(full.max())}] outside "
+                                   f"[0, {hi - lo}) of {self}")
+            if self.st.buffer.on_chip and d == 0 and (lo + int(full.flat[0]) != 0 or coef[0] != (grid[0] > 1) or any(coef[1:])):
+                raise NKIRuleError("err_unsupported_partition_access",
+                                   "an on-chip access pattern must walk partitions 0.. with step 1 on its first axis")
+            if self.st.buffer.on_chip and d != 0 and n and coef[0]:
+                raise NKIRuleError("err_unsupported_partition_access", "only the first axis may index partitions")
+            base += st_strides[d] * (lo + int(full.flat[0]))
+            strides = [s + st_strides[d] * c for s, c in zip(strides, coef)]
+        if self.st.written is not None:
+            raise NKIRuleError("emulator_unsupported", "strided views of kernel outputs are not emulated")
+        alias = StridedStorage(self.st, grid, strides, base)
+        return Tensor(alias)
 
     def restrict(self, rect: tuple) -> "Tensor":
         """The sub-view selected by rect (per result axis (start, stop)); bounds checked here."""
@@ -572,8 +607,66 @@ class Tensor:
         raise NKIRuleError("err_ambiguous_tensor_truth_value", f"truth value of {self} is undefined")
 
 
+def _owns_unit_axis(e: IndexExpr, grid: tuple) -> bool:
+    """The basic advanced-index form: the expression varies along exactly one result axis, by +1."""
+    coef = _affine_coefficients(np.broadcast_to(e.v, grid))
+    return sorted(coef) == [0] * (len(grid) - 1) + [1]
+
+
+def _affine_coefficients(full: np.ndarray) -> list:
+    """Per-axis step of an index array over its grid; raises unless it is affine (NKI indices are)."""
+    coef = []
+    for a in range(full.ndim):
+        d = np.diff(full, axis=a) if full.shape[a] > 1 else np.zeros((1,), dtype=np.int64)
+        c = int(d.flat[0]) if d.size else 0
+        if d.size and not (d == c).all():
+            raise NKIRuleError("err_non_affine_index", "index expression is not affine in the arange values")
+        coef.append(c)
+    return coef
+
+
+class StridedStorage(Storage):
+    """An affine access pattern over another storage: same memory (never allocated twice), own shape and strides."""
+
+    def __init__(self, base: Storage, shape, strides, offset: int):
+        data = None
+        if base.data is not None:
+            flat = base.data.reshape(-1)
+            item = flat.itemsize
+            data = np.lib.stride_tricks.as_strided(flat[offset:], shape=tuple(shape),
+                                                   strides=tuple(int(s) * item for s in strides))
+        self.base = base
+        self.elem_strides = tuple(int(s) for s in strides)
+        super().__init__(shape, base.dtype, base.buffer, name=base.name, data=data)
+        self.is_param = base.is_param
+        self.alloc_depth = base.alloc_depth
+
+    @property
+    def alive(self) -> bool:
+        return self.base.alive
+
+    @alive.setter
+    def alive(self, value) -> None:  # Storage.__init__ sets it; liveness follows the base storage
+        pass
+
+
 def hbm_contiguous_bytes(t: Tensor) -> int:
-    """Longest contiguous HBM run of a view, in bytes (row-major storage)."""
+    """Longest contiguous HBM run of a view, in bytes (row-major storage, or a strided view's strides)."""
+    strides = getattr(t.st, "elem_strides", None)
+    if strides is not None:
+        run, expected = 1, 1
+        for d in range(len(t.st.shape) - 1, -1, -1):
+            ix = t.index[d]
+            ext = ix[1] - ix[0] if isinstance(ix, tuple) else 1
+            if ext == 1:
+                continue
+            if strides[d] != expected:
+                break
+            run *= ext
+            expected *= ext
+            if ext != t.st.shape[d]:
+                break
+        return run * t.dtype.itemsize
     run = t.dtype.itemsize
     for d in range(len(t.st.shape) - 1, -1, -1):
         ix = t.index[d]

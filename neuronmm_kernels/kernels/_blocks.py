@@ -59,17 +59,51 @@ def transpose_into(dst, src, ident) -> None:
     dst[...] = nisa.tensor_copy(tp, dtype=dst.dtype)
 
 
-def load_transposed(x, t0, tsz: int, xT, ident=None) -> None:
-    """xT[:, k, 0:tsz] = x[t0:t0+tsz, k*128:(k+1)*128]ᵀ: contiguous row loads, then on-chip transposes."""
+def load_transposed(x, t0, tsz: int, xT, ident=None, pack: int = 1) -> None:
+    """xT[:, k, 0:tsz] = x[t0:t0+tsz, k*128:(k+1)*128]ᵀ: contiguous row loads, then on-chip transposes.
+
+    With pack > 1 the contraction tiles come in the packed order of load_rows_packed: tile
+    c*pack + j holds features c*128*pack + pack*p + j on partition p (the transposes read the rows
+    tile with a free-dim stride of `pack`; the feature count must be a multiple of 128 * pack).
+    """
     def rows_block(_, s0, ssz):
         rows = nl.load(x[nl.ds(t0 + s0, ssz), :])  # [ssz tokens, in]: whole rows, one contiguous run
 
         def feature_tile(k, k0, ksz):
             transpose_into(xT[0:ksz, k, nl.ds(s0, ssz)], rows[:, nl.ds(k0, ksz)], ident)
 
-        blocks(x.shape[1], P, feature_tile)
+        def packed_chunk(c, c0, _):
+            i_t, i_q = nl.arange(ssz)[:, None], nl.arange(P)[None, :]
+            for j in nl.static_range(pack):
+                transpose_into(xT[:, c * pack + j, nl.ds(s0, ssz)], rows[i_t, c0 + pack * i_q + j], ident)
+
+        if pack == 1:
+            blocks(x.shape[1], P, feature_tile)
+        else:
+            assert x.shape[1] % (P * pack) == 0, ("packed contraction needs in_features % (128 * pack) == 0", x.shape)
+            blocks(x.shape[1], P * pack, packed_chunk)
 
     blocks(tsz, P, rows_block)
+
+
+def load_packed(w, c, pack: int):
+    """Rows c*128*pack + pack*p + j (j < pack) of w [K, R] as a (128, pack, R) tile: pack whole rows per partition.
+
+    One contiguous run of pack * R * itemsize bytes per partition (w is row-major), so the DMA reaches
+    its >= 4 KiB full-speed row length for R * pack >= 2048 bf16 columns. Slice j is contraction tile
+    c*pack + j in load_transposed's packed order.
+    """
+    i_p, i_j, i_c = nl.arange(P)[:, None, None], nl.arange(pack)[None, :, None], nl.arange(w.shape[1])[None, None, :]
+    return nl.load(w[c * (P * pack) + pack * i_p + i_j, i_c])
+
+
+def load_rows_packed(w, pack: int):
+    """All of w [K, R] resident as (128, K/128, R) in load_transposed's packed tile order (see load_packed)."""
+    assert w.shape[0] % (P * pack) == 0, ("packed rows need K % (128 * pack) == 0", w.shape)
+    wb = nl.ndarray((P, w.shape[0] // P, w.shape[1]), w.dtype, buffer=nl.sbuf)
+    for c in nl.affine_range(w.shape[0] // (P * pack)):
+        wb[:, nl.ds(c * pack, pack), :] = load_packed(w, c, pack)
+    return wb
 
 
 def _src_tile(srcT, k, k0, ksz: int, tsz: int, src_hbm, t0):
@@ -122,13 +156,15 @@ def project_transposed(w, srcT, zT, tsz: int, group: int, src_hbm=None, t0=0, w_
 
 
 def project_transposed_small(w, srcT, zT, tsz: int, src_hbm=None, t0=0, w_sbuf=None, ident=None,
-                             z0=0) -> None:
+                             z0=0, pack: int = 1) -> None:
     """Same result as project_transposed for tsz <= 128 tokens, with w moving instead of stationary.
 
     srcT tiles are stationary (free = tsz), w streams as moving operands 512 columns at a time, so
     each w tile loads as whole rows (rank * 2 contiguous bytes per partition: full DMA speed at
     decode sizes). z = src · w lands token-major in PSUM; rank/128 on-chip transposes of
     [tsz, 128] turn it into zT. Needs rank <= 8 * 512 (one PSUM bank per 512 rank columns).
+    With pack > 1 (srcT in load_transposed's packed order, w streamed from HBM) each load brings
+    `pack` whole rows per partition (load_packed): longer DMA runs, same matmuls.
     """
     rank = w.shape[1]
     for _ in nl.sequential_range(1):  # scope: the accumulator banks are free again afterwards
@@ -148,16 +184,35 @@ def project_transposed_small(w, srcT, zT, tsz: int, src_hbm=None, t0=0, w_sbuf=N
             for j in nl.affine_range(csz // P):
                 transpose_into(zT[:, c * (MOVING_FMAX // P) + j, nl.ds(z0, tsz)], z[:, nl.ds(j * P, P)], ident)
 
-        blocks(w.shape[0], P, contraction_tile)
+        def packed_chunk(c, _, __):
+            wp = load_packed(w, c, pack)
+            for j in nl.static_range(pack):
+                src = _src_tile(srcT, c * pack + j, 0, P, tsz, None, t0)
+
+                def rank_chunk(r, c0, csz):
+                    acc[:, r, 0:csz] += nisa.nc_matmul(src, wp[:, j, nl.ds(c0, csz)])
+
+                blocks(rank, MOVING_FMAX, rank_chunk)
+
+        if pack > 1 and w_sbuf is None:
+            assert src_hbm is None and w.shape[0] % (P * pack) == 0, "packed rows: SBUF source, K % (128*pack) == 0"
+            blocks(w.shape[0], P * pack, packed_chunk)
+        else:
+            blocks(w.shape[0], P, contraction_tile)
         blocks(rank, MOVING_FMAX, evict_chunk)
 
 
 def project(w, srcT, zT, tsz: int, group: int, u_moving: bool, src_hbm=None, t0=0, w_sbuf=None,
-            ident=None, z0=0) -> None:
-    """zT[..., z0:z0+tsz] = (src · w)ᵀ with w stationary (any tsz) or, when u_moving, w moving (tsz <= 128)."""
+            ident=None, z0=0, pack: int = 1) -> None:
+    """zT[..., z0:z0+tsz] = (src · w)ᵀ with w stationary (any tsz) or, when u_moving, w moving (tsz <= 128).
+
+    pack > 1: srcT (and w_sbuf, if given) are in load_transposed's packed contraction order; a
+    streamed w then needs u_moving (whole packed rows per load).
+    """
     if u_moving:
-        project_transposed_small(w, srcT, zT, tsz, src_hbm, t0, w_sbuf, ident, z0)
+        project_transposed_small(w, srcT, zT, tsz, src_hbm, t0, w_sbuf, ident, z0, pack)
     else:
+        assert pack == 1 or w_sbuf is not None, "packed rows with stationary w need it resident (hoist_u)"
         project_transposed(w, srcT, zT, tsz, group, src_hbm, t0, w_sbuf, z0)
 
 

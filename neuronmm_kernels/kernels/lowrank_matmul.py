@@ -1,13 +1,13 @@
 """Fused low-rank matmul Y = X·U·V: (XU)ᵀ stays in SBUF and feeds the second matmul in place."""
 
 from ..compat import nki, nl
-from ._blocks import (P, blocks, load_columns, load_transposed, num_tiles, project, store_natural, store_transposed,
-                      transpose_identity)
+from ._blocks import (P, blocks, load_columns, load_rows_packed, load_transposed, num_tiles, project, store_natural,
+                      store_transposed, transpose_identity)
 
 
 @nki.jit
 def lowrank_matmul(x, u, v, transpose_out=False, token_block=512, group=8, out_block=512, u_moving=False,
-                   hoist_u=False):
+                   hoist_u=False, row_pack=1):
     """y = x · u · v (or yᵀ with transpose_out=True).
 
     Layouts (HBM, row-major): x [num_tokens, in_features], u [in_features, rank] (= Aᵀ of
@@ -20,7 +20,11 @@ def lowrank_matmul(x, u, v, transpose_out=False, token_block=512, group=8, out_b
     group <= 8 (PSUM banks); u_moving (U tiles as moving operands, whole-row U loads: the decode
     schedule) needs token_block <= 128 and rank <= 4096; out_block a multiple of 512 (natural)
     or 128 (transposed); hoist_u keeps all of U in SBUF for the whole kernel (loaded once, as
-    whole contiguous rows) when in_features * rank * 2 / 128 bytes per partition fit.
+    whole contiguous rows) when in_features * rank * 2 / 128 bytes per partition fit. row_pack=2
+    (with u_moving or hoist_u; in_features a multiple of 256) loads two whole U rows per partition
+    (rank * 4 contiguous bytes: DMA rows of >= 4 KiB for rank >= 1024, where one row of 2-3.5 KiB
+    runs at 60-90 % of the DMA peak) and contracts in that order: Xᵀ tiles are transposed from
+    X columns with stride 2 to match (same matmuls, same transposes).
     Schedule per token block: Xᵀ by PE transposes; (XU)ᵀ = Uᵀ Xᵀ with U tiles stationary, kept in
     SBUF as (128, rank/128, tokens); then Y = (XU)·V with (XU)ᵀ stationary (token-major output) or
     Yᵀ = Vᵀ(XU)ᵀ with V stationary (feature-major output). No HBM round trip, no transpose of XU.
@@ -33,17 +37,19 @@ def lowrank_matmul(x, u, v, transpose_out=False, token_block=512, group=8, out_b
     token_block = min(token_block, num_tokens)
     assert not u_moving or (token_block <= 128 and rank <= 4096), "u_moving: <= 128 tokens, rank <= 4096"
     assert 1 <= token_block <= 8 * 512 and 1 <= group <= 8
+    assert row_pack == 1 or (u_moving or hoist_u) and d_in % (P * row_pack) == 0, \
+        "row_pack > 1 needs u_moving or hoist_u and in_features % (128 * row_pack) == 0"
     shape = (d_out, num_tokens) if transpose_out else (num_tokens, d_out)
     y = nl.ndarray(shape, dtype=x.dtype, buffer=nl.shared_hbm)
-    u_sbuf = load_columns(u, 0, rank) if hoist_u else None
+    u_sbuf = (load_columns(u, 0, rank) if row_pack == 1 else load_rows_packed(u, row_pack)) if hoist_u else None
     ident = transpose_identity(x.dtype)
 
     def token_block_body(_, t0, tsz):
         zT = nl.ndarray((P, rank // P, tsz), dtype=x.dtype, buffer=nl.sbuf)
         for _ in nl.sequential_range(1):  # scope: Xᵀ is dead once (XU)ᵀ exists (sequential: zT is not indexed by it)
             xT = nl.ndarray((P, num_tiles(d_in), tsz), dtype=x.dtype, buffer=nl.sbuf)
-            load_transposed(x, t0, tsz, xT, ident)
-            project(u, xT, zT, tsz, group, u_moving, w_sbuf=u_sbuf, ident=ident)
+            load_transposed(x, t0, tsz, xT, ident, row_pack)
+            project(u, xT, zT, tsz, group, u_moving, w_sbuf=u_sbuf, ident=ident, pack=row_pack)
         if transpose_out:
             store_transposed(zT, v, y, t0, tsz, out_block)
         else:

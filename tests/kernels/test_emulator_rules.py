@@ -387,3 +387,30 @@ def test_fp32_pe_transpose_is_refused():
 
     y, _ = run(nki.jit(bf16_transpose), np.arange(16, dtype=np.float32).reshape(4, 4).astype(BF16))
     assert (y == np.arange(16).reshape(4, 4).T).all()
+
+
+def test_affine_access_patterns_stride_free_dims_only():
+    """Affine index expressions (AWS transpose2d tutorial form) alias the tensor; partitions keep step 1 from 0."""
+    x = np.arange(4 * 16, dtype=np.float32).reshape(4, 16)
+
+    def strided(t):
+        out = nl.ndarray((4, 2, 8), F32, buffer=nl.shared_hbm)
+        i_p, i_j, i_f = nl.arange(4)[:, None, None], nl.arange(2)[None, :, None], nl.arange(8)[None, None, :]
+        rows = nl.load(t)
+        nl.store(out, nl.copy(rows[i_p, 2 * i_f + i_j]))  # free-dim stride 2 in SBUF
+        return out
+
+    y, _ = run(nki.jit(strided), x)
+    assert np.array_equal(y, x.reshape(4, 8, 2).transpose(0, 2, 1))
+
+    def partition_stride(t):
+        rows = nl.load(t)
+        nl.copy(rows[2 * nl.arange(2)[:, None], nl.arange(16)[None, :]])
+
+    def partition_from_free_axis(t):
+        rows = nl.load(t)
+        nl.copy(rows[nl.arange(4)[:, None], nl.arange(4)[:, None] + nl.arange(8)[None, :]])
+
+    _raises("err_unsupported_partition_access", partition_stride, x)
+    _raises("err_unsupported_partition_access", partition_from_free_axis, x)
+    _raises("err_tensor_access_out_of_bound", lambda t: nl.load(t[nl.arange(4)[:, None], 3 * nl.arange(8)[None, :]]), x)

@@ -25,6 +25,11 @@ from neuronmm_kernels.kernels.swiglu import swiglu
     (2, 200, 128, 72, {"u_moving": True}),
     (300, 200, 256, 256, {"hoist_u": True, "token_block": 128, "group": 1}),
     (4, 256, 384, 128, {"hoist_u": True, "u_moving": True}),
+    (3, 512, 640, 200, {"u_moving": True, "row_pack": 2}),      # two whole U rows per partition (decode)
+    (130, 256, 256, 256, {"u_moving": True, "row_pack": 2, "token_block": 128}),  # token tail, packed X^T
+    (150, 512, 256, 384, {"hoist_u": True, "row_pack": 2, "token_block": 128, "group": 1}),
+    (2, 768, 128, 128, {"hoist_u": True, "u_moving": True, "row_pack": 3}),
+    (800, 128, 128, 256, {"token_block": 768}),  # a 768-token block: PSUM chunks of 512 + 256, then a tail
 ])
 @pytest.mark.parametrize("transpose_out", [False, True])
 def test_lowrank_matmul_matches_reference(make, num_tokens, d_in, rank, d_out, opts, transpose_out):
@@ -36,6 +41,20 @@ def test_lowrank_matmul_matches_reference(make, num_tokens, d_in, rank, d_out, o
     # the (XU) strip never goes back to HBM: stores carry exactly the output
     stored = sum(i.nbytes for i in trace.instrs if i.op == "store")
     assert stored == num_tokens * d_out * 2
+
+
+def test_row_pack_loads_whole_row_pairs_and_refuses_odd_shapes(make):
+    """row_pack=2: each U load is two whole rows per partition (one DMA run of rank*4 bytes)."""
+    from neuronmm_kernels.emulator import TensorSpec
+
+    spec = [TensorSpec((1, 1024), ref.BF16), TensorSpec((1024, 1280), ref.BF16), TensorSpec((1280, 2048), ref.BF16)]
+    _, tr = run(lowrank_matmul, *spec, trace_only=True, u_moving=True, row_pack=2, out_block=2048)
+    u_loads = [i for i in tr.instrs if i.op == "load" and i.free == 2 * 1280]
+    assert u_loads and all(i.contig == 1280 * 2 * 2 for i in u_loads)
+    with pytest.raises(AssertionError):  # 200 features are not whole 256-row pairs
+        run(lowrank_matmul, make(2, 200, scale=1.0), make(200, 128), make(128, 64), u_moving=True, row_pack=2)
+    with pytest.raises(AssertionError):  # streamed stationary U would cut the packed rows: refused
+        run(lowrank_matmul, make(2, 256, scale=1.0), make(256, 128), make(128, 64), row_pack=2)
 
 
 @pytest.mark.parametrize("num_tokens,d_in,d_out", [(1, 128, 512), (129, 256, 384), (520, 128, 640), (3, 192, 100)])
