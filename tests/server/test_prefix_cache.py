@@ -78,6 +78,42 @@ def test_freed_uncached_blocks_are_reused_before_untouched_ones():
     assert set(second.block_table) == used
 
 
+def _grow(kv: PagedKV, seq: Sequence, tokens: int) -> None:
+    """What decoding `tokens` more tokens does to the block table."""
+    for _ in range(tokens):
+        seq.output_ids.append(7)
+        assert kv.ensure_next_slot(seq)
+
+
+def test_sequences_grow_into_adjacent_blocks_kept_for_them():
+    kv = PagedKV(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    first, second = (Sequence(rid, 0, list(range(6)), SamplingParams(max_tokens=10), detok=None) for rid in "ab")
+    kv.admit(first)
+    kv.admit(second)
+    assert first.block_table == [0, 1] and second.block_table == [4, 5]  # 16 tokens at most: 4 blocks each
+    _grow(kv, first, 10)
+    _grow(kv, second, 10)
+    assert first.block_table == [0, 1, 2, 3] and second.block_table == [4, 5, 6, 7]
+    kv.release(first)
+    assert kv.open[:4].all() and not kv.reserved_by
+
+
+def test_reserved_room_yields_when_nothing_else_is_free():
+    kv = PagedKV(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    first = Sequence("a", 0, list(range(4)), SamplingParams(max_tokens=16), detok=None)
+    kv.admit(first)  # 1 block, room for 4 more: the whole pool but one
+    assert first.block_table == [0] and len(kv.reserved_by) == 4
+    other = Sequence("b", 0, list(range(8)), SamplingParams(max_tokens=1), detok=None)
+    assert kv.can_admit(other)
+    kv.admit(other)  # the one open block, then one taken from first's room
+    assert len(other.block_table) == 2 and 5 in other.block_table and kv.num_free_blocks == 3
+    _grow(kv, first, 12)  # first still grows: what is left of its room, then anything free
+    assert len(first.block_table) == 4 and kv.num_free_blocks == 0
+    kv.release(other)
+    kv.release(first)
+    assert kv.open.all() and not kv.reserved_by and not any(kv.reservations.values())
+
+
 def test_prefix_caching_off_shares_nothing():
     kv = PagedKV(num_blocks=8, block_size=4, enable_prefix_caching=False)
     first = _seq(list(range(10)))
