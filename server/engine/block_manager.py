@@ -126,8 +126,9 @@ class PagedKV:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free[block] = None
-                if self.block_hash[block] is None:  # nothing cached in it: reuse it first, so the memory
-                    self.free.move_to_end(block, last=False)  # touched stays as small as the work needs
+                # nothing cached in it: open again (new blocks come from the lowest open ids, so the memory
+                # touched stays as small as the work needs)
+                if self.block_hash[block] is None:
                     self.open[block] = block not in self.reserved_by
                 self.stats.num_used_blocks -= 1
         for block in self.reservations.pop(_key(seq), ()):
