@@ -49,9 +49,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sensitivity-cache", help="JSON file keeping the allocation's dense pre-pass (spectra, Fisher "
                                                "weights): reused when model, calibration and measure match, else "
                                                "written; for allocation experiments")
-    p.add_argument("--recover", choices=["lora"], help="after compressing, LoRA-recover the factors "
-                                                       "(`neuronmm recover` defaults; see its --help)")
-    p.add_argument("--recover-steps", type=int, default=200, help="with --recover lora: training steps")
+    p.add_argument("--recover", choices=["lora", "distill"],
+                   help="after compressing, recover the factors: lora = LoRA with the next-token loss, distill = KL to "
+                        "the dense model (`neuronmm recover` defaults; see its --help)")
+    p.add_argument("--recover-train", choices=["lora", "factors"],
+                   help="with --recover distill: train LoRA adapters (default) or the factors themselves")
+    p.add_argument("--recover-steps", type=int, default=200, help="with --recover: training steps")
     p.add_argument("--num-threads", type=int, default=2, help="torch threads (the CPU is shared)")
     p.add_argument("--out", required=True, help="artifact directory to write (replaced atomically)")
     p.set_defaults(func=_run)
@@ -74,19 +77,30 @@ def settings_from(args: argparse.Namespace, cfg: Config) -> CompressSettings:
     return settings
 
 
+def recovery_settings(args: argparse.Namespace, cfg: Config) -> RecoveryConfig | None:
+    """RecoveryConfig for --recover (None without it): the config's recovery block with the flags over it."""
+    if args.recover is None:
+        if args.recover_train is not None:
+            raise ConfigError("--recover-train needs --recover distill")
+        return None
+    if args.recover == "lora" and args.recover_train not in (None, "lora"):
+        raise ConfigError("--recover-train factors needs --recover distill (--recover lora trains LoRA adapters)")
+    flags = {"objective": "next_token" if args.recover == "lora" else "distill", "train": args.recover_train or "lora",
+             "steps": args.recover_steps, "num_threads": max(1, args.num_threads)}
+    return validate_section(RecoveryConfig, {**cfg.recovery.model_dump(), **flags}, f"--recover {args.recover}")
+
+
 def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     cfg = load_config(args.config)
     settings = settings_from(args, cfg)
-    if args.recover:  # check before the (minutes-long) compression, not after
-        rcfg = validate_section(RecoveryConfig, {**cfg.recovery.model_dump(), "steps": args.recover_steps,
-                                                 "num_threads": max(1, args.num_threads)}, "--recover lora")
+    rcfg = recovery_settings(args, cfg)  # checked before the (minutes-long) compression, not after
     torch.set_num_threads(max(1, args.num_threads))
     model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
     out = Path(args.out).expanduser()
     cache = Path(args.sensitivity_cache).expanduser() if args.sensitivity_cache else None
     manifest = compress_model(model_dir, settings, out, model_id=cfg.model.name, sensitivity_cache=cache)
-    if args.recover:
+    if rcfg is not None:
         recover_artifact(out, model_dir, rcfg)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     counts = manifest.parameters

@@ -98,10 +98,12 @@ class CompressionConfig(_Strict):
 
 
 class RecoveryConfig(_Strict):
-    """Defaults for `neuronmm recover` (LoRA on the factors); its CLI flags map 1:1 onto these."""
+    """Defaults for `neuronmm recover` (LoRA on the factors or the factors themselves); CLI flags map 1:1 onto these."""
 
+    objective: Literal["next_token", "distill"] = "next_token"  # distill: KL(dense teacher || student) per token
+    train: Literal["lora", "factors"] = "lora"  # factors: the LowRankLinear A, B themselves, no adapters
     steps: int = Field(200, ge=1)
-    lr: float = Field(1e-3, gt=0, allow_inf_nan=False)
+    lr: float | None = Field(None, gt=0, allow_inf_nan=False)  # None: learning_rate's default for `train`
     seqlen: int = Field(256, ge=1)
     batch_size: int = Field(4, ge=1)
     adapter_rank: int = Field(8, ge=1)
@@ -115,9 +117,16 @@ class RecoveryConfig(_Strict):
     num_threads: int = Field(2, ge=1)
     device: str = "auto"
 
+    @property
+    def learning_rate(self) -> float:
+        """lr, else 1e-3 for LoRA adapters and 1e-4 for whole factors (an adapter-sized step swamps their entries)."""
+        if self.lr is not None:
+            return self.lr
+        return 1e-3 if self.train == "lora" else 1e-4
+
     def fingerprint(self) -> dict:
-        """The fields a resumed run must share with the run that wrote the checkpoint."""
-        return self.model_dump(exclude={"num_threads", "device", "checkpoint_every"})
+        """The fields a resumed run must share with the run that wrote the checkpoint (lr as the one used)."""
+        return {**self.model_dump(exclude={"num_threads", "device", "checkpoint_every"}), "lr": self.learning_rate}
 
 
 class NeuronConfig(_Strict):

@@ -1,4 +1,5 @@
-"""LoRA recovery of compressed low-rank factors (merged back into plain A, B); settings: server.config.RecoveryConfig."""
+"""Recovery of compressed low-rank factors (LoRA merged back into plain A, B, or the factors themselves; next-token
+or distillation loss); settings: server.config.RecoveryConfig."""
 
 from compression.recovery.recover import recover_artifact
 

@@ -1,4 +1,5 @@
-"""LoRA on the two factors of a LowRankLinear: A ← A + s·Pa·Qa, B ← B + s·Pb·Qb (paper's U, V updates).
+"""What recovery trains: LoRA on the two factors of a LowRankLinear (A ← A + s·Pa·Qa, B ← B + s·Pb·Qb, the
+paper's U, V updates; train=lora) or the factors A, B themselves (train=factors).
 
 Our own ~40-line adapter instead of peft: peft wraps nn.Linear (and a fixed list of layer types),
 while LowRankLinear holds two raw factor tensors used by two F.linear calls; adapting each factor
@@ -59,14 +60,20 @@ class AdaptedLowRank(nn.Module):
             return LowRankLinear(A.detach().clone(), B.detach().clone(), bias)
 
 
-def attach_adapters(model: nn.Module, adapter_rank: int, alpha: float, seed: int) -> dict[str, AdaptedLowRank]:
-    """Freeze `model` and wrap every LowRankLinear in an AdaptedLowRank (seeded init); returns them by name."""
+def _low_rank_targets(model: nn.Module) -> list[tuple[str, LowRankLinear]]:
+    """Freeze `model`; its LowRankLinear modules by name (ValueError if it has none)."""
     for p in model.parameters():
         p.requires_grad_(False)
-    generator = torch.Generator().manual_seed(seed)
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, LowRankLinear)]
     if not targets:
         raise ValueError("model has no LowRankLinear modules to recover")
+    return targets
+
+
+def attach_adapters(model: nn.Module, adapter_rank: int, alpha: float, seed: int) -> dict[str, AdaptedLowRank]:
+    """Freeze `model` and wrap every LowRankLinear in an AdaptedLowRank (seeded init); returns them by name."""
+    targets = _low_rank_targets(model)
+    generator = torch.Generator().manual_seed(seed)
     adapted = {}
     for name, mod in targets:
         wrapper = AdaptedLowRank(mod, adapter_rank, alpha, generator).to(mod.A.device)
@@ -75,19 +82,44 @@ def attach_adapters(model: nn.Module, adapter_rank: int, alpha: float, seed: int
     return adapted
 
 
+def unfreeze_factors(model: nn.Module) -> dict[str, LowRankLinear]:
+    """Freeze `model` except the A and B of every LowRankLinear (train=factors); returns those modules by name."""
+    targets = _low_rank_targets(model)
+    for _, mod in targets:
+        mod.A.requires_grad_(True)
+        mod.B.requires_grad_(True)
+    return dict(targets)
+
+
+def prepare_training(model: nn.Module, train: str, adapter_rank: int, alpha: float, seed: int) -> None:
+    """Make what recovery trains trainable: LoRA adapters on the factors (`lora`) or the factors (`factors`)."""
+    if train == "lora":
+        attach_adapters(model, adapter_rank, alpha, seed)
+    elif train == "factors":
+        unfreeze_factors(model)
+    else:
+        raise ValueError(f"unknown recovery train target {train!r}")
+
+
 def merge_adapters(model: nn.Module) -> dict[str, LowRankLinear]:
-    """Replace every AdaptedLowRank in `model` by its merged LowRankLinear; returns them by name."""
+    """Replace every AdaptedLowRank by its merged LowRankLinear and freeze trained factors; returns merged by name.
+
+    With train=factors there is nothing to merge (the dict is empty): the factors already hold the result.
+    """
     merged = {}
     for name, mod in list(model.named_modules()):
         if isinstance(mod, AdaptedLowRank):
             merged[name] = mod.merged()
             _set_module(model, name, merged[name])
+        elif isinstance(mod, LowRankLinear):
+            mod.A.requires_grad_(False)
+            mod.B.requires_grad_(False)
     return merged
 
 
 def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The trainable adapter parameters, in a stable (module-name) order."""
-    return [p for name, p in model.named_parameters() if ".lora_" in name]
+    """The trainable recovery parameters (adapters, or the factors with train=factors), in module-name order."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _set_module(root: nn.Module, dotted: str, new: nn.Module) -> None:

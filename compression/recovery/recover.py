@@ -1,4 +1,4 @@
-"""recover_artifact: load model + artifact, train factor adapters, merge, rewrite the artifact."""
+"""recover_artifact: load model + artifact (+ dense teacher), train adapters or factors, merge, rewrite the artifact."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from pathlib import Path
 import torch
 
 from compression.calibration import calibration_windows
-from compression.recovery.adapter import attach_adapters, merge_adapters
+from compression.evaluation.corpora import C4_EVAL_DOCUMENTS
+from compression.recovery.adapter import merge_adapters, prepare_training
 from compression.recovery.checkpoint import CHECKPOINT_NAME
 from compression.recovery.data import recovery_documents, token_windows
 from compression.recovery.train import train_adapters
 from server.config import RecoveryConfig, data_dir
+from server.errors import ConfigError
 from server.models.artifact import FACTORS, MANIFEST, Manifest, check_model_hash, load_artifact, save_artifact
 from server.models.compressed import factor_tensors, swap_in_factors
 
@@ -35,6 +37,12 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
+def evaluation_documents(path: Path) -> set[int]:
+    """Documents of `path` that `neuronmm eval` scores C4 perplexity on (none unless it is that file)."""
+    c4 = data_dir() / DEFAULT_DATA
+    return set(range(C4_EVAL_DOCUMENTS)) if c4.is_file() and path.resolve() == c4.resolve() else set()
+
+
 def calibration_document_ids(manifest: Manifest, path: Path, tokenizer) -> set[int]:
     """The documents (line indices of `path`) compression calibrated on, as its manifest records them.
 
@@ -52,19 +60,48 @@ def calibration_document_ids(manifest: Manifest, path: Path, tokenizer) -> set[i
 
 def load_adapted_model(model_dir: Path, manifest: Manifest, tensors: dict, rcfg: RecoveryConfig,
                        device: torch.device):
-    """The HF model (float32) with the artifact's factors installed and adapters attached; (model, names)."""
+    """The HF model (float32) with the artifact's factors in, made trainable per rcfg.train; (model, names)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     names = swap_in_factors(model, manifest, tensors)
     model.to(device)
-    attach_adapters(model, rcfg.adapter_rank, rcfg.alpha, rcfg.seed)
+    prepare_training(model, rcfg.train, rcfg.adapter_rank, rcfg.alpha, rcfg.seed)
     return model, names
+
+
+def load_teacher(model_dir: Path, device: torch.device):
+    """The dense source model (float32, eval, frozen): the distillation target."""
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
+
+
+def recovery_method(rcfg: RecoveryConfig) -> str:
+    """The manifest's method string: `[distill-kl/]lora-on-factors` or `[distill-kl/]full-factors`."""
+    trained = "lora-on-factors" if rcfg.train == "lora" else "full-factors"
+    return f"distill-kl/{trained}" if rcfg.objective == "distill" else trained
+
+
+def _objective_record(rcfg: RecoveryConfig) -> dict:
+    """The manifest fields that say what was trained against what."""
+    record = {"method": recovery_method(rcfg), "objective": rcfg.objective, "train": rcfg.train}
+    if rcfg.objective == "distill":
+        record["loss"] = "KL(teacher || student) per token, nats (sum over vocabulary, mean over tokens), T=1"
+        record["teacher"] = "the dense source model, float32"
+    else:
+        record["loss"] = "next-token cross-entropy per token, nats"
+    if rcfg.train == "lora":
+        record.update(adapter_rank=rcfg.adapter_rank, alpha=rcfg.alpha)
+    return record
 
 
 def recover_artifact(artifact_dir: Path, model_dir: Path, cfg: RecoveryConfig | None = None, *,
                      out_dir: Path | None = None, resume: bool = False, data_path: Path | None = None, stop_after: int | None = None) -> dict:
-    """LoRA-recover an artifact's factors and rewrite it (atomically) with a manifest "recovery" block.
+    """Recover an artifact's factors (cfg's objective and train) and rewrite it atomically with a "recovery" block.
 
     `cfg` None means RecoveryConfig's defaults. Returns the recovery block; if `stop_after` interrupts
     training, the artifact is left untouched (checkpoint only).
@@ -74,18 +111,24 @@ def recover_artifact(artifact_dir: Path, model_dir: Path, cfg: RecoveryConfig | 
     rcfg = cfg or RecoveryConfig()
     artifact_dir, out_dir = Path(artifact_dir), Path(out_dir or artifact_dir)
     manifest, tensors = load_artifact(artifact_dir)
+    if not manifest.low_rank_modules():
+        raise ConfigError(f"recover {artifact_dir}: the artifact has no low-rank modules to train (all kept dense)")
     check_model_hash(manifest, Path(model_dir), f"recover {artifact_dir}")
     torch.set_num_threads(rcfg.num_threads)
     device = _pick_device(rcfg.device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     path = Path(data_path) if data_path else data_dir() / DEFAULT_DATA
-    docs, data_sha, num_excluded = recovery_documents(path, calibration_document_ids(manifest, path, tokenizer))
+    calibration = calibration_document_ids(manifest, path, tokenizer)
+    held_out = evaluation_documents(path)
+    docs, data_sha, num_excluded = recovery_documents(path, calibration | held_out)
     windows = token_windows(tokenizer, docs, rcfg.seqlen, max_windows=rcfg.steps * rcfg.batch_size)
     torch.manual_seed(rcfg.seed)
     model, names = load_adapted_model(Path(model_dir), manifest, tensors, rcfg, device)
+    teacher = load_teacher(Path(model_dir), device) if rcfg.objective == "distill" else None
     t0 = time.perf_counter()
     ckpt = artifact_dir / CHECKPOINT_NAME
-    run = train_adapters(model, windows, rcfg, ckpt, resume=resume, stop_after=stop_after)
+    run = train_adapters(model, windows, rcfg, ckpt, resume=resume, stop_after=stop_after, teacher=teacher)
+    del teacher  # its ~0.5 GB is not needed for the merge and save
     if not run["completed"]:
         log.info("recovery stopped at step %d of %d; resume with --resume", len(run["losses"]), rcfg.steps)
         return {}
@@ -93,13 +136,16 @@ def recover_artifact(artifact_dir: Path, model_dir: Path, cfg: RecoveryConfig | 
     losses = run["losses"]
     tail = losses[-min(10, len(losses)):]
     block = {
-        "method": "lora-on-factors", "adapter_rank": rcfg.adapter_rank, "alpha": rcfg.alpha,
+        **_objective_record(rcfg),
         "steps": rcfg.steps, "batch_size": rcfg.batch_size, "seqlen": rcfg.seqlen, "tokens": run["tokens"],
-        "lr": rcfg.lr, "schedule": f"linear warmup {rcfg.warmup_steps} steps, cosine to {rcfg.min_lr_ratio}x",
+        "lr": rcfg.learning_rate,
+        "schedule": f"linear warmup {rcfg.warmup_steps} steps, cosine to {rcfg.min_lr_ratio}x",
         "optimizer": f"AdamW(weight_decay={rcfg.weight_decay}), grad-norm clip {rcfg.max_grad_norm}",
         "initial_loss": losses[0], "final_loss": sum(tail) / len(tail),
-        "data": "c4-validation-sample.jsonl minus the compression calibration documents, file order",
-        "data_sha256": data_sha, "calibration_documents_excluded": num_excluded,
+        "data": "c4-validation-sample.jsonl minus the compression calibration documents and the C4 evaluation "
+                "split, file order",
+        "data_sha256": data_sha, "calibration_documents_excluded": len(calibration),
+        "evaluation_documents_excluded": len(held_out), "documents_excluded": num_excluded,
         "calibration": manifest.calibration.model_dump(include={"samples", "seqlen", "seed"})
         if manifest.calibration else None,
         "num_windows": len(windows), "seed": rcfg.seed, "device": str(device),
@@ -113,6 +159,6 @@ def recover_artifact(artifact_dir: Path, model_dir: Path, cfg: RecoveryConfig | 
                   and not item.name.startswith("recovery-"))
     save_artifact(out_dir, manifest.model_copy(update={"recovery": block}), factor_tensors(model, names), carry)
     ckpt.unlink(missing_ok=True)  # in-place: already gone with the old dir; --out: the source keeps none
-    log.info("recovered %d modules: loss %.3f -> %.3f in %.0f s", len(names), losses[0], block["final_loss"],
-             run["wall_s"])
+    log.info("recovered %d modules (%s): loss %.3f -> %.3f in %.0f s", len(names), block["method"], losses[0],
+             block["final_loss"], run["wall_s"])
     return block

@@ -1,4 +1,4 @@
-"""The recovery training loop: next-token loss, AdamW, warmup + cosine LR, grad clipping, checkpoints."""
+"""The recovery training loop: next-token or distillation loss, AdamW, warmup + cosine LR, clipping, checkpoints."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
@@ -29,15 +30,43 @@ def lr_factor(step: int, cfg: RecoveryConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train_adapters(model: nn.Module, windows: torch.Tensor, cfg: RecoveryConfig, ckpt_path: Path,
-                   resume: bool = False, stop_after: int | None = None) -> dict:
-    """Train the model's adapters for cfg.steps; returns {losses, tokens, wall_s, resumed_from}.
+def kl_per_token(student_logits: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    """KL(teacher ‖ student) in nats, summed over the vocabulary and averaged over tokens (temperature 1).
 
-    `stop_after` ends the run early after that many steps (tests use it to simulate an interruption).
+    Both [batch, seqlen, vocab]; teacher_logp is already log-softmaxed. Flattened to [num_tokens, vocab],
+    kl_div's "batchmean" divides the total by num_tokens, so this is the mean of per-token KLs.
     """
+    vocab = student_logits.shape[-1]
+    student_logp = F.log_softmax(student_logits.float(), dim=-1).reshape(-1, vocab)
+    return F.kl_div(student_logp, teacher_logp.reshape(-1, vocab), log_target=True, reduction="batchmean")
+
+
+def teacher_log_probs(teacher: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """The frozen teacher's log-softmax [batch, seqlen, vocab] (float32, no graph; its logits are freed here)."""
+    with torch.no_grad():
+        return F.log_softmax(teacher(input_ids=batch).logits.float(), dim=-1)
+
+
+def step_loss(model: nn.Module, batch: torch.Tensor, cfg: RecoveryConfig, teacher: nn.Module | None) -> torch.Tensor:
+    """One batch's loss: next-token cross-entropy, or KL to the teacher per token (cfg.objective)."""
+    if cfg.objective == "next_token":
+        return model(input_ids=batch, labels=batch).loss
+    target = teacher_log_probs(teacher, batch)
+    return kl_per_token(model(input_ids=batch).logits, target)
+
+
+def train_adapters(model: nn.Module, windows: torch.Tensor, cfg: RecoveryConfig, ckpt_path: Path,
+                   resume: bool = False, stop_after: int | None = None, teacher: nn.Module | None = None) -> dict:
+    """Train the model's recovery parameters for cfg.steps; returns {losses, tokens, wall_s, resumed_from}.
+
+    `teacher` (frozen, eval) is required with cfg.objective "distill". `stop_after` ends the run early after
+    that many steps (tests use it to simulate an interruption).
+    """
+    if cfg.objective == "distill" and teacher is None:
+        raise ValueError("objective distill needs a teacher model")
     device = next(model.parameters()).device
     params = adapter_parameters(model)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     start, losses, wall_before = 0, [], 0.0
     state = load_checkpoint(ckpt_path) if resume else None
@@ -56,7 +85,7 @@ def train_adapters(model: nn.Module, windows: torch.Tensor, cfg: RecoveryConfig,
     bar = tqdm(range(start, end), initial=start, total=cfg.steps, desc="recovery", unit="step")
     for step in bar:
         batch = windows[batch_indices(step, len(windows), cfg.batch_size, cfg.seed)].to(device)
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = step_loss(model, batch, cfg, teacher)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)

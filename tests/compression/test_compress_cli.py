@@ -1,5 +1,7 @@
 """`neuronmm compress`: bad input is one line on stderr and exit 2, with nothing written."""
 
+import pytest
+
 from server.cli import main
 
 
@@ -93,3 +95,30 @@ def test_bad_recover_steps_fail_before_compressing(tmp_path, capsys):
     assert main(["compress", "--recover", "lora", "--recover-steps", "0", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "steps" in err[0] and not out.exists()
+
+
+def test_compress_with_recover_distill_trains_the_factors(tmp_path, tiny_model_dir):
+    import json
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(f"model: {{name: tiny, source: safetensors, path: {tiny_model_dir}}}\n")
+    out = tmp_path / "art"
+    assert main(["compress", "--config", str(cfg), "--keep-ratio", "0.5", "--rank-multiple", "8", "--allocation",
+                 "uniform", "--calib-samples", "2", "--calib-seqlen", "32", "--recover", "distill", "--recover-train",
+                 "factors", "--recover-steps", "2", "--num-threads", "1", "--out", str(out)]) == 0
+    recovery = json.loads((out / "manifest.json").read_text())["recovery"]
+    assert (recovery["method"], recovery["objective"], recovery["train"]) == ("distill-kl/full-factors", "distill",
+                                                                              "factors")
+    assert recovery["steps"] == 2 and recovery["lr"] == 1e-4
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--recover-train", "factors"], "--recover-train needs --recover distill"),
+    (["--recover", "lora", "--recover-train", "factors"], "--recover-train factors needs --recover distill"),
+    (["--recover", "distill", "--recover-steps", "0"], "--recover distill: steps must be >= 1"),
+])
+def test_bad_recover_flags_fail_before_compressing(argv, needle, tmp_path, capsys):
+    out = tmp_path / "art"
+    assert main(["compress", *argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0] and not out.exists()

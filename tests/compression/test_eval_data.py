@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from compression.evaluation import corpora, tasks
+from server.config import data_file
+from server.fileio import read_jsonl_texts
 from server.errors import ConfigError
 
 EXPECTED_ITEMS = {"arc_easy": 1188, "arc_challenge": 586, "piqa": 919, "hellaswag": 5021, "winogrande": 633,
@@ -61,7 +63,8 @@ def test_corpora_follow_the_protocol():
     ptb = corpora.ptb_text()
     assert ptb.startswith("no it was n't black monday\n\nbut while")
     c4 = corpora.c4_text()
-    assert c4.startswith("We offer valet parking") and c4.count("\n\n") >= 1499
+    assert c4.startswith("We offer valet parking") and c4.count("\n\n") >= corpora.C4_EVAL_DOCUMENTS - 1
+    assert len(c4) < len("\n\n".join(read_jsonl_texts(data_file("c4", "c4-validation-sample.jsonl"))))
 
 
 def test_missing_data_dir_is_one_line_error(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
-"""LoRA recovery: merge exactness, exact resume, loss goes down, manifest, CLI errors."""
+"""Recovery (LoRA or whole factors; next-token or distillation): merge exactness, exact resume, loss goes down,
+only the factors change, manifest, serving the result, CLI errors."""
 
 from __future__ import annotations
 
@@ -10,13 +11,17 @@ import torch
 from safetensors.torch import load_file
 
 from compression.recovery import recover_artifact
-from compression.recovery.adapter import adapter_parameters, attach_adapters, merge_adapters
+from compression.recovery.adapter import adapter_parameters, merge_adapters, prepare_training
 from compression.recovery.checkpoint import CHECKPOINT_NAME
 from compression.recovery.data import batch_indices
-from compression.recovery.train import lr_factor, train_adapters
+from compression.recovery.recover import load_teacher
+from compression.recovery.train import kl_per_token, lr_factor, train_adapters
 from server.config import RecoveryConfig, data_dir
-from server.models.artifact import FORMAT_VERSION, Manifest, ModuleRecord, SourceRecord, save_artifact, weights_sha256
+from server.errors import ConfigError
+from server.models.artifact import (FORMAT_VERSION, Manifest, ModuleRecord, SourceRecord, load_artifact, save_artifact,
+                                    weights_sha256)
 from server.models.compressed import swap_in_factors
+from server.models.loader import load_llama
 from server.models.lowrank import LowRankLinear
 
 C4 = data_dir() / "c4" / "c4-validation-sample.jsonl"
@@ -51,14 +56,27 @@ def artifact(tmp_path, tiny_model_dir) -> Path:
     return save_artifact(tmp_path / "art", _manifest(tiny_model_dir, tensors), tensors)
 
 
-def _tiny_adapted(tiny_model_dir: Path, seed: int = 0):
+def _tiny_adapted(tiny_model_dir: Path, seed: int = 0, train: str = "lora"):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tensors = _factorize(tiny_model_dir)
     swap_in_factors(model, _manifest(tiny_model_dir, tensors), tensors)
-    attach_adapters(model, adapter_rank=4, alpha=8.0, seed=seed)
+    prepare_training(model, train, adapter_rank=4, alpha=8.0, seed=seed)
     return model
+
+
+@pytest.fixture
+def windows(tiny_model_dir) -> torch.Tensor:
+    """12 C4 windows of 32 tokens (recovery text, calibration documents excluded)."""
+    from transformers import AutoTokenizer
+
+    from compression.recovery.data import recovery_documents, token_windows
+
+    if not C4.is_file():
+        pytest.skip("shared C4 sample not present")
+    docs, _, _ = recovery_documents(C4)
+    return token_windows(AutoTokenizer.from_pretrained(tiny_model_dir), docs[:40], 32, max_windows=12)
 
 
 def _small_cfg(**kw) -> RecoveryConfig:
@@ -98,23 +116,17 @@ def test_schedule_and_batches_are_deterministic():
     assert len(set(epoch0.tolist())) == 9  # no window repeats within an epoch
 
 
-@needs_c4
-def test_resume_reproduces_uninterrupted_run(tmp_path, tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    from compression.recovery.data import recovery_documents, token_windows
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    docs, _, _ = recovery_documents(C4)
-    windows = token_windows(tok, docs[:40], 32, max_windows=12)
-    cfg = _small_cfg()
-    full = _tiny_adapted(tiny_model_dir)
-    run_full = train_adapters(full, windows, cfg, tmp_path / "a" / CHECKPOINT_NAME)
-    part = _tiny_adapted(tiny_model_dir)
-    first = train_adapters(part, windows, cfg, tmp_path / "b" / CHECKPOINT_NAME, stop_after=4)
+@pytest.mark.parametrize("objective, train", [("next_token", "lora"), ("distill", "lora"), ("distill", "factors")])
+def test_resume_reproduces_uninterrupted_run(objective, train, tmp_path, tiny_model_dir, windows):
+    cfg = _small_cfg(objective=objective, train=train, lr=1e-3 if train == "factors" else 1e-2)
+    teacher = load_teacher(tiny_model_dir, torch.device("cpu")) if objective == "distill" else None
+    full = _tiny_adapted(tiny_model_dir, train=train)
+    run_full = train_adapters(full, windows, cfg, tmp_path / "a" / CHECKPOINT_NAME, teacher=teacher)
+    part = _tiny_adapted(tiny_model_dir, train=train)
+    first = train_adapters(part, windows, cfg, tmp_path / "b" / CHECKPOINT_NAME, stop_after=4, teacher=teacher)
     assert not first["completed"] and len(first["losses"]) == 4
-    resumed = _tiny_adapted(tiny_model_dir)  # fresh process stand-in: new model, state only from disk
-    run_res = train_adapters(resumed, windows, cfg, tmp_path / "b" / CHECKPOINT_NAME, resume=True)
+    resumed = _tiny_adapted(tiny_model_dir, train=train)  # fresh process stand-in: new model, state only from disk
+    run_res = train_adapters(resumed, windows, cfg, tmp_path / "b" / CHECKPOINT_NAME, resume=True, teacher=teacher)
     assert run_res["resumed_from"] == 4 and run_res["completed"]
     assert run_res["losses"] == pytest.approx(run_full["losses"], rel=1e-5)
     for a, b in zip(adapter_parameters(full), adapter_parameters(resumed), strict=True):
@@ -186,3 +198,99 @@ def test_bad_arguments_are_one_line_errors(argv, needle, artifact, tmp_path, cap
     assert main(["recover", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and needle in err and err.startswith("neuronmm recover: error:")
+
+
+def test_kl_per_token_is_the_mean_over_tokens_of_full_vocabulary_kls():
+    torch.manual_seed(0)
+    student, teacher = torch.randn(2, 3, 11), torch.randn(2, 3, 11)
+    teacher_logp = torch.log_softmax(teacher, dim=-1)
+    p, log_q = teacher_logp.exp(), torch.log_softmax(student, dim=-1)
+    per_token = (p * (teacher_logp - log_q)).sum(-1)  # [2, 3]
+    torch.testing.assert_close(kl_per_token(student, teacher_logp), per_token.mean())
+    assert kl_per_token(teacher, teacher_logp).abs() < 1e-6
+
+
+def test_distill_loss_decreases(tiny_model_dir, tmp_path, windows):
+    teacher = load_teacher(tiny_model_dir, torch.device("cpu"))
+    model = _tiny_adapted(tiny_model_dir)
+    run = train_adapters(model, windows, _small_cfg(objective="distill", steps=10, warmup_steps=1), tmp_path / "c.pt",
+                         teacher=teacher)
+    losses = run["losses"]
+    assert losses[0] > 0 and sum(losses[-3:]) / 3 < losses[0] * 0.9, losses
+
+
+def test_train_factors_changes_only_the_factors(tiny_model_dir, tmp_path, windows):
+    teacher = load_teacher(tiny_model_dir, torch.device("cpu"))
+    model = _tiny_adapted(tiny_model_dir, train="factors")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trained = adapter_parameters(model)
+    assert len(trained) == 2 * 6 and not any(".lora_" in n for n, _ in model.named_parameters())
+    run = train_adapters(model, windows, _small_cfg(objective="distill", train="factors", lr=1e-3, steps=3),
+                         tmp_path / "c.pt", teacher=teacher)
+    assert run["completed"] and merge_adapters(model) == {} and not adapter_parameters(model)
+    after = model.state_dict()
+    factors = {k for k in before if k.endswith((".mlp.gate_proj.A", ".mlp.gate_proj.B", ".mlp.up_proj.A",
+                                                ".mlp.up_proj.B", ".mlp.down_proj.A", ".mlp.down_proj.B"))}
+    assert len(factors) == 12 and set(after) == set(before)
+    assert all(not torch.equal(after[k], before[k]) for k in factors)
+    assert all(torch.equal(after[k], before[k]) for k in set(before) - factors)
+
+
+@needs_c4
+@pytest.mark.parametrize("train, method", [("lora", "distill-kl/lora-on-factors"),
+                                           ("factors", "distill-kl/full-factors")])
+def test_distilled_artifact_records_objective_and_loads_in_the_server(train, method, artifact, tiny_model_dir):
+    before = load_file(str(artifact / "factors.safetensors"))
+    block = recover_artifact(artifact, tiny_model_dir, _small_cfg(objective="distill", train=train, steps=4),
+                             data_path=C4)
+    recovery = json.loads((artifact / "manifest.json").read_text())["recovery"]
+    assert recovery == block
+    assert (recovery["objective"], recovery["train"], recovery["method"]) == ("distill", train, method)
+    assert ("adapter_rank" in recovery) == (train == "lora") and recovery["lr"] == pytest.approx(1e-2)
+    _, after = load_artifact(artifact)
+    assert any(not torch.equal(after[k], before[k]) for k in before)
+    served = load_llama(tiny_model_dir, 64, compressed=artifact)
+    dense_params = sum(v.numel() for v in load_file(str(tiny_model_dir / "model.safetensors")).values())
+    assert sum(p.numel() for p in served.parameters()) < dense_params
+
+
+def test_default_lr_follows_what_trains():
+    assert RecoveryConfig().learning_rate == 1e-3 and RecoveryConfig(train="factors").learning_rate == 1e-4
+    assert RecoveryConfig(train="factors", lr=5e-5).learning_rate == 5e-5
+    assert RecoveryConfig().fingerprint()["objective"] == "next_token"
+    assert RecoveryConfig(objective="distill").fingerprint() != RecoveryConfig().fingerprint()
+    assert RecoveryConfig(train="factors").fingerprint() != RecoveryConfig().fingerprint()
+
+
+def test_resume_with_another_objective_is_refused(tmp_path, tiny_model_dir, windows):
+    ckpt = tmp_path / CHECKPOINT_NAME
+    train_adapters(_tiny_adapted(tiny_model_dir), windows, _small_cfg(), ckpt, stop_after=1)
+    teacher = load_teacher(tiny_model_dir, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="other recovery settings"):
+        train_adapters(_tiny_adapted(tiny_model_dir), windows, _small_cfg(objective="distill"), ckpt, resume=True,
+                       teacher=teacher)
+
+
+def test_artifact_without_low_rank_modules_is_a_one_line_error(tmp_path, tiny_model_dir, capsys):
+    from server.cli import main
+
+    tensors = _factorize(tiny_model_dir)
+    manifest = _manifest(tiny_model_dir, tensors)
+    dense = {name: rec.model_copy(update={"rank": None, "dense": True, "reason": "test"})
+             for name, rec in manifest.modules.items()}
+    art = save_artifact(tmp_path / "dense", manifest.model_copy(update={"modules": dense}), {})
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(f"model: {{name: tiny, source: safetensors, path: {tiny_model_dir}}}\n")
+    assert main(["recover", "--artifact", str(art), "--config", str(cfg), "--objective", "distill"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "no low-rank modules" in err
+
+
+def test_recovery_never_trains_on_the_c4_evaluation_split(tmp_path):
+    from compression.evaluation.corpora import C4_EVAL_DOCUMENTS
+    from compression.recovery.recover import evaluation_documents
+
+    assert evaluation_documents(C4) == set(range(C4_EVAL_DOCUMENTS))
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"text": "elsewhere"}\n')
+    assert evaluation_documents(other) == set()
