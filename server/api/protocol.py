@@ -362,13 +362,6 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class CompletionStreamChoice(BaseModel):
-    index: int
-    text: str
-    finish_reason: str | None = None
-    logprobs: Logprobs | None = None
-
-
 class ToolCallDelta(BaseModel):
     """A tool call as a streamed delta carries it: whole, with its position among the message's calls."""
 
@@ -404,7 +397,7 @@ class StreamChunk(BaseModel):
     object: Literal["text_completion", "chat.completion.chunk"]
     created: int
     model: str
-    choices: list[CompletionStreamChoice | ChatStreamChoice]
+    choices: list[CompletionChoice | ChatStreamChoice]  # a completion chunk's choice is a full one's shape
     usage: UsageInfo | None = None
 
     def sse(self, include_usage: bool) -> str:

@@ -17,7 +17,7 @@ from server.api.errors import APIError
 from server.api.metrics import ServerMetrics
 from server.api.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatMessageOut,
                                  ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse,
-                                 CompletionStreamChoice, DetokenizeRequest, DetokenizeResponse, Logprobs,
+                                 DetokenizeRequest, DetokenizeResponse, Logprobs,
                                  NamedToolChoice, PromptTokensDetails, StreamChunk, TokenizeChatRequest,
                                  TokenizeCompletionRequest, TokenizeResponse, ToolCallDelta, UsageInfo)
 from server.api.tool_parsers import ToolCallStream, get_tool_parser
@@ -345,15 +345,14 @@ class OpenAIServing:
                                        if req.logprobs is not None else None))
             for i, c in enumerate(choices)])
 
-    def _completion_delta(self, out: SeqOutput, index: int, state: dict) -> CompletionStreamChoice:
+    def _completion_delta(self, out: SeqOutput, index: int, state: dict) -> CompletionChoice:
         echo = state["echo"].pop(index, "")
         prompt_ids = state["prompts"].pop(index, None) if out.prompt_logprobs else None
         logprobs = None
         if out.logprobs or prompt_ids:
             offsets = state.setdefault(("offsets", index), _TextOffsets())
             logprobs = self._completion_logprobs(out.logprobs or [], offsets, prompt_ids, out.prompt_logprobs)
-        return CompletionStreamChoice(index=index, text=echo + out.text, finish_reason=out.finish_reason,
-                                      logprobs=logprobs)
+        return CompletionChoice(index=index, text=echo + out.text, finish_reason=out.finish_reason, logprobs=logprobs)
 
     def _observe(self, prompts: list[list[int]], n: int, num_outputs: list[int]) -> None:
         for i, count in enumerate(num_outputs):

@@ -51,27 +51,27 @@ def test_panel_linear_takes_strided_and_batched_inputs():
     assert torch.equal(lin(strided.reshape(2, 3, 64)), lin(strided.contiguous()).reshape(2, 3, 40))
 
 
-@needs_panels
-def test_pack_linears_uses_panels_for_bf16_and_keeps_low_rank_chains():
-    """Dense layers are packed as panels (odd K falls back to oneDNN), a low-rank pair as one factored call;
-    the output is unchanged."""
+def _panel_dtypes():
+    return [d for d in (torch.bfloat16, torch.float32) if panels_available(torch.device("cpu"), d)]
+
+
+@pytest.mark.parametrize("dtype", _panel_dtypes())
+def test_pack_linears_packs_every_layer_and_keeps_the_output(dtype):
+    """Dense layers become panels (bf16 panels pair K, so odd K falls back to oneDNN; fp32 takes every width),
+    the low-rank pair one factored call; the output is unchanged."""
     g = torch.Generator().manual_seed(3)
     model = nn.Sequential(nn.Linear(64, 32, bias=False),
                           LowRankLinear(torch.randn(16, 32, generator=g), torch.randn(48, 16, generator=g)),
-                          nn.Linear(48, 7, bias=False), nn.Linear(7, 5, bias=False)).to(torch.bfloat16)
-    x = torch.randn(4, 64, generator=g).bfloat16()
+                          nn.Linear(48, 7, bias=False), nn.Linear(7, 5, bias=False)).to(dtype)
+    x = torch.randn(4, 64, generator=g).to(dtype)
     with torch.no_grad():
         want = model(x).float()
     assert pack_linears(model, use_panels=True) == 4
-    assert isinstance(model[0], PanelLinear)
+    assert isinstance(model[0], PanelLinear) and isinstance(model[2], PanelLinear)
     assert isinstance(model[1], FactoredPanelLinear) and model[1].splits == [16]
-    assert isinstance(model[3], PackedLinear)  # K = 7 is odd: no panel pairs
-    got = model(x).float()
-    assert torch.allclose(got, want, rtol=0.05, atol=0.05)
-
-
-def _panel_dtypes():
-    return [d for d in (torch.bfloat16, torch.float32) if panels_available(torch.device("cpu"), d)]
+    assert isinstance(model[3], PackedLinear if dtype == torch.bfloat16 else PanelLinear)
+    tol = dict(rtol=0.05, atol=0.05) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model(x).float(), want, **tol)
 
 
 @pytest.mark.parametrize("dtype", _panel_dtypes())
@@ -134,23 +134,6 @@ def test_fp32_panel_linear_equals_f_linear(rows, out_features, in_features):
     got = lin(x)
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)  # summation order only
-
-
-@needs_fp32_panels
-def test_pack_linears_uses_fp32_panels_for_every_width():
-    """In fp32 odd K needs no pairing: every dense layer becomes panels, the low-rank one a factored call;
-    the output is unchanged."""
-    g = torch.Generator().manual_seed(4)
-    model = nn.Sequential(nn.Linear(64, 32, bias=False),
-                          LowRankLinear(torch.randn(16, 32, generator=g), torch.randn(48, 16, generator=g)),
-                          nn.Linear(48, 7, bias=False), nn.Linear(7, 5, bias=False))
-    x = torch.randn(4, 64, generator=g)
-    with torch.no_grad():
-        want = model(x)
-    assert pack_linears(model, use_panels=True) == 4
-    assert all(isinstance(m, PanelLinear) for m in (model[0], model[2], model[3]))
-    assert isinstance(model[1], FactoredPanelLinear)
-    torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 here")

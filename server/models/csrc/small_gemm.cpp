@@ -69,6 +69,16 @@ void gemm_parts(const std::vector<Part<T>>& parts, int64_t M, const Rows& rows) 
   });
 }
 
+// y [M, N] = x · Wᵀ for one panel-packed weight (dtype and panel layout checked by the caller).
+template <typename T, typename Rows>
+at::Tensor linear_of(const at::Tensor& x, const at::Tensor& panels, int64_t N, const Rows& rows) {
+  const auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  auto y = at::empty({M, N}, xc.options());
+  gemm_parts<T>({{xc.data_ptr<T>(), K, panels.data_ptr<T>(), K, N, y.data_ptr<T>(), N}}, M, rows);
+  return y;
+}
+
 }  // namespace
 
 #if defined(__AVX512BF16__)
@@ -155,12 +165,7 @@ void check_panels_bf16(const at::Tensor& panels, int64_t K, int64_t N, const cha
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "panel_linear: bf16 x [M, K] expected");
   check_panels_bf16(panels, x.size(1), N, "panel_linear");
-  const auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1);
-  auto y = at::empty({M, N}, xc.options());
-  gemm_parts<at::BFloat16>({{xc.data_ptr<at::BFloat16>(), K, panels.data_ptr<at::BFloat16>(), K, N,
-                             y.data_ptr<at::BFloat16>(), N}}, M, bf16_rows);
-  return y;
+  return linear_of<at::BFloat16>(x, panels, N, bf16_rows);
 }
 
 }  // namespace
@@ -248,11 +253,7 @@ void check_panels_f32(const at::Tensor& panels, int64_t K, int64_t N, const char
 at::Tensor panel_linear_f32(const at::Tensor& x, const at::Tensor& panels, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "panel_linear_f32: fp32 x [M, K] expected");
   check_panels_f32(panels, x.size(1), N, "panel_linear_f32");
-  const auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1);
-  auto y = at::empty({M, N}, xc.options());
-  gemm_parts<float>({{xc.data_ptr<float>(), K, panels.data_ptr<float>(), K, N, y.data_ptr<float>(), N}}, M, f32_rows);
-  return y;
+  return linear_of<float>(x, panels, N, f32_rows);
 }
 
 // ---- factored linear -------------------------------------------------------------------------------
@@ -266,8 +267,7 @@ at::Tensor factored_impl(const at::Tensor& x, const at::Tensor& first, const std
                          const Rows& rows, void (*check)(const at::Tensor&, int64_t, int64_t, const char*)) {
   TORCH_CHECK(splits.size() == seconds.size() && splits.size() == outs.size() && !splits.empty(),
               "factored_linear: splits, seconds and out_features must have one entry per part");
-  const auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1);
+  const int64_t M = x.size(0), K = x.size(1);
   int64_t width = 0, out_width = 0;
   for (size_t i = 0; i < splits.size(); ++i) {
     TORCH_CHECK(seconds[i].has_value() || outs[i] == splits[i], "factored_linear: a part without B passes its slice through");
@@ -276,9 +276,8 @@ at::Tensor factored_impl(const at::Tensor& x, const at::Tensor& first, const std
     out_width += outs[i];
   }
   check(first, K, width, "factored_linear (first)");
-  auto t = at::empty({M, width}, xc.options());
-  gemm_parts<T>({{xc.data_ptr<T>(), K, first.data_ptr<T>(), K, width, t.data_ptr<T>(), width}}, M, rows);
-  auto y = at::empty({M, out_width}, xc.options());
+  const at::Tensor t = linear_of<T>(x, first, width, rows);
+  auto y = at::empty({M, out_width}, x.options());
   std::vector<Part<T>> parts;
   int64_t col = 0, out_col = 0;
   for (size_t i = 0; i < splits.size(); ++i) {
