@@ -5,10 +5,14 @@ Neuron device. For each MLP shape of the NeuronMM paper and each token count it 
 (a) dense: dense_matmul for gate, up and down (+ a SwiGLU kernel through HBM),
 (b) two_matmuls: each low-rank projection as two dense_matmul calls with X·U through HBM (+ SwiGLU),
 (c) fused_matmul: lowrank_matmul per projection (+ SwiGLU),
+(c') fused_matmul_fm: the same chain with feature-major activations between the kernels (gate/up
+     store Yᵀ, SwiGLU on [intermediate, tokens], down reads Xᵀ: no on-chip transposes of X in down),
 (d) fused_mlp: one lowrank_mlp call,
 each with the tile selector's block sizes, and writes bench/results/kernels.json and kernels.md.
 The roofline columns put the fused kernels against max(PE time at peak, minimal HBM bytes / DMA
-peak bandwidth), the minimal bytes being X, the factors and Y moved once each (bf16).
+peak bandwidth), the minimal bytes being X, the factors and Y moved once each (bf16); the layout
+changes no byte count. Each lowrank_matmul is reported in both layouts (token-major X and Y, the
+kernel-level default; feature-major where the chain uses it), so a layout change is never hidden.
 
     python -m bench.kernels                        # all shapes, tokens 1 32 128 512 2048
     python -m bench.kernels --models llama-3.2-1b --tokens 1 128
@@ -38,7 +42,14 @@ PAPER_SHAPES = {
 }
 TOKENS = (1, 32, 128, 512, 2048)
 LABELS = {"dense": "(a) dense", "two_matmuls": "(b) 2 matmuls via HBM", "fused_matmul": "(c) fused XUV",
-          "fused_mlp": "(d) fused MLP"}
+          "fused_matmul_fm": "(c') fused XUV, feature-major chain", "fused_mlp": "(d) fused MLP"}
+# Kernel-level lowrank_matmul runs: (d_in, d_out) picked from the shape, and the layout of X and Y.
+XUV_RUNS = {"gate_up": ("h", "i", {}),                          # x [T, H] -> y [T, I], the default
+            "gate_up_fm": ("h", "i", {"transpose_out": True}),  # producer in the chain: x [T, H] -> yᵀ [I, T]
+            "down": ("i", "h", {}),                             # x [T, I] -> y [T, H], the default
+            "down_fm": ("i", "h", {"transpose_in": True})}      # consumer in the chain: xᵀ [I, T] -> y [T, H]
+LAYOUTS = {"gate_up": "X, Y token-major", "gate_up_fm": "X token-major, Yᵀ out", "down": "X, Y token-major",
+           "down_fm": "Xᵀ in, Y token-major"}
 
 
 def run_bench(models: list[str], tokens: list[int]) -> dict:
@@ -53,6 +64,7 @@ def run_bench(models: list[str], tokens: list[int]) -> dict:
             row["variants"][variant] = m.as_dict()
         us = {v: row["variants"][v]["modeled_us"] for v in cm.MLP_VARIANTS}
         row["speedup"] = {"c_over_b": us["two_matmuls"] / us["fused_matmul"],
+                          "c_over_cfm": us["fused_matmul"] / us["fused_matmul_fm"],
                           "d_over_b": us["two_matmuls"] / us["fused_mlp"],
                           "d_over_a": us["dense"] / us["fused_mlp"],
                           "b_over_a": us["dense"] / us["two_matmuls"]}
@@ -87,14 +99,22 @@ def _mlp_roofline(num_tokens: int, shape: dict) -> dict:
 
 
 def _xuv_kernels(num_tokens: int, shape: dict) -> dict:
-    """Kernel level, as the paper compares: one X·U·V as two dense matmuls via HBM vs fused lowrank_matmul."""
-    h, i, r = shape["hidden"], shape["intermediate"], shape["rank"]
+    """Kernel level, as the paper compares: one X·U·V as two dense matmuls via HBM vs fused lowrank_matmul,
+    the fused kernel in each layout of XUV_RUNS (the two-matmul baseline is token-major throughout)."""
+    from neuronmm_kernels.tiling import select_tiles
+
+    dims = {"h": shape["hidden"], "i": shape["intermediate"]}
+    r = shape["rank"]
     out = {}
-    for name, (d_in, d_out) in {"gate_up": (h, i), "down": (i, h)}.items():
+    for name, (a, b, layout) in XUV_RUNS.items():
+        d_in, d_out = dims[a], dims[b]
         two = cm.model_dense_matmul(num_tokens, d_in, r) + cm.model_dense_matmul(num_tokens, r, d_out)
-        fused = cm.model_lowrank_matmul(num_tokens, d_in, r, d_out)
-        out[name] = {"two_matmuls_us": round(two.total_us, 3), "fused_us": round(fused.total_us, 3),
-                     "speedup": round(two.total_us / fused.total_us, 4),
+        tiles = select_tiles("lowrank_matmul", num_tokens, d_in, r, d_out, **layout)
+        fused = cm.model_lowrank_matmul(num_tokens, d_in, r, d_out, tiles=tiles,
+                                        transpose_out=layout.get("transpose_out", False))
+        out[name] = {"layout": LAYOUTS[name], "tiles": tiles, "two_matmuls_us": round(two.total_us, 3),
+                     "fused_us": round(fused.total_us, 3), "speedup": round(two.total_us / fused.total_us, 4),
+                     "bound": fused.bound,
                      **_roofline(fused, 2 * num_tokens * r * (d_in + d_out),
                                  2 * (num_tokens * (d_in + d_out) + r * (d_in + d_out)))}
     return out
@@ -103,7 +123,8 @@ def _xuv_kernels(num_tokens: int, shape: dict) -> dict:
 def _means(rows: list[dict]) -> dict:
     keys = rows[0]["speedup"] if rows else {}
     means = {k: round(sum(r["speedup"][k] for r in rows) / len(rows), 4) for k in keys}
-    kernel = [k["speedup"] for r in rows for k in r.get("xuv_kernels", {}).values()]
+    kernel = [r["xuv_kernels"][k]["speedup"] for r in rows for k in ("gate_up", "down")  # token-major only
+              if k in r.get("xuv_kernels", {})]
     if kernel:
         means["xuv_kernel"] = round(sum(kernel) / len(kernel), 4)
         means["xuv_kernel_max"] = round(max(kernel), 4)
@@ -113,15 +134,18 @@ def _means(rows: list[dict]) -> dict:
 def to_markdown(result: dict) -> str:
     """The per-shape table (modeled µs, HBM MB, TensorE utilisation) plus calibration and means."""
     lines = ["| model | tokens | " + " | ".join(f"{LABELS[v]} µs / MB / PE%" for v in cm.MLP_VARIANTS)
-             + " | c/b | d/b | d/a |", "|---|---:|" + "---:|" * (len(cm.MLP_VARIANTS) + 3)]
+             + " | c/b | c/c' (layout) | d/b | d/a |", "|---|---:|" + "---:|" * (len(cm.MLP_VARIANTS) + 4)]
     for r in result["rows"]:
         cells = [f"{v['modeled_us']:.1f} / {v['hbm_bytes'] / 1e6:.1f} / {100 * v['pe_utilisation']:.0f}"
                  f" ({v['bound']})" for v in (r["variants"][k] for k in cm.MLP_VARIANTS)]
         sp = r["speedup"]
         lines.append(f"| {r['model']} | {r['num_tokens']} | " + " | ".join(cells)
-                     + f" | {sp['c_over_b']:.2f}× | {sp['d_over_b']:.2f}× | {sp['d_over_a']:.2f}× |")
+                     + f" | {sp['c_over_b']:.2f}× | {sp['c_over_cfm']:.2f}× | {sp['d_over_b']:.2f}× | "
+                     f"{sp['d_over_a']:.2f}× |")
     m = result["mean_speedup"]
-    lines += ["", f"Mean modeled speedups: fused XUV over two matmuls (c/b) {m['c_over_b']:.2f}×, fused MLP "
+    lines += ["", f"Mean modeled speedups: fused XUV over two matmuls (c/b) {m['c_over_b']:.2f}×, the same kernels "
+              f"with feature-major activations between them over token-major (c/c') {m['c_over_cfm']:.2f}× (the "
+              "two-matmul and dense baselines stay token-major), fused MLP "
               f"over two matmuls (d/b) {m['d_over_b']:.2f}×, fused MLP over dense (d/a) {m['d_over_a']:.2f}×, "
               f"low-rank via two matmuls over dense (b/a) {m['b_over_a']:.2f}×.", "",
               "Kernel level (one X·U·V; the paper's comparison): two dense matmuls via HBM vs fused "
@@ -133,14 +157,19 @@ def to_markdown(result: dict) -> str:
         lines.append(f"| {r['model']} | {r['num_tokens']} | {k['gate_up']['two_matmuls_us']:.1f} / "
                      f"{k['gate_up']['fused_us']:.1f} | {k['gate_up']['speedup']:.2f}× | "
                      f"{k['down']['two_matmuls_us']:.1f} / {k['down']['fused_us']:.1f} | {k['down']['speedup']:.2f}× |")
-    lines += ["", f"Mean kernel-level speedup {m['xuv_kernel']:.2f}× (max {m['xuv_kernel_max']:.2f}×).", "",
+    lines += ["", f"Mean kernel-level speedup {m['xuv_kernel']:.2f}× (max {m['xuv_kernel_max']:.2f}×), token-major "
+              "X and Y.", "",
               "Fused kernels against their roofline (modeled): share of the roofline reached and HBM bytes "
-              "over the minimum (X, factors, Y once each).", "",
-              "| model | tokens | XUV gate/up % / bytes× | XUV down % / bytes× | fused MLP % / bytes× |",
-              "|---|---:|---:|---:|---:|"]
+              "over the minimum (X, factors, Y once each). Layouts: gate/up and down as the kernel-level "
+              "default (X, Y token-major); gate/up → Yᵀ stores its output feature-major (the producer in a "
+              "feature-major chain); down ← Xᵀ reads a feature-major input (the consumer: no on-chip transposes "
+              "of X) and writes Y token-major.", "",
+              "| model | tokens | XUV gate/up % / bytes× | gate/up → Yᵀ | XUV down % / bytes× | down ← Xᵀ "
+              "| fused MLP % / bytes× |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         k, f = r["xuv_kernels"], r["mlp_roofline"]
-        cells = [f"{100 * c['of_roofline']:.0f}% / {c['bytes_over_min']:.2f}×" for c in (k["gate_up"], k["down"], f)]
+        runs = [k[name] for name in ("gate_up", "gate_up_fm", "down", "down_fm") if name in k] + [f]
+        cells = [f"{100 * c['of_roofline']:.0f}% / {c['bytes_over_min']:.2f}×" for c in runs]
         lines.append(f"| {r['model']} | {r['num_tokens']} | " + " | ".join(cells) + " |")
     lines += ["",
               "| tutorial schedule (trn1, [4096,8192]×[8192,8192]) | modeled ms | published ms | error |",

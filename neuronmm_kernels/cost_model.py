@@ -140,16 +140,22 @@ def model_dense_matmul(num_tokens: int, d_in: int, d_out: int, tiles: dict | Non
 
 
 def model_lowrank_matmul(num_tokens: int, d_in: int, rank: int, d_out: int, tiles: dict | None = None,
-                         transpose_out: bool = False) -> ModeledTime:
-    """Modeled time of the fused lowrank_matmul x · u [d_in, rank] · v [rank, d_out]."""
+                         transpose_out: bool = False, transpose_in: bool = False) -> ModeledTime:
+    """Modeled time of the fused lowrank_matmul x · u [d_in, rank] · v [rank, d_out].
+
+    transpose_in: x arrives feature-major (xᵀ [d_in, num_tokens]); given tiles say so themselves
+    (their transpose_in key), which overrides this flag.
+    """
     from .kernels.lowrank_matmul import lowrank_matmul
     from .tiling import select_tiles
 
     _ranks(rank)
     if tiles is None:
-        tiles = select_tiles("lowrank_matmul", num_tokens, d_in, rank, d_out, transpose_out=transpose_out)
-    return model_kernel(lowrank_matmul, (num_tokens, d_in), (d_in, rank), (rank, d_out),
-                        transpose_out=transpose_out, **tiles)
+        tiles = select_tiles("lowrank_matmul", num_tokens, d_in, rank, d_out, transpose_out=transpose_out,
+                             transpose_in=transpose_in)
+    tiles = {"transpose_in": transpose_in, **tiles}
+    x_shape = (d_in, num_tokens) if tiles["transpose_in"] else (num_tokens, d_in)
+    return model_kernel(lowrank_matmul, x_shape, (d_in, rank), (rank, d_out), transpose_out=transpose_out, **tiles)
 
 
 def model_lowrank_mlp(num_tokens: int, hidden: int, intermediate: int, ranks, tiles: dict | None = None
@@ -168,21 +174,36 @@ def model_lowrank_mlp(num_tokens: int, hidden: int, intermediate: int, ranks, ti
     return model_kernel(lowrank_mlp, (num_tokens, h), (h, rg), (rg, i), (h, ru), (ru, i), (i, rd), (rd, h), **tiles)
 
 
-def model_swiglu(num_tokens: int, intermediate: int) -> ModeledTime:
-    """Modeled time of the standalone SwiGLU elementwise kernel over HBM tensors."""
+def model_swiglu(num_tokens: int, intermediate: int, feature_major: bool = False) -> ModeledTime:
+    """Modeled time of the standalone SwiGLU elementwise kernel over HBM tensors.
+
+    feature_major: g, u, h are [intermediate, num_tokens]; rows shorter than 4 KiB are packed
+    (row_pack adjacent rows per partition): the fewest that make a 4 KiB run, among the divisors of
+    intermediate / 128 up to 32 (e.g. 19 for Qwen3-4B's 9728 at 128 tokens).
+    """
     from .kernels.swiglu import swiglu
 
-    return model_kernel(swiglu, (num_tokens, intermediate), (num_tokens, intermediate))
+    if not feature_major:
+        return model_kernel(swiglu, (num_tokens, intermediate), (num_tokens, intermediate))
+    tiles = intermediate // 128 if intermediate % 128 == 0 else 1
+    packs = [p for p in range(1, 33) if tiles % p == 0]
+    row = min(num_tokens, 2048) * 2  # bytes of one row per column block (swiglu's col_block)
+    pack = next((p for p in packs if p * row >= 4096), packs[-1])
+    return model_kernel(swiglu, (intermediate, num_tokens), (intermediate, num_tokens), row_pack=pack)
 
 
-MLP_VARIANTS = ("dense", "two_matmuls", "fused_matmul", "fused_mlp")
+# fused_matmul_fm: the fused_matmul chain with feature-major activations between the kernels (gate/up
+# store Yᵀ, SwiGLU runs on [intermediate, tokens], down reads it as Xᵀ: no on-chip transposes in down).
+MLP_VARIANTS = ("dense", "two_matmuls", "fused_matmul", "fused_matmul_fm", "fused_mlp")
 
 
 def model_mlp(variant: str, num_tokens: int, hidden: int, intermediate: int, ranks) -> ModeledTime:
-    """Modeled time of a whole SwiGLU MLP computed one of four ways (summing sequential kernel calls).
+    """Modeled time of a whole SwiGLU MLP computed one of five ways (summing sequential kernel calls).
 
     dense: dense_matmul for gate, up, down + swiglu; two_matmuls: each low-rank projection as two
     dense_matmul calls through HBM + swiglu; fused_matmul: lowrank_matmul per projection + swiglu;
+    fused_matmul_fm: the same with feature-major activations between the kernels (gate/up with
+    transpose_out, SwiGLU on [intermediate, tokens], down with transpose_in; x and y token-major);
     fused_mlp: one lowrank_mlp call.
     """
     rg, ru, rd = _ranks(ranks)
@@ -197,6 +218,10 @@ def model_mlp(variant: str, num_tokens: int, hidden: int, intermediate: int, ran
     if variant == "fused_matmul":
         return (model_lowrank_matmul(t, h, rg, i) + model_lowrank_matmul(t, h, ru, i) + model_swiglu(t, i)
                 + model_lowrank_matmul(t, i, rd, h))
+    if variant == "fused_matmul_fm":
+        return (model_lowrank_matmul(t, h, rg, i, transpose_out=True)
+                + model_lowrank_matmul(t, h, ru, i, transpose_out=True) + model_swiglu(t, i, feature_major=True)
+                + model_lowrank_matmul(t, i, rd, h, transpose_in=True))
     if variant == "fused_mlp":
         return model_lowrank_mlp(t, h, i, (rg, ru, rd))
     raise ValueError(f"unknown MLP variant {variant!r}; expected one of {MLP_VARIANTS}")

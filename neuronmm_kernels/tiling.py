@@ -29,8 +29,40 @@ def _token_blocks(num_tokens: int) -> list[int]:
     return sorted({min(num_tokens, b) for b in TOKEN_BLOCKS})
 
 
-def candidates(kind: str, num_tokens: int, transpose_out: bool = False) -> list[dict]:
+# Feature-major activations (lowrank_matmul transpose_in / transpose_out): K-chunk sizes in 128-row tiles,
+# and rows per partition for Xᵀ loads and Yᵀ stores. A feature-major row is tokens * 2 bytes, so 4 rows make
+# a 4 KiB DMA run at 512 tokens; at <= 128 tokens only 16 rows do (offered there only: tracing is cheap).
+K_CHUNKS = (4, 8, 16, 32)
+ROW_PACKS = (1, 2, 4)
+SMALL_TOKENS_PACK = 16
+
+
+def _row_packs(num_tokens: int) -> tuple:
+    return ROW_PACKS + ((SMALL_TOKENS_PACK,) if num_tokens <= 128 else ())
+
+
+def _out_packs(num_tokens: int) -> tuple:
+    """Yᵀ rows per partition for a transposed output (store_transposed's pack)."""
+    return (1, 4) + ((SMALL_TOKENS_PACK,) if num_tokens <= 128 else ())
+
+
+def _feature_major_candidates(num_tokens: int, transpose_out: bool) -> list[dict]:
+    """lowrank_matmul with Xᵀ input (no u_moving/hoist_u). Rank groups of 2 or 4 PSUM accumulators leave
+    banks free for the next group while VectorE adds the last one into the SBUF accumulator."""
+    grid = {"token_block": _token_blocks(num_tokens), "group": (2, 4), "out_block": (512, 2048),
+            "row_pack": _row_packs(num_tokens), "k_chunk": K_CHUNKS,
+            "out_pack": _out_packs(num_tokens) if transpose_out else (1,)}
+    keys = list(grid)
+    combos = [dict(zip(keys, combo), transpose_in=True) for combo in itertools.product(*(grid[k] for k in keys))]
+    return [c for c in combos if c["k_chunk"] % c["row_pack"] == 0 and c["out_block"] % (128 * c["out_pack"]) == 0]
+
+
+def candidates(kind: str, num_tokens: int, transpose_out: bool = False, transpose_in: bool = False) -> list[dict]:
     """Every block-size combination the selector considers for this kernel kind."""
+    if transpose_in:
+        if kind != "lowrank_matmul":
+            raise ValueError(f"transpose_in is a lowrank_matmul option, not {kind!r}'s")
+        return _feature_major_candidates(num_tokens, transpose_out)
     tbs = _token_blocks(num_tokens)
     outs = (128, 512, 1024, 2048) if transpose_out else (512, 1024, 2048, 4096)
     if kind == "dense_matmul":
@@ -47,11 +79,14 @@ def candidates(kind: str, num_tokens: int, transpose_out: bool = False) -> list[
         grid["hoist_u"] = (False, True)
     if kind == "lowrank_matmul":
         grid["row_pack"] = (1, 2)
+        if transpose_out:  # packed Yᵀ stores (see store_transposed)
+            grid["out_pack"] = _out_packs(num_tokens)
     if kind == "lowrank_mlp":
         grid["h_in_hbm"] = (False, True)
     keys = list(grid)
     combos = [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
-    return [c for c in combos if _worth_tracing(c, min(num_tokens, PSUM_TOKENS))]
+    return [c for c in combos if _worth_tracing(c, min(num_tokens, PSUM_TOKENS))
+            and c["out_block"] % (128 * c.get("out_pack", 1)) == 0]
 
 
 def _worth_tracing(c: dict, largest_resident_h_block: int) -> bool:
@@ -79,7 +114,7 @@ def _model(kind: str, num_tokens: int, dims: tuple, tiles: dict, transpose_out: 
 
     if kind == "dense_matmul":
         return cm.model_dense_matmul(num_tokens, *dims, tiles=tiles)
-    if kind == "lowrank_matmul":
+    if kind == "lowrank_matmul":  # tiles carry transpose_in when the input is feature-major
         return cm.model_lowrank_matmul(num_tokens, *dims, tiles=tiles, transpose_out=transpose_out)
     return cm.model_lowrank_mlp(num_tokens, *dims, tiles=tiles)
 
@@ -91,9 +126,9 @@ TIE_FRACTION = 0.005
 
 
 @functools.lru_cache(maxsize=1024)
-def _select(kind: str, num_tokens: int, dims: tuple, transpose_out: bool) -> tuple:
+def _select(kind: str, num_tokens: int, dims: tuple, transpose_out: bool, transpose_in: bool) -> tuple:
     feasible, rejected = [], []
-    for tiles in candidates(kind, num_tokens, transpose_out):
+    for tiles in candidates(kind, num_tokens, transpose_out, transpose_in):
         try:
             m = _model(kind, num_tokens, dims, tiles, transpose_out)
         except NKIRuleError as err:
@@ -113,17 +148,19 @@ def _select(kind: str, num_tokens: int, dims: tuple, transpose_out: bool) -> tup
     return tuple(sorted(best.items()))
 
 
-def select_tiles(kind: str, num_tokens: int, *dims, transpose_out: bool = False) -> dict:
+def select_tiles(kind: str, num_tokens: int, *dims, transpose_out: bool = False, transpose_in: bool = False) -> dict:
     """Fastest feasible block sizes (kernel kwargs) for a shape by modeled trn1 time (near ties: fewest HBM bytes).
 
     kind and dims: "dense_matmul" (d_in, d_out), "lowrank_matmul" (d_in, rank, d_out),
     "lowrank_mlp" (hidden, intermediate, ranks) with ranks an int or (r_gate, r_up, r_down).
     Example: select_tiles("lowrank_mlp", 32, 2048, 8192, 1280) -> {"token_block": 32, ...}.
-    Raises ValueError when no candidate fits SBUF/PSUM. The first call for a shape traces every
-    candidate (up to ~240 for the MLP: 0.3-3 s on a 2-vCPU VM); later calls hit the cache.
+    transpose_in (lowrank_matmul only): x arrives feature-major; the result then includes
+    transpose_in=True, ready to pass on as kernel kwargs. Raises ValueError when no candidate fits
+    SBUF/PSUM. The first call for a shape traces every candidate (up to ~240 for the MLP: 0.3-3 s
+    on a 2-vCPU VM); later calls hit the cache.
     """
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
     norm = tuple(tuple(d) if isinstance(d, (list, tuple)) else (d,) * 3 if kind == "lowrank_mlp" and i == 2 else d
                  for i, d in enumerate(dims))
-    return dict(_select(kind, int(num_tokens), norm, bool(transpose_out)))
+    return dict(_select(kind, int(num_tokens), norm, bool(transpose_out), bool(transpose_in)))

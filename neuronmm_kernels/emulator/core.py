@@ -483,7 +483,11 @@ class Tensor:
 
         On-chip tensors keep the partition rule: result axis 0 walks the partitions with step 1 from
         partition 0 of the view, and no other axis moves across partitions (free-dim strides only).
-        Every element must lie inside the view (no masks on this form).
+        Every element must lie inside the view (no masks on this form). An HBM output may be written
+        through such a pattern too (nl.store's dst takes arange/mgrid index expressions like nl.load's
+        src: SDK docs nki/api/generated/nki.language.store.html, `nl.store(out_tensor[i_b, i_p, i_f],
+        ...)`; the feature-major Yᵀ stores put `pack` adjacent HBM rows on each partition); its
+        written-mask is aliased the same way, so unwritten output elements are still caught.
         """
         n = len(grid)
         st_strides = [math.prod(self.st.shape[d + 1:]) for d in range(len(self.st.shape))]
@@ -505,8 +509,6 @@ class Tensor:
                 raise NKIRuleError("err_unsupported_partition_access", "only the first axis may index partitions")
             base += st_strides[d] * (lo + int(full.flat[0]))
             strides = [s + st_strides[d] * c for s, c in zip(strides, coef)]
-        if self.st.written is not None:
-            raise NKIRuleError("emulator_unsupported", "strided views of kernel outputs are not emulated")
         alias = StridedStorage(self.st, grid, strides, base)
         return Tensor(alias)
 
@@ -640,6 +642,10 @@ class StridedStorage(Storage):
         super().__init__(shape, base.dtype, base.buffer, name=base.name, data=data)
         self.is_param = base.is_param
         self.alloc_depth = base.alloc_depth
+        if base.written is not None:  # a kernel output: writes through the pattern mark the elements they reach
+            flat = base.written.reshape(-1)
+            self.written = np.lib.stride_tricks.as_strided(flat[offset:], shape=tuple(shape),
+                                                           strides=tuple(int(s) * flat.itemsize for s in strides))
 
     @property
     def alive(self) -> bool:

@@ -252,10 +252,34 @@ def store_natural(zT, v, y, t0, tsz: int, out_block: int) -> None:
     blocks(v.shape[1], out_block, out_columns)
 
 
-def store_transposed(zT, v, yT, t0, tsz: int, out_block: int) -> None:
-    """yT[:, t0:t0+tsz] = (z · v)ᵀ, feature-major: v tiles stationary (128 cols), zT moving (512-token chunks)."""
+def store_transposed(zT, v, yT, t0, tsz: int, out_block: int, pack: int = 1) -> None:
+    """yT[:, t0:t0+tsz] = (z · v)ᵀ, feature-major: v tiles stationary (128 cols), zT moving (512-token chunks).
+
+    pack > 1 (out_block and out_features multiples of 128 * pack): partition q of a packed group
+    holds output features c0 + pack*q + j (j < pack), the stationary being a stride-`pack` column
+    view of the resident V block; the group's (128, pack, tsz) result is stored at once, `pack`
+    adjacent rows of yT per partition: one pack * tsz * 2-byte run when the block spans all tokens
+    (a 512-token Yᵀ row alone is a 1 KiB run, below the DMA's full rate).
+    """
+    assert pack == 1 or (v.shape[1] % (P * pack) == 0 and out_block % (P * pack) == 0), \
+        ("packed Yᵀ stores need out_features and out_block multiples of 128 * pack", v.shape, out_block, pack)
+
     def out_columns(_, n0, nsz):
         vb = load_columns(v, n0, nsz)
+
+        def packed_group(_, c0, __):
+            yb = nl.ndarray((P, pack, tsz), yT.dtype, buffer=nl.sbuf)
+            i_r, i_q = nl.arange(P)[:, None], nl.arange(P)[None, :]
+            for j in nl.static_range(pack):
+                def token_chunk(_, s0, ssz):
+                    acc = nl.zeros((P, ssz), nl.float32, buffer=nl.psum)
+                    for r in nl.affine_range(v.shape[0] // P):
+                        acc[...] += nisa.nc_matmul(vb[i_r, r, c0 + pack * i_q + j], zT[:, r, nl.ds(s0, ssz)])
+                    yb[:, j, nl.ds(s0, ssz)] = nisa.tensor_copy(acc, dtype=yT.dtype)
+
+                blocks(tsz, MOVING_FMAX, token_chunk)
+            i_p, i_j, i_t = nl.arange(P)[:, None, None], nl.arange(pack)[None, :, None], nl.arange(tsz)[None, None, :]
+            nl.store(yT[n0 + c0 + pack * i_p + i_j, t0 + i_t], yb)
 
         def feature_tile(_, c0, csz):
             def token_chunk(_, s0, ssz):
@@ -269,7 +293,10 @@ def store_transposed(zT, v, yT, t0, tsz: int, out_block: int) -> None:
 
             blocks(tsz, MOVING_FMAX, token_chunk)
 
-        blocks(nsz, P, feature_tile)
+        if pack == 1:
+            blocks(nsz, P, feature_tile)
+        else:
+            blocks(nsz, P * pack, packed_group)
 
     blocks(v.shape[1], out_block, out_columns)
 

@@ -32,3 +32,18 @@ def test_lowrank_mlp_simulated(make, num_tokens):
     y = compat.nki.simulate_kernel(lowrank_mlp, *args, gate_block=128)
     assert_bf16_close(y.astype(ref.BF16), ref.lowrank_mlp(*args))
 
+
+
+@pytest.mark.parametrize("num_tokens", [3, 300])
+def test_feature_major_lowrank_matmul_simulated(make, num_tokens):
+    """Xᵀ input (chunked, packed rows) and packed Yᵀ output through the real simulator."""
+    import numpy as np
+
+    from neuronmm_kernels.kernels.lowrank_matmul import lowrank_matmul
+
+    x, u, v = make(num_tokens, 512, scale=1.0), make(512, 256), make(256, 512)
+    y = compat.nki.simulate_kernel(lowrank_matmul, np.ascontiguousarray(x.T), u, v, transpose_in=True, row_pack=2,
+                                   k_chunk=2)
+    assert_bf16_close(y.astype(ref.BF16), ref.lowrank_matmul(x, u, v))
+    yT = compat.nki.simulate_kernel(lowrank_matmul, x, u, v, transpose_out=True, out_pack=4)
+    assert_bf16_close(yT.astype(ref.BF16), ref.lowrank_matmul(x, u, v, transpose_out=True))
