@@ -7,7 +7,8 @@ with Yᵀ [out-features on partitions, tokens] and can store it feature-major at
 (lowrank_matmul's transpose_out). A consumer that reads that Xᵀ has the contraction dim on
 partitions straight from the DMA: no PE transposes of X at all. AWS's own matmul tutorial takes
 its left operand the same way ("lhsT ... delivered transposed for optimal performance":
-aws-neuron-sdk general/nki/tutorials/matmul, nki_matmul_fully_optimized_). nl.load_transpose2d
+aws-neuron-sdk 2086a70 general/nki/examples/matrix_multiplication/matrix_multiplication_nki_kernels.py,
+nki_matmul_fully_optimized_). nl.load_transpose2d
 would also produce Xᵀ from token-major X, but as a DMA transpose (2-byte elements, far below the
 DMA's row rate), so it is not used.
 
@@ -49,7 +50,10 @@ def project_feature_major(xT, u, zT, t0, tsz: int, pack: int, k_chunk: int, grou
     U rows once, as whole rows (U rows span all rank columns: rank * 2 * pack contiguous bytes),
     and feeds every rank tile. A rank tile's chunk partial (fp32 PSUM, `group` rank tiles at a
     time within the 8 banks) is added into an fp32 SBUF accumulator on VectorE, as
-    swiglu_down_streamed does for hᵀ; the last chunk's add writes bf16 zT. So Xᵀ never needs to be
+    swiglu_down_streamed does for hᵀ and as AWS's nki_matmul_fully_optimized_ does (K blocks in a
+    `sequential_range`, `result_tiles[...] += res_tile` from PSUM into SBUF; file cited in the
+    module docstring; it is the schedule the cost model is calibrated on); the last chunk's add
+    writes bf16 zT. So Xᵀ never needs to be
     resident (only one chunk of it is live) and U loads are never cut into 2 KiB column strips,
     which is what holds the token-major schedule. One chunk covering in_features needs no SBUF
     accumulator (plain PSUM evictions on ScalarE).
