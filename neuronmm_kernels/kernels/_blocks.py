@@ -257,7 +257,9 @@ def store_transposed(zT, v, yT, t0, tsz: int, out_block: int, pack: int = 1) -> 
 
     pack > 1 (out_block and out_features multiples of 128 * pack): partition q of a packed group
     holds output features c0 + pack*q + j (j < pack), the stationary being a stride-`pack` column
-    view of the resident V block; the group's (128, pack, tsz) result is stored at once, `pack`
+    view of the resident V block (free-dim strides on SBUF run at full speed: "NeuronCore offers much
+    more flexible memory access in its on-chip SRAMs along the free dimension", SDK docs
+    nki/about/indexing-overview); the group's (128, pack, tsz) result is stored at once, `pack`
     adjacent rows of yT per partition: one pack * tsz * 2-byte run when the block spans all tokens
     (a 512-token Yᵀ row alone is a 1 KiB run, below the DMA's full rate).
     """
