@@ -143,20 +143,31 @@ def _option_loss(loss: np.ndarray, rank: int | None) -> float:
 
 
 def allocate_exact(spectra: list[Spectrum], keep_ratio: float, rank_multiple: int,
-                   max_cells: int = MAX_DP_CELLS) -> dict:
-    """Ranks minimising Σ truncation loss (see truncation_loss) under the whole-MLP budget: a multiple-choice knapsack
+                   max_cells: int = MAX_DP_CELLS, scores: dict[str, dict[int | None, float]] | None = None) -> dict:
+    """Ranks minimising the summed loss of the chosen options under the whole-MLP budget: a multiple-choice knapsack
     over rank_options per matrix, solved by dynamic programming over the budget in parameter units.
 
-    The unit is the gcd of every option's parameter count, so the DP is exact; when options × capacity would exceed
-    max_cells the unit is coarsened and costs are rounded UP to it (still never over budget, no longer guaranteed
-    optimal; "exact" is then False). Returns allocate's dict plus "exact", "unit" and "total_loss".
+    The loss of an option is its truncation loss (see truncation_loss; dense 0), or with `scores` the given
+    {name: {rank or None: loss}} (e.g. the measured rise of the model's loss, compression.measured), which must hold
+    every option of every matrix (the spectra then only give the shapes). The unit is the gcd of every option's
+    parameter count, so the DP is exact; when options × capacity would exceed max_cells the unit is coarsened and
+    costs are rounded UP to it (still never over budget, no longer guaranteed optimal; "exact" is then False).
+    Returns allocate's dict plus "exact", "unit" and "total_loss".
     """
     if rank_multiple < 1:
         raise ValueError(f"rank_multiple must be >= 1, got {rank_multiple}")
     budget = budget_for(spectra, keep_ratio)
     options = [rank_options(s, rank_multiple) for s in spectra]
     costs = [[_option_cost(s, r) for r in opts] for s, opts in zip(spectra, options)]
-    losses = [[_option_loss(truncation_loss(s), r) for r in opts] for s, opts in zip(spectra, options)]
+
+    def option_loss(s: Spectrum, rank: int | None) -> float:
+        if scores is None:
+            return _option_loss(truncation_loss(s), rank)
+        if rank not in scores.get(s.name, {}):
+            raise ValueError(f"no score for {s.name} at {'dense' if rank is DENSE else f'rank {rank}'}")
+        return float(scores[s.name][rank])
+
+    losses = [[option_loss(s, r) for r in opts] for s, opts in zip(spectra, options)]
     unit = 0
     for row in costs:
         for c in row:
@@ -193,6 +204,6 @@ def allocate_exact(spectra: list[Spectrum], keep_ratio: float, rank_multiple: in
         ranks[spectra[k].name] = options[k][j]
         c -= units[k][j]
     ranks = {s.name: ranks[s.name] for s in spectra}
-    loss = {s.name: _option_loss(truncation_loss(s), ranks[s.name]) for s in spectra}
+    loss = {s.name: option_loss(s, ranks[s.name]) for s in spectra}
     return {"ranks": ranks, "budget": budget, "used": params_used(spectra, ranks), "exact": exact, "unit": unit,
             "total_loss": float(sum(loss.values())), "loss": {k: float(f"{v:.6g}") for k, v in loss.items()}}

@@ -33,11 +33,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--calib-seqlen", type=int, help="tokens per calibration window")
     p.add_argument("--calib-data", help="calibration jsonl (default: the config's compression.calib_data)")
     p.add_argument("--seed", type=int)
-    p.add_argument("--allocation", choices=["exact", "sensitivity", "uniform"],
+    p.add_argument("--allocation", choices=["exact", "measured", "sensitivity", "uniform"],
                    help="rank allocation (sensitivity, the default: Fisher-weighted whitened truncation loss on the dense "
                         "model, spent greedily one rank step at a time; exact: the same measure and budget spread by an "
-                        "exact knapsack over each matrix's rank options and dense; uniform: the rank formula per matrix, "
-                        "fastest)")
+                        "exact knapsack over each matrix's rank options and dense; measured: the exact knapsack on the "
+                        "measured rise of the next-token loss on held-out calibration windows with each option "
+                        "applied; uniform: the rank formula per matrix, fastest)")
+    p.add_argument("--score-windows", type=int, help="--allocation measured: held-out scoring windows (default 8)")
+    p.add_argument("--score-seqlen", type=int, help="--allocation measured: tokens per scoring window (default 256)")
+    p.add_argument("--measured-rounds", type=int,
+                   help="--allocation measured: rounds re-measuring every option with the other matrices at the "
+                        "previous round's ranks (default 1; 0: single-matrix scores only)")
     p.add_argument("--sensitivity", choices=["fisher", "normalised"],
                    help="allocation measure: fisher (truncation loss weighted by the output Fisher, default) or "
                         "normalised (each matrix's relative output error)")
@@ -46,9 +52,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--refit", action=argparse.BooleanOptionalAction, default=None,
                    help="after truncation, refit each B factor by least squares on the compressed model's inputs "
                         "against the dense layer's outputs (default off: it raised perplexity at keep 0.8, docs/BENCHMARKS.md)")
-    p.add_argument("--sensitivity-cache", help="JSON file keeping the allocation's dense pre-pass (spectra, Fisher "
-                                               "weights): reused when model, calibration and measure match, else "
-                                               "written; for allocation experiments")
+    p.add_argument("--sensitivity-cache", help="JSON file keeping the allocation's pre-passes (spectra and Fisher "
+                                               "weights; the measured allocation's scores per round): each reused "
+                                               "when model, calibration and settings match, else written; for "
+                                               "allocation experiments")
     p.add_argument("--recover", choices=["lora", "distill"],
                    help="after compressing, recover the factors: lora = LoRA with the next-token loss, distill = KL to "
                         "the dense model (`neuronmm recover` defaults; see its --help)")

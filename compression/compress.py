@@ -18,12 +18,14 @@ from tqdm import tqdm
 
 from compression import latency
 from compression.allocation import Spectrum, allocate, allocate_exact, truncation_loss
-from compression.calibration import calibration_windows
+from compression.calibration import Calibration, calibration_windows
+from compression.measured import allocate_measured
 from compression.rank import block_rank, saves_parameters
 from compression.sensitivity import dense_mlp_spectra, output_fisher
+from compression.recovery.recover import evaluation_documents
 from compression.refit import dense_output_rel_error, refit_b
 from compression.statistics import (MLP, batched_gram, capture_layer0_inputs, cross_gram, gram, input_grams,
-                                    mlp_inputs)
+                                    mlp_inputs, single_threaded_lapack)
 from compression.whiten import activation_rel_error, damped_cholesky, plain_factors, whitened_factors
 from server.config import CompressionConfig, data_path
 from server.errors import ConfigError
@@ -44,11 +46,17 @@ class CompressSettings(CompressionConfig):
     Defaults are the setting measured best at keep 0.8 on SmolLM2-135M (docs/BENCHMARKS.md, issue 18 ablation):
     greedy sensitivity allocation, no refit; exact allocation and refit each raised WikiText-2 perplexity there."""
 
-    allocation: Literal["exact", "sensitivity", "uniform"] = "sensitivity"
+    allocation: Literal["exact", "measured", "sensitivity", "uniform"] = "sensitivity"
     refit: bool = False  # least-squares refit of each B factor against the dense layer's outputs (opt-in)
     refit_damp: float = Field(1e-2, ge=0)  # ridge toward the SVD's B, relative to the mean diagonal of the Gram
     fisher_windows: int = Field(16, ge=1)  # calibration windows the Fisher estimate back-propagates
     batch_size: int = Field(8, ge=1)  # windows per forward pass of the calibration passes
+    # --allocation measured: held-out scoring windows (the calibration file's next documents in the seeded order,
+    # none of the calibration's nor of the C4 evaluation split), the scoring precision and the re-scoring rounds
+    score_windows: int = Field(8, ge=1)
+    score_seqlen: int = Field(256, ge=16)
+    score_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    measured_rounds: int = Field(1, ge=0)
 
 
 def _tool_version() -> str:
@@ -102,7 +110,8 @@ class _Compressor:
             self.modules[hf_name] = ModuleRecord(dense=True, reason=reason, in_features=in_f, out_features=out_f)
             return
         W = linear.weight.detach()
-        A, B = whitened_factors(W, L, rank) if self.s.method == "whitened" else plain_factors(W, rank)
+        with single_threaded_lapack():
+            A, B = whitened_factors(W, L, rank) if self.s.method == "whitened" else plain_factors(W, rank)
         if refit is not None:
             before = dense_output_rel_error(W, A, B, xtx, refit.cross, refit.dense_sq[child])
             B = refit_b(W, A, B, xtx, refit.cross, self.s.refit_damp)
@@ -208,10 +217,21 @@ def _spectra_key(settings: CompressSettings, source_sha: str, calib_sha: str) ->
     return {"source_sha256": source_sha, "calib_sha256": calib_sha, **{k: getattr(settings, k) for k in keys}}
 
 
-def _load_spectra(path: Path | None, key: dict) -> list[Spectrum] | None:
+def _read_cache(path: Path | None) -> dict:
     if path is None or not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        log.warning("%s is not a readable cache; it will be rewritten", path)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _load_spectra(path: Path | None, key: dict) -> list[Spectrum] | None:
+    data = _read_cache(path)
+    if not data.get("spectra"):
         return None
-    data = json.loads(path.read_text())
     if data.get("key") != key:
         log.warning("%s was made with other settings or weights; recomputing the sensitivity pre-pass", path)
         return None
@@ -220,22 +240,91 @@ def _load_spectra(path: Path | None, key: dict) -> list[Spectrum] | None:
 
 
 def _save_spectra(path: Path | None, key: dict, spectra: list[Spectrum]) -> None:
-    if path is not None:
-        write_json_atomic(path, {"key": key, "spectra": [
+    if path is not None:  # the measured entries the file may hold stay
+        write_json_atomic(path, {**_read_cache(path), "key": key, "spectra": [
             {"name": s.name, "in": s.in_features, "out": s.out_features, "sigma": s.sigma.tolist(),
              "weight": s.weight} for s in spectra]})
 
 
+MEASURED_VERSION = 1  # bump when the measured scoring changes meaning: older cache entries stop matching
+MEASURED_CACHE_ENTRIES = 32  # the cache keeps the newest entries of the measured allocation, each under its key
+
+
+def _measured_key(settings: CompressSettings, source_sha: str, calib_sha: str) -> dict:
+    """Everything the measured scores of round 0 depend on (later rounds add keep_ratio and the round)."""
+    keys = ("method", "rank_multiple", "calib_samples", "calib_seqlen", "seed", "batch_size", "score_windows",
+            "score_seqlen", "score_dtype")
+    return {"measured_version": MEASURED_VERSION, "source_sha256": source_sha, "calib_sha256": calib_sha,
+            **{k: getattr(settings, k) for k in keys}}
+
+
+def _measured_cache(path: Path | None, base_key: dict, keep_ratio: float):
+    """cached(name, make) for allocate_measured: JSON entries under "measured" in the sensitivity cache file."""
+    def cached(name: str, make):
+        key = {**base_key, "step": name, **({} if name == "round0" else {"keep_ratio": keep_ratio})}
+        for entry in _read_cache(path).get("measured", []):
+            if entry.get("key") == key:
+                log.info("measured allocation step %s read from %s", name, path)
+                return entry["value"]
+        value = make()
+        if path is not None:
+            data = _read_cache(path)
+            entries = [e for e in data.get("measured", []) if e.get("key") != key] + [{"key": key, "value": value}]
+            write_json_atomic(path, {**data, "measured": entries[-MEASURED_CACHE_ENTRIES:]})
+        return value
+    return cached
+
+
+def _allocate_measured(model: nn.Module, hidden, kwargs, bs: int, settings: CompressSettings, score: Calibration,
+                       cache: Path | None, cache_key: dict) -> tuple[dict, dict]:
+    """The measured allocation (compression.measured.allocate_measured) and its manifest record."""
+    dtype = getattr(torch, settings.score_dtype)
+    try:
+        result = allocate_measured(model, hidden, kwargs, bs, score.windows, settings.keep_ratio,
+                                   settings.rank_multiple, whitened=settings.method == "whitened", dtype=dtype,
+                                   rounds=settings.measured_rounds,
+                                   cached=_measured_cache(cache, cache_key, settings.keep_ratio))
+    except ValueError as e:
+        raise ConfigError(f"--allocation measured: {e}") from e
+    record = {
+        "sensitivity": "measured rise of the mean next-token loss on held-out calibration windows when the matrix "
+                       "alone is replaced by its whitened rank-r truncation (factors from the dense model's "
+                       "calibration statistics), the rest of the model dense; rounds >= 1 re-measure every option "
+                       "with the other matrices at the previous round's ranks",
+        "solver": "multiple-choice knapsack, dynamic programming over the budget: per matrix every rank multiple "
+                  "that saves parameters, or dense; minimises the summed measured loss rise; of the rounds' "
+                  "allocations the one with the lowest measured loss on the scoring windows is kept",
+        "scoring": {"windows": settings.score_windows, "seqlen": settings.score_seqlen, "tokens": result["tokens"],
+                    "dtype": settings.score_dtype,
+                    "documents": "the calibration file's documents in the calibration's seeded order, skipping the "
+                                 "calibration's own documents and the C4 evaluation split",
+                    "document_ids": score.document_ids},
+        "dense_loss": result["dense_loss"], "rounds": result["rounds"], "chosen_round": result["chosen_round"],
+        "exact": result["exact"], "param_unit": result["unit"], "total_loss": result["total_loss"],
+        "mlp_budget": result["budget"], "mlp_params_used": result["used"], "loss": result["loss"],
+        "deltas": {name: {("dense" if r is None else str(r)): float(f"{d:.6g}") for r, d in row.items()}
+                   for name, row in result["deltas"].items()},
+    }
+    return record, result["ranks"]
+
+
 def _allocate(model: nn.Module, windows: torch.Tensor, hidden, kwargs, bs: int, settings: CompressSettings,
-              cache: Path | None = None, cache_key: dict | None = None) -> tuple[dict, dict | None]:
+              cache: Path | None = None, cache_key: dict | None = None, score: Calibration | None = None,
+              measured_key: dict | None = None) -> tuple[dict, dict | None]:
     """(manifest "allocation" record, per-module MLP ranks or None for the uniform formula).
 
-    cache: a JSON file holding the dense pre-pass (spectra and Fisher weights) for cache_key; read when it matches,
-    else computed and written, so allocation experiments on one model and calibration pay the pre-pass once.
+    cache: a JSON file holding the dense pre-pass (spectra and Fisher weights) for cache_key, and the measured
+    allocation's steps for measured_key; read when they match, else computed and written, so allocation experiments
+    on one model and calibration pay the pre-pass once. score: the measured allocation's scoring windows.
     """
     record = {"method": settings.allocation, "latency_model": settings.latency_model}
     if settings.allocation == "uniform":
         return record, None
+    if settings.allocation == "measured":
+        if score is None or measured_key is None:
+            raise ValueError("the measured allocation needs its scoring windows and cache key")
+        extra, ranks = _allocate_measured(model, hidden, kwargs, bs, settings, score, cache, measured_key)
+        return {**record, **extra}, ranks
     if settings.allocation == "exact" and settings.sensitivity != "fisher":
         raise ConfigError("--allocation exact needs --sensitivity fisher (normalised losses of different matrices "
                           "are not in one unit, so their sum is not a model loss to minimise)")
@@ -310,8 +399,14 @@ def compress_model(model_dir: Path, settings: CompressSettings, out_dir: Path, m
     with torch.no_grad():
         hidden, kwargs = capture_layer0_inputs(model, windows, bs)
     source_sha, calib_sha = weights_sha256(model_dir), file_sha256(calib_path)
+    score = None
+    if settings.allocation == "measured":  # held out: neither calibration documents nor C4 evaluation ones
+        held = set(calib.document_ids) | evaluation_documents(calib_path)
+        score = calibration_windows(calib_path, tokenizer, settings.score_windows, settings.score_seqlen,
+                                    settings.seed, exclude=held)
     allocation, ranks = _allocate(model, windows, hidden, kwargs, bs, settings, sensitivity_cache,
-                                  _spectra_key(settings, source_sha, calib_sha))
+                                  _spectra_key(settings, source_sha, calib_sha), score,
+                                  _measured_key(settings, source_sha, calib_sha))
     comp = _Compressor(settings, ranks)
     hidden_dense = hidden  # the dense model's hidden states, advanced beside the compressed ones for the refit
     with torch.no_grad():

@@ -9,7 +9,7 @@ from torch import nn
 from tqdm import tqdm
 
 from compression.allocation import Spectrum
-from compression.statistics import MLP, batched_gram, gram, mlp_inputs, run_layer
+from compression.statistics import MLP, dense_mlp_grams, single_threaded_lapack
 from compression.whiten import damped_cholesky
 
 
@@ -58,7 +58,8 @@ def output_fisher(model: nn.Module, windows: torch.Tensor) -> dict[str, float]:
 def _spectrum(name: str, linear: nn.Linear, L: torch.Tensor | None, weights: dict[str, float] | None) -> Spectrum:
     W = linear.weight.detach().to(torch.float64)
     M = W @ L if L is not None else W
-    sigma = scipy.linalg.svdvals(M.numpy(), check_finite=False)  # values only: far cheaper than the full SVD
+    with single_threaded_lapack():
+        sigma = scipy.linalg.svdvals(M.numpy(), check_finite=False)  # values only: far cheaper than the full SVD
     out_f, in_f = linear.weight.shape
     return Spectrum(name, in_f, out_f, np.asarray(sigma), None if weights is None else weights[name])
 
@@ -71,19 +72,10 @@ def dense_mlp_spectra(model: nn.Module, hidden: torch.Tensor, kwargs: dict, batc
     output_fisher) become each Spectrum's loss weight; without them the allocation normalises per matrix.
     """
     out: list[Spectrum] = []
-    layers = model.model.layers
-    with torch.no_grad():
-        for i in tqdm(range(len(layers)), desc="sensitivity (dense spectra)", unit="layer"):
-            layer, prefix = layers[i], f"model.layers.{i}.mlp"
-            mlp = layer.mlp
-            _, normed = mlp_inputs(layer, hidden, kwargs, batch_size)
-            xtx = batched_gram(normed, batch_size)
-            xtx_down = sum(gram(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
-                           for x in normed.split(batch_size))
-            L = damped_cholesky(xtx)[0] if whitened else None
-            Ld = damped_cholesky(xtx_down)[0] if whitened else None
-            out += [_spectrum(f"{prefix}.{kind}_proj", getattr(mlp, f"{kind}_proj"), Lk, weights)
-                    for kind, Lk in (("gate", L), ("up", L), ("down", Ld))]
-            hidden = torch.cat([run_layer(layer, hidden[s:s + batch_size], kwargs)
-                                for s in range(0, hidden.shape[0], batch_size)])
+    for i, layer, xtx, xtx_down in dense_mlp_grams(model, hidden, kwargs, batch_size, "sensitivity (dense spectra)"):
+        mlp, prefix = layer.mlp, f"model.layers.{i}.mlp"
+        L = damped_cholesky(xtx)[0] if whitened else None
+        Ld = damped_cholesky(xtx_down)[0] if whitened else None
+        out += [_spectrum(f"{prefix}.{kind}_proj", getattr(mlp, f"{kind}_proj"), Lk, weights)
+                for kind, Lk in (("gate", L), ("up", L), ("down", Ld))]
     return out

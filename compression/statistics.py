@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 from scipy.linalg import blas
 from torch import nn
+from threadpoolctl import threadpool_limits
+from tqdm import tqdm
 
 MLP = ("gate_proj", "up_proj", "down_proj")  # the Llama MLP's linears, by attribute name
+
+
+@contextlib.contextmanager
+def single_threaded_lapack():
+    """OpenBLAS (SciPy's and NumPy's) on one thread inside the block.
+
+    A LAPACK SVD is a long chain of small steps with a thread barrier after each: on a shared 2-core machine
+    under load, two threads made a 1536x576 gesdd 10-25x slower than one (0.9-1.1 s vs 12-24 s, measured beside
+    other jobs); one thread costs at most the second core's share when the machine is idle.
+    """
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
 
 
 class _Stop(Exception):
@@ -121,3 +137,28 @@ def cross_gram(a: torch.Tensor, b: torch.Tensor, batch_size: int) -> torch.Tenso
         part = (x.T @ y).to(torch.float64)
         total = part if total is None else total + part
     return total
+
+
+def dense_mlp_grams(model: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int, desc: str):
+    """Yield (layer index, layer, gate/up input XᵀX, down input XᵀX) for every layer of the DENSE model, float64.
+
+    hidden: the calibration hidden states entering layer 0 (capture_layer0_inputs). gate and up share one XᵀX (the
+    normed MLP input); down's input is act(gate)·up. The next layer's input is the residual plus the MLP output
+    computed here (no second pass through the layer). The layer is still dense when the caller receives it.
+    """
+    layers = model.model.layers
+    with torch.no_grad():
+        for i in tqdm(range(len(layers)), desc=desc, unit="layer"):
+            layer = layers[i]
+            mlp = layer.mlp
+            residual, normed = mlp_inputs(layer, hidden, kwargs, batch_size)
+            xtx = batched_gram(normed, batch_size)
+            xtx_down, outs = None, []
+            for start in range(0, normed.shape[0], batch_size):
+                x = normed[start:start + batch_size]
+                m = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+                xtx_down = gram(m) if xtx_down is None else xtx_down + gram(m)
+                outs.append(residual[start:start + batch_size] + mlp.down_proj(m))
+            del residual, normed
+            yield i, layer, xtx, xtx_down
+            hidden = torch.cat(outs)
