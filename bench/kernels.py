@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from bench.harness import save_report
 from neuronmm_kernels import cost_model as cm
+from neuronmm_kernels.tiling import select_tiles
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -101,8 +102,6 @@ def _mlp_roofline(num_tokens: int, shape: dict) -> dict:
 def _xuv_kernels(num_tokens: int, shape: dict) -> dict:
     """Kernel level, as the paper compares: one X·U·V as two dense matmuls via HBM vs fused lowrank_matmul,
     the fused kernel in each layout of XUV_RUNS (the two-matmul baseline is token-major throughout)."""
-    from neuronmm_kernels.tiling import select_tiles
-
     dims = {"h": shape["hidden"], "i": shape["intermediate"]}
     r = shape["rank"]
     out = {}
