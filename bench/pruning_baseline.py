@@ -46,7 +46,7 @@ log = logging.getLogger("bench.pruning_baseline")
 
 # The shipped SVD default (whitened, keep 0.8, multiple 128, greedy sensitivity), docs/BENCHMARKS.md issue 18 table
 # and bench/results/recovery_m128.json: quoted for comparison, not re-measured here.
-SVD_DEFAULT = {"label": "SVD default (whitened, greedy sensitivity, quoted)", "mlp_params": 63_676_416,
+SVD_DEFAULT = {"label": "SVD default (whitened, greedy sensitivity, quoted)", "mlp_params": 63_676_416, "seqlen": 512,
                "ppl": {"wikitext2": 63.53, "ptb": 133.83, "c4": 65.30}}
 DEFAULT_VARIANTS = ("uniform-energy,global-energy,global-energy-fisher,uniform-energy+refit,"
                     "global-energy-fisher+refit,global-obs-fisher+refit")
@@ -80,7 +80,9 @@ def _cell(row: dict, corpus: str) -> str:
 def markdown(result: dict) -> str:
     """Results table (one row per method) and each pruned row's per-layer intermediate sizes."""
     mlp_dense = result["mlp_params_dense"]
-    svd = result["svd_default_quoted"]["ppl"]
+    quoted = result["svd_default_quoted"]
+    # the SVD numbers are quoted at their own window length: compared only with runs at that length
+    svd = quoted["ppl"] if result.get("eval", {}).get("seqlen", 512) == quoted.get("seqlen", 512) else {}
     lines = ["| method | params (total) | MLP kept | WikiText-2 | PTB | C4 | vs SVD (W2 / PTB / C4) | prune s | eval s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in result["rows"]:
@@ -88,8 +90,8 @@ def markdown(result: dict) -> str:
         kept = f"{100 * row['mlp_params'] / mlp_dense:.2f} %" if row.get("mlp_params") else "–"
         prune_s = f"{row['prune_wall_s']:.0f}" if row.get("prune_wall_s") is not None else "–"
         eval_s = f"{row['eval_wall_s']:.0f}" if row.get("eval_wall_s") is not None else "–"
-        vs = " / ".join(f"{100 * (row['ppl'][c] / svd[c] - 1):+.1f} %" if c in row.get("ppl", {}) else "–"
-                        for c in CORPORA) if row.get("variant") else "–"
+        vs = " / ".join(f"{100 * (row['ppl'][c] / svd[c] - 1):+.1f} %" if c in row.get("ppl", {}) and c in svd
+                        else "–" for c in CORPORA) if row.get("variant") and svd else "–"
         lines.append(f"| {row['label']} | {total} | {kept} | " + " | ".join(_cell(row, c) for c in CORPORA)
                      + f" | {vs} | {prune_s} | {eval_s} |")
     pre = result.get("prepass_wall_s", {})
@@ -179,8 +181,9 @@ def run(args) -> dict:
                      "ppl": {c: r["perplexity"] for c, r in ppl.items()}, "perplexity": ppl,
                      "eval_wall_s": round(time.perf_counter() - start, 1)})
         _write(args, result, complete=False)
-    rows.append({"label": SVD_DEFAULT["label"], "mlp_params": SVD_DEFAULT["mlp_params"], "ppl": SVD_DEFAULT["ppl"],
-                 "params": count_parameters(model) - mlp_dense + SVD_DEFAULT["mlp_params"], "quoted": True})
+    if args.seqlen == SVD_DEFAULT["seqlen"]:  # quoted numbers of another window length would not compare
+        rows.append({"label": SVD_DEFAULT["label"], "mlp_params": SVD_DEFAULT["mlp_params"], "ppl": SVD_DEFAULT["ppl"],
+                     "params": count_parameters(model) - mlp_dense + SVD_DEFAULT["mlp_params"], "quoted": True})
 
     calib = calibration_windows(data_path(comp.calib_data, "compression.calib_data"), tokenizer,
                                 comp.calib_samples, comp.calib_seqlen, comp.seed)

@@ -30,3 +30,13 @@ def test_markdown_rows_compare_with_svd():
     assert "| 80.00 % |" in lines[3] and "-50.0 % / -50.0 % / -50.0 %" in lines[3]
     assert "obs order 12 s" in markdown(result)
     assert lines[-1] == "- prune global-energy: 1536 1280"
+
+
+def test_markdown_compares_with_the_quoted_svd_only_at_its_window_length():
+    row = {"label": "prune global-energy", "variant": parse_variant("global-energy"), "params": 1800,
+           "mlp_params": 800, "ppl": {"wikitext2": 30.0}, "prune_wall_s": 1.0, "eval_wall_s": 6.0}
+    base = {"mlp_params_dense": 1000, "svd_default_quoted": SVD_DEFAULT, "rows": [row]}
+    at_512 = markdown({**base, "eval": {"seqlen": 512}}).splitlines()[2]
+    at_2048 = markdown({**base, "eval": {"seqlen": 2048}}).splitlines()[2]
+    assert f"{100 * (30.0 / SVD_DEFAULT['ppl']['wikitext2'] - 1):+.1f} %" in at_512
+    assert "| 30.00 | – | – | – | 1 | 6 |" in at_2048
