@@ -4,8 +4,8 @@ Removing channel j of a Llama MLP removes row j of gate_proj and up_proj and col
 3·hidden parameters, one narrower matmul per projection, tile-aligned when whole blocks of `block` channels go.
 
 Scores come from one calibration pass over the DENSE model (the C4 windows `neuronmm compress` uses, same
-helpers): for every layer, h = act(gate x)·(up x) on the normed MLP inputs x, and its Gram G = HᵀH (float32
-products per calibration batch, summed in float64).
+helpers): for every layer, h = act(gate x)·(up x) on the normed MLP inputs x, and its Gram G = HᵀH (float64,
+compression.statistics: it is the down_proj input XᵀX the whitened SVD uses).
 
 - "energy": s_j = E[h_j²]·‖down[:, j]‖², the expected squared contribution of channel j to the MLP output
   (the diagonal of the output error ‖H_S down_Sᵀ‖² of removing a set S; ignores cross terms).
@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from compression.statistics import capture_layer0_inputs, mlp_inputs
+from compression.statistics import capture_layer0_inputs, dense_mlp_grams, gram, mlp_inputs
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ Allocation = Literal["uniform", "global"]
 class LayerStats:
     """One layer's MLP intermediate statistics on the calibration tokens (dense model)."""
 
-    gram: torch.Tensor  # [intermediate, intermediate] HᵀH, h = act(gate x)·(up x); float64 sum of float32 batches
+    gram: torch.Tensor  # [intermediate, intermediate] HᵀH, h = act(gate x)·(up x); float64
     tokens: int
 
     @property
@@ -85,24 +85,12 @@ def _intermediate_input(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
 
 
-def _gram32(h: torch.Tensor) -> torch.Tensor:
-    """hᵀh over the leading dims: a float32 product (one calibration batch) returned as float64 for summing.
-
-    Half the time of the float64 syrk on this CPU; batches are a few thousand tokens, so the float32 sums are exact
-    to ~1e-6 relative, and the running sum over batches is float64 (as compression.statistics.cross_gram does)."""
-    flat = h.detach().reshape(-1, h.shape[-1]).float()
-    return (flat.T @ flat).to(torch.float64)
-
-
 def _mlp_pass(layer: nn.Module, hidden: torch.Tensor, kwargs: dict,
-              batch_size: int) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
-    """(G = HᵀH of the layer's intermediate h on hidden, tokens, residual, normed MLP input); attention runs once."""
+              batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(G = HᵀH of the layer's intermediate h on hidden, residual, normed MLP input); attention runs once."""
     residual, normed = mlp_inputs(layer, hidden, kwargs, batch_size)
-    g = None
-    for x in normed.split(batch_size):
-        part = _gram32(_intermediate_input(layer.mlp, x))
-        g = part if g is None else g + part
-    return g, normed.shape[0] * normed.shape[1], residual, normed
+    g = sum(gram(_intermediate_input(layer.mlp, x)) for x in normed.split(batch_size))
+    return g, residual, normed
 
 
 def _advance(layer: nn.Module, residual: torch.Tensor, normed: torch.Tensor, batch_size: int) -> torch.Tensor:
@@ -110,16 +98,12 @@ def _advance(layer: nn.Module, residual: torch.Tensor, normed: torch.Tensor, bat
     return torch.cat([r + layer.mlp(x) for r, x in zip(residual.split(batch_size), normed.split(batch_size))])
 
 
-@torch.no_grad()
 def layer_stats(model: nn.Module, windows: torch.Tensor, batch_size: int) -> list[LayerStats]:
     """HᵀH of every layer's MLP intermediate activations on windows, on the dense model (one sequential pass)."""
-    hidden, kwargs = capture_layer0_inputs(model, windows, batch_size)
-    out: list[LayerStats] = []
-    for layer in tqdm(model.model.layers, desc="prune: channel statistics", unit="layer"):
-        g, tokens, residual, normed = _mlp_pass(layer, hidden, kwargs, batch_size)
-        out.append(LayerStats(g, tokens))
-        hidden = _advance(layer, residual, normed, batch_size)
-    return out
+    with torch.no_grad():
+        hidden, kwargs = capture_layer0_inputs(model, windows, batch_size)
+    return [LayerStats(xtx_down, windows.numel()) for _, _, _, xtx_down in
+            dense_mlp_grams(model, hidden, kwargs, batch_size, "prune: channel statistics")]
 
 
 def energy_scores(stats: LayerStats, down_weight: torch.Tensor) -> torch.Tensor:
@@ -329,7 +313,7 @@ def apply_plan(model: nn.Module, plan: PrunePlan, windows: torch.Tensor | None =
     for layer, keep in tqdm(list(zip(layers, plan.keep)), desc="prune: refit down_proj", unit="layer"):
         mlp = layer.mlp
         if len(keep) != mlp.gate_proj.out_features:
-            g, _, residual, normed = _mlp_pass(layer, hidden, kwargs, batch_size)
+            g, residual, normed = _mlp_pass(layer, hidden, kwargs, batch_size)
             W = mlp.down_proj.weight
             new = refit_down(W, keep, g, damp)
             errors.append([round(output_rel_error(W, W[:, keep], keep, g), 6),
