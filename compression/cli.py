@@ -1,4 +1,5 @@
-"""`neuronmm compress`: whitened (or plain) block-aligned SVD of a model's MLP into an artifact directory."""
+"""`neuronmm compress`: whitened (or plain) block-aligned SVD of a model's MLP, or structured pruning of its
+intermediate channels in blocks (--method prune), into an artifact directory."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from pydantic import ValidationError
 
 from compression.compress import CompressSettings, compress_model
+from compression.prune_artifact import check_prune_settings, prune_compress_model
 from compression.recovery import recover_artifact
 from server.config import Config, RecoveryConfig, load_config, validate_section
 from server.errors import ConfigError, first_error
@@ -22,13 +24,20 @@ log = logging.getLogger(__name__)
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `compress` subcommand."""
-    p = subparsers.add_parser("compress", help="low-rank compress a model's MLP (whitened SVD) into an artifact")
+    p = subparsers.add_parser("compress", help="compress a model's MLP (whitened SVD, or structured pruning of its "
+                                               "channels) into an artifact")
     p.add_argument("--config", help="YAML config (default: the packaged configs/smollm2-135m.yaml); its `compression:` "
                                     "block gives defaults")
     p.add_argument("--keep-ratio", type=float, help="fraction of each matrix's parameters kept, in (0, 1]")
-    p.add_argument("--method", choices=["whitened", "plain"])
+    p.add_argument("--method", choices=["whitened", "plain", "prune"],
+                   help="whitened (default) or plain SVD factors; prune: remove whole blocks of --rank-multiple MLP "
+                        "channels (one narrower dense matmul per projection; down_proj refit by default)")
+    p.add_argument("--prune-order", choices=["obs", "energy"],
+                   help="--method prune: the order channels leave a layer in (obs: Optimal Brain Surgeon with down_proj "
+                        "compensated, default; energy: E[h^2]·|down column|^2)")
     p.add_argument("--targets", choices=["mlp", "mlp+attn"])
-    p.add_argument("--rank-multiple", type=int, help="every rank is a multiple of this (128 tiles Trainium)")
+    p.add_argument("--rank-multiple", type=int, help="every rank is a multiple of this (128 tiles Trainium); with "
+                                                     "--method prune, the channels removed per block")
     p.add_argument("--calib-samples", type=int, help="number of calibration windows")
     p.add_argument("--calib-seqlen", type=int, help="tokens per calibration window")
     p.add_argument("--calib-data", help="calibration jsonl (default: the config's compression.calib_data)")
@@ -51,7 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="trn1: break allocation ties toward the kernels' cost model and record MODELED MLP latency")
     p.add_argument("--refit", action=argparse.BooleanOptionalAction, default=None,
                    help="after truncation, refit each B factor by least squares on the compressed model's inputs "
-                        "against the dense layer's outputs (default off: it raised perplexity at keep 0.8, docs/BENCHMARKS.md)")
+                        "against the dense layer's outputs (default off: it raised perplexity at keep 0.8, "
+                        "docs/BENCHMARKS.md); with --method prune, refit down_proj on the kept channels (default on)")
     p.add_argument("--sensitivity-cache", help="JSON file keeping the allocation's pre-passes (spectra and Fisher "
                                                "weights; the measured allocation's scores per round): each reused "
                                                "when model, calibration and settings match, else written; for "
@@ -78,7 +88,9 @@ def settings_from(args: argparse.Namespace, cfg: Config) -> CompressSettings:
     except ValidationError as exc:
         name = str(exc.errors()[0]["loc"][0])
         raise ConfigError("--" + first_error(exc).replace(name, name.replace("_", "-"), 1)) from None
-    if settings.allocation == "exact" and settings.sensitivity != "fisher":  # fail before minutes of calibration
+    if settings.method == "prune":
+        check_prune_settings(settings)
+    elif settings.allocation == "exact" and settings.sensitivity != "fisher":  # fail before minutes of calibration
         raise ConfigError("--allocation exact needs --sensitivity fisher (normalised losses of different matrices "
                           "are not in one unit)")
     return settings
@@ -106,12 +118,16 @@ def _run(args: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
     out = Path(args.out).expanduser()
     cache = Path(args.sensitivity_cache).expanduser() if args.sensitivity_cache else None
-    manifest = compress_model(model_dir, settings, out, model_id=cfg.model.name, sensitivity_cache=cache)
+    if settings.method == "prune":
+        manifest = prune_compress_model(model_dir, settings, out, model_id=cfg.model.name)
+    else:
+        manifest = compress_model(model_dir, settings, out, model_id=cfg.model.name, sensitivity_cache=cache)
     if rcfg is not None:
         recover_artifact(out, model_dir, rcfg)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     counts = manifest.parameters
-    print(f"compressed {cfg.model.name} ({settings.method}, keep_ratio {settings.keep_ratio}, rank multiple "
+    unit = "block" if settings.method == "prune" else "rank multiple"
+    print(f"compressed {cfg.model.name} ({settings.method}, keep_ratio {settings.keep_ratio}, {unit} "
           f"{settings.rank_multiple}) -> {out}: model parameters {counts.model_before} -> {counts.model_after} "
           f"({counts.model_ratio:.3f}); wall {time.perf_counter() - started:.1f} s, peak RSS {peak_mib:.0f} MiB")
     return 0

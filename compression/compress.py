@@ -12,7 +12,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 from tqdm import tqdm
 
@@ -47,7 +47,9 @@ class CompressSettings(CompressionConfig):
     greedy sensitivity allocation, no refit; exact allocation and refit each raised WikiText-2 perplexity there."""
 
     allocation: Literal["exact", "measured", "sensitivity", "uniform"] = "sensitivity"
-    refit: bool = False  # least-squares refit of each B factor against the dense layer's outputs (opt-in)
+    # SVD: least-squares refit of each B factor against the dense layer's outputs (opt-in); prune: of down_proj on
+    # the kept channels (on by default). None: the method's default.
+    refit: bool | None = None
     refit_damp: float = Field(1e-2, ge=0)  # ridge toward the SVD's B, relative to the mean diagonal of the Gram
     fisher_windows: int = Field(16, ge=1)  # calibration windows the Fisher estimate back-propagates
     batch_size: int = Field(8, ge=1)  # windows per forward pass of the calibration passes
@@ -57,9 +59,19 @@ class CompressSettings(CompressionConfig):
     score_seqlen: int = Field(256, ge=16)
     score_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     measured_rounds: int = Field(1, ge=0)
+    # --method prune: the order channels leave a layer in (compression/prune.py): obs (Optimal Brain Surgeon with
+    # down_proj compensated) or energy (E[h²]·‖down column‖²)
+    prune_order: Literal["obs", "energy"] = "obs"
+
+    @model_validator(mode="after")
+    def _method_defaults(self) -> "CompressSettings":
+        if self.refit is None:
+            self.refit = self.method == "prune"
+        return self
 
 
-def _tool_version() -> str:
+def tool_version() -> str:
+    """The installed neuronmm version (recorded in manifests)."""
     try:
         from importlib.metadata import version
 
@@ -68,7 +80,8 @@ def _tool_version() -> str:
         return "0+unknown"
 
 
-def _batch_size(num_samples: int, wanted: int) -> int:
+def calibration_batch_size(num_samples: int, wanted: int) -> int:
+    """Windows per calibration forward: a divisor of num_samples (at most `wanted`)."""
     # Every batch must have the same shape: layer-0 kwargs (rotary tables, mask) are captured once.
     return math.gcd(num_samples, max(1, wanted))
 
@@ -388,13 +401,15 @@ def compress_model(model_dir: Path, settings: CompressSettings, out_dir: Path, m
     """
     from transformers import AutoTokenizer, LlamaForCausalLM
 
+    if settings.method == "prune":
+        raise ValueError("method prune is compression.prune_artifact.prune_compress_model, not the SVD driver")
     started = time.perf_counter()
     calib_path = data_path(settings.calib_data, "compression.calib_data")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     calib = calibration_windows(calib_path, tokenizer, settings.calib_samples, settings.calib_seqlen, settings.seed)
     windows = calib.windows
-    bs = _batch_size(settings.calib_samples, settings.batch_size)
+    bs = calibration_batch_size(settings.calib_samples, settings.batch_size)
     damping = {}
     with torch.no_grad():
         hidden, kwargs = capture_layer0_inputs(model, windows, bs)
@@ -432,7 +447,7 @@ def compress_model(model_dir: Path, settings: CompressSettings, out_dir: Path, m
         calibration=CalibrationRecord(data=calib_path.name, sha256=calib_sha,
                                       samples=settings.calib_samples, seqlen=settings.calib_seqlen, seed=settings.seed,
                                       statistics="float64 XᵀX", sequential=True, document_ids=calib.document_ids),
-        seed=settings.seed, tool_version=_tool_version(), settings=settings.model_dump(),
+        seed=settings.seed, tool_version=tool_version(), settings=settings.model_dump(),
         parameters=counts, params_before=counts.model_before, params_after=counts.model_after,
         damping=damping, refit=_refit_record(settings, comp), compress_wall_s=round(time.perf_counter() - started, 1),
         modules=comp.modules,

@@ -85,7 +85,7 @@ class CompressionConfig(_Strict):
     """Defaults for `neuronmm compress` (the offline step)."""
 
     keep_ratio: float = Field(0.8, gt=0, le=1)
-    method: Literal["whitened", "plain"] = "whitened"
+    method: Literal["whitened", "plain", "prune"] = "whitened"  # prune: structured, MLP channels in blocks
     targets: Literal["mlp", "mlp+attn"] = "mlp"
     rank_multiple: int = Field(128, ge=1)
     calib_samples: int = Field(64, ge=1)

@@ -1,5 +1,6 @@
 """What recovery trains: LoRA on the two factors of a LowRankLinear (A ← A + s·Pa·Qa, B ← B + s·Pb·Qb, the
-paper's U, V updates; train=lora) or the factors A, B themselves (train=factors).
+paper's U, V updates; train=lora) or the factors A, B themselves (train=factors). A structurally pruned
+artifact's narrower Linears are trained the same way: LoRA on the weight (W ← W + s·P·Q) or the weight itself.
 
 Our own ~40-line adapter instead of peft: peft wraps nn.Linear (and a fixed list of layer types),
 while LowRankLinear holds two raw factor tensors used by two F.linear calls; adapting each factor
@@ -60,60 +61,100 @@ class AdaptedLowRank(nn.Module):
             return LowRankLinear(A.detach().clone(), B.detach().clone(), bias)
 
 
-def _low_rank_targets(model: nn.Module) -> list[tuple[str, LowRankLinear]]:
-    """Freeze `model`; its LowRankLinear modules by name (ValueError if it has none)."""
+class AdaptedLinear(nn.Module):
+    """A (pruned) Linear whose weight W [out, in] carries a FactorLoRA: y = x (W + s·P·Q)ᵀ + b."""
+
+    def __init__(self, base: nn.Linear, adapter_rank: int, alpha: float, generator: torch.Generator):
+        super().__init__()
+        self.base = base
+        self.lora = FactorLoRA(base.out_features, base.in_features, adapter_rank, alpha / adapter_rank, generator)
+
+    def weight(self) -> torch.Tensor:
+        """The adapted weight, differentiable w.r.t. the adapter."""
+        return self.base.weight + self.lora.delta().to(self.base.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight(), self.base.bias)
+
+    def merged(self) -> nn.Linear:
+        """A plain Linear with the adapter folded in (the base's shape, frozen)."""
+        out = nn.Linear(self.base.in_features, self.base.out_features, bias=self.base.bias is not None,
+                        dtype=self.base.weight.dtype, device=self.base.weight.device)
+        with torch.no_grad():
+            out.weight.copy_(self.weight())
+            if self.base.bias is not None:
+                out.bias.copy_(self.base.bias)
+        return out.requires_grad_(False)
+
+
+Trainable = LowRankLinear | nn.Linear
+
+
+def _targets(model: nn.Module, names: list[str] | None) -> list[tuple[str, Trainable]]:
+    """Freeze `model`; the modules recovery trains by name: `names` (an artifact's replaced modules: LowRankLinear
+    or pruned Linear), or every LowRankLinear when None. ValueError when there are none."""
     for p in model.parameters():
         p.requires_grad_(False)
-    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, LowRankLinear)]
+    if names is None:
+        targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, LowRankLinear)]
+    else:
+        targets = [(name, model.get_submodule(name)) for name in names]
+        wrong = [name for name, mod in targets if not isinstance(mod, (LowRankLinear, nn.Linear))]
+        if wrong:
+            raise ValueError(f"cannot recover {wrong[0]}: neither LowRankLinear nor Linear")
     if not targets:
-        raise ValueError("model has no LowRankLinear modules to recover")
+        raise ValueError("model has no low-rank or pruned modules to recover")
     return targets
 
 
-def attach_adapters(model: nn.Module, adapter_rank: int, alpha: float, seed: int) -> dict[str, AdaptedLowRank]:
-    """Freeze `model` and wrap every LowRankLinear in an AdaptedLowRank (seeded init); returns them by name."""
-    targets = _low_rank_targets(model)
+def attach_adapters(model: nn.Module, adapter_rank: int, alpha: float, seed: int,
+                    names: list[str] | None = None) -> dict[str, AdaptedLowRank | AdaptedLinear]:
+    """Freeze `model` and wrap every target (see _targets) in its adapter (seeded init); returns them by name."""
     generator = torch.Generator().manual_seed(seed)
     adapted = {}
-    for name, mod in targets:
-        wrapper = AdaptedLowRank(mod, adapter_rank, alpha, generator).to(mod.A.device)
+    for name, mod in _targets(model, names):
+        kind = AdaptedLowRank if isinstance(mod, LowRankLinear) else AdaptedLinear
+        device = next(mod.parameters()).device
+        wrapper = kind(mod, adapter_rank, alpha, generator).to(device)
         _set_module(model, name, wrapper)
         adapted[name] = wrapper
     return adapted
 
 
-def unfreeze_factors(model: nn.Module) -> dict[str, LowRankLinear]:
-    """Freeze `model` except the A and B of every LowRankLinear (train=factors); returns those modules by name."""
-    targets = _low_rank_targets(model)
+def unfreeze_factors(model: nn.Module, names: list[str] | None = None) -> dict[str, Trainable]:
+    """Freeze `model` except the targets' tensors: A and B of a LowRankLinear, the weight of a pruned Linear
+    (train=factors); returns those modules by name."""
+    targets = _targets(model, names)
     for _, mod in targets:
-        mod.A.requires_grad_(True)
-        mod.B.requires_grad_(True)
+        for tensor in (mod.A, mod.B) if isinstance(mod, LowRankLinear) else (mod.weight,):
+            tensor.requires_grad_(True)
     return dict(targets)
 
 
-def prepare_training(model: nn.Module, train: str, adapter_rank: int, alpha: float, seed: int) -> None:
-    """Make what recovery trains trainable: LoRA adapters on the factors (`lora`) or the factors (`factors`)."""
+def prepare_training(model: nn.Module, train: str, adapter_rank: int, alpha: float, seed: int,
+                     names: list[str] | None = None) -> None:
+    """Make what recovery trains trainable: LoRA adapters (`lora`) or the tensors themselves (`factors`), on
+    `names` (default: every LowRankLinear)."""
     if train == "lora":
-        attach_adapters(model, adapter_rank, alpha, seed)
+        attach_adapters(model, adapter_rank, alpha, seed, names)
     elif train == "factors":
-        unfreeze_factors(model)
+        unfreeze_factors(model, names)
     else:
         raise ValueError(f"unknown recovery train target {train!r}")
 
 
-def merge_adapters(model: nn.Module) -> dict[str, LowRankLinear]:
-    """Replace every AdaptedLowRank by its merged LowRankLinear and freeze trained factors; returns merged by name.
+def merge_adapters(model: nn.Module) -> dict[str, Trainable]:
+    """Replace every adapter wrapper by its merged module and freeze trained tensors; returns merged by name.
 
-    With train=factors there is nothing to merge (the dict is empty): the factors already hold the result.
+    With train=factors there is nothing to merge (the dict is empty): the trained tensors already hold the result.
     """
     merged = {}
     for name, mod in list(model.named_modules()):
-        if isinstance(mod, AdaptedLowRank):
+        if isinstance(mod, (AdaptedLowRank, AdaptedLinear)):
             merged[name] = mod.merged()
             _set_module(model, name, merged[name])
-        elif isinstance(mod, LowRankLinear):
-            mod.A.requires_grad_(False)
-            mod.B.requires_grad_(False)
+    for p in model.parameters():
+        p.requires_grad_(False)
     return merged
 
 

@@ -19,7 +19,7 @@ from compression.recovery.train import train_adapters
 from server.config import RecoveryConfig, data_dir
 from server.errors import ConfigError
 from server.models.artifact import FACTORS, MANIFEST, Manifest, check_model_hash, load_artifact, save_artifact
-from server.models.compressed import factor_tensors, swap_in_factors
+from server.models.compressed import artifact_tensors, swap_in_artifact
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +60,13 @@ def calibration_document_ids(manifest: Manifest, path: Path, tokenizer) -> set[i
 
 def load_adapted_model(model_dir: Path, manifest: Manifest, tensors: dict, rcfg: RecoveryConfig,
                        device: torch.device):
-    """The HF model (float32) with the artifact's factors in, made trainable per rcfg.train; (model, names)."""
+    """The HF model (float32) with the artifact's modules in, those made trainable per rcfg.train; (model, names)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    names = swap_in_factors(model, manifest, tensors)
+    names = swap_in_artifact(model, manifest, tensors)
     model.to(device)
-    prepare_training(model, rcfg.train, rcfg.adapter_rank, rcfg.alpha, rcfg.seed)
+    prepare_training(model, rcfg.train, rcfg.adapter_rank, rcfg.alpha, rcfg.seed, names)
     return model, names
 
 
@@ -81,7 +81,8 @@ def load_teacher(model_dir: Path, device: torch.device):
 
 
 def recovery_method(rcfg: RecoveryConfig) -> str:
-    """The manifest's method string: `[distill-kl/]lora-on-factors` or `[distill-kl/]full-factors`."""
+    """The manifest's method string: `[distill-kl/]lora-on-factors` or `[distill-kl/]full-factors` (for a pruned
+    artifact the "factors" are its narrower weights)."""
     trained = "lora-on-factors" if rcfg.train == "lora" else "full-factors"
     return f"distill-kl/{trained}" if rcfg.objective == "distill" else trained
 
@@ -111,8 +112,9 @@ def recover_artifact(artifact_dir: Path, model_dir: Path, cfg: RecoveryConfig | 
     rcfg = cfg or RecoveryConfig()
     artifact_dir, out_dir = Path(artifact_dir), Path(out_dir or artifact_dir)
     manifest, tensors = load_artifact(artifact_dir)
-    if not manifest.low_rank_modules():
-        raise ConfigError(f"recover {artifact_dir}: the artifact has no low-rank modules to train (all kept dense)")
+    if not manifest.replaced_modules():
+        raise ConfigError(f"recover {artifact_dir}: the artifact has no low-rank or pruned modules to train (all "
+                          f"kept dense)")
     check_model_hash(manifest, Path(model_dir), f"recover {artifact_dir}")
     torch.set_num_threads(rcfg.num_threads)
     device = _pick_device(rcfg.device)
@@ -157,7 +159,7 @@ def recover_artifact(artifact_dir: Path, model_dir: Path, cfg: RecoveryConfig | 
         block["peak_cuda_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     carry = tuple(item for item in artifact_dir.iterdir() if item.is_file() and item.name not in (MANIFEST, FACTORS)
                   and not item.name.startswith("recovery-"))
-    save_artifact(out_dir, manifest.model_copy(update={"recovery": block}), factor_tensors(model, names), carry)
+    save_artifact(out_dir, manifest.model_copy(update={"recovery": block}), artifact_tensors(model, manifest), carry)
     ckpt.unlink(missing_ok=True)  # in-place: already gone with the old dir; --out: the source keeps none
     log.info("recovered %d modules (%s): loss %.3f -> %.3f in %.0f s", len(names), block["method"], losses[0],
              block["final_loss"], run["wall_s"])

@@ -1,7 +1,9 @@
 """The compressed-artifact format and its only load and save: a folder of manifest.json + factors.safetensors.
 
 Factor keys are `<HF module name>.A` [rank, in] and `<HF module name>.B` [out, rank], fp32, e.g.
-`model.layers.3.mlp.down_proj.A`; so y = (x Aᵀ) Bᵀ (LowRankLinear's layout). The manifest is a typed
+`model.layers.3.mlp.down_proj.A`; so y = (x Aᵀ) Bᵀ (LowRankLinear's layout). A structurally pruned module
+(`neuronmm compress --method prune`) is stored whole as `<HF module name>.weight` [out', in'], narrower than
+the dense one along the MLP's intermediate dimension (its record's `pruned_shape`). The manifest is a typed
 `Manifest`; a folder is written beside its target and renamed into place (server.fileio.atomic_dir).
 """
 
@@ -31,14 +33,21 @@ class _Record(BaseModel):
 
 
 class ModuleRecord(_Record):
-    """One Linear of the source model: replaced by rank-`rank` factors, or kept dense (with the reason)."""
+    """One Linear of the source model (`in`/`out`: its dense shape): replaced by rank-`rank` factors, by a
+    narrower weight of `pruned_shape` [out, in] (structured pruning), or kept dense (with the reason)."""
 
     in_features: int = Field(alias="in")
     out_features: int = Field(alias="out")
     rank: int | None = None
+    pruned_shape: tuple[int, int] | None = None
     rel_error: float | None = None
     dense: bool = False
     reason: str | None = None
+
+    @property
+    def low_rank(self) -> bool:
+        """Replaced by two factors (not kept dense, not pruned)."""
+        return not self.dense and self.pruned_shape is None
 
 
 class SourceRecord(_Record):
@@ -97,7 +106,15 @@ class Manifest(_Record):
     recovery: dict[str, Any] | None = None
 
     def low_rank_modules(self) -> list[str]:
-        """HF module names the artifact replaces by factors (dense-kept ones excluded)."""
+        """HF module names the artifact replaces by factors (dense-kept and pruned ones excluded)."""
+        return [name for name, info in self.modules.items() if info.low_rank]
+
+    def pruned_modules(self) -> list[str]:
+        """HF module names the artifact replaces by a narrower weight (structured pruning)."""
+        return [name for name, info in self.modules.items() if info.pruned_shape is not None]
+
+    def replaced_modules(self) -> list[str]:
+        """Every module the artifact carries tensors for: low-rank and pruned, in manifest order."""
         return [name for name, info in self.modules.items() if not info.dense]
 
     def to_dict(self) -> dict:
@@ -108,6 +125,11 @@ class Manifest(_Record):
 def factor_keys(module: str) -> tuple[str, str]:
     """The two tensor keys of one module's factors: (`<module>.A` [rank, in], `<module>.B` [out, rank])."""
     return f"{module}.A", f"{module}.B"
+
+
+def weight_key(module: str) -> str:
+    """The tensor key of a pruned module's weight: `<module>.weight` [out', in']."""
+    return f"{module}.weight"
 
 
 def parse_manifest(data: Any, where: Path) -> Manifest:
@@ -148,6 +170,16 @@ def load_artifact(artifact_dir: Path) -> tuple[Manifest, dict[str, torch.Tensor]
 
 
 def _check_consistent(artifact_dir: Path, manifest: Manifest, tensors: dict[str, torch.Tensor]) -> None:
+    for name in manifest.pruned_modules():
+        info, weight = manifest.modules[name], tensors.get(weight_key(name))
+        out_f, in_f = info.pruned_shape
+        if info.dense or not (0 < out_f <= info.out_features and 0 < in_f <= info.in_features):
+            raise ConfigError(f"compressed artifact {artifact_dir}: {name} pruned_shape {info.pruned_shape} does not "
+                              f"fit inside its dense shape ({info.out_features}, {info.in_features})")
+        if weight is None or tuple(weight.shape) != (out_f, in_f):
+            found = "missing" if weight is None else tuple(weight.shape)
+            raise ConfigError(f"compressed artifact {artifact_dir}: {name} weight {found} does not match the "
+                              f"manifest's pruned_shape {(out_f, in_f)}")
     for name in manifest.low_rank_modules():
         info = manifest.modules[name]
         A, B = (tensors.get(key) for key in factor_keys(name))
@@ -165,7 +197,7 @@ def _check_consistent(artifact_dir: Path, manifest: Manifest, tensors: dict[str,
 
 def save_artifact(out_dir: Path, manifest: Manifest, tensors: dict[str, torch.Tensor],
                   carry: tuple[Path, ...] = ()) -> Path:
-    """Write manifest + fp32 factors (+ copies of the `carry` files) into a temp folder, then swap it in.
+    """Write manifest + fp32 tensors (+ copies of the `carry` files) into a temp folder, then swap it in.
 
     An exception or kill before the rename leaves out_dir as it was (absent or the old artifact); an
     in-place rewrite (carry from out_dir itself) swaps by two renames, never exposing half an artifact.

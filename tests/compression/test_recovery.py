@@ -20,7 +20,7 @@ from server.config import RecoveryConfig, data_dir
 from server.errors import ConfigError
 from server.models.artifact import (FORMAT_VERSION, Manifest, ModuleRecord, SourceRecord, load_artifact, save_artifact,
                                     weights_sha256)
-from server.models.compressed import swap_in_factors
+from server.models.compressed import swap_in_artifact
 from server.models.loader import load_llama
 from server.models.lowrank import LowRankLinear
 
@@ -61,7 +61,7 @@ def _tiny_adapted(tiny_model_dir: Path, seed: int = 0, train: str = "lora"):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tensors = _factorize(tiny_model_dir)
-    swap_in_factors(model, _manifest(tiny_model_dir, tensors), tensors)
+    swap_in_artifact(model, _manifest(tiny_model_dir, tensors), tensors)
     prepare_training(model, train, adapter_rank=4, alpha=8.0, seed=seed)
     return model
 
@@ -283,7 +283,7 @@ def test_artifact_without_low_rank_modules_is_a_one_line_error(tmp_path, tiny_mo
     cfg.write_text(f"model: {{name: tiny, source: safetensors, path: {tiny_model_dir}}}\n")
     assert main(["recover", "--artifact", str(art), "--config", str(cfg), "--objective", "distill"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "no low-rank modules" in err
+    assert "\n" not in err and "no low-rank or pruned modules" in err
 
 
 def test_recovery_never_trains_on_the_c4_evaluation_split(tmp_path):
