@@ -24,7 +24,8 @@ from server.backends.base import SeqChunk
 from server.backends.neuron.buckets import PaddingStats, bucket_for
 from server.backends.neuron.translate import TnxArgs, build_tnx_config, translate
 from server.config import Config, ConfigError
-from server.models.artifact import load_artifact
+from server.backends.neuron.pruned_checkpoint import write_pruned_checkpoint
+from server.models.artifact import load_artifact, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -91,14 +92,18 @@ class NeuronRunner:
         for key, value in self.args.env.items():
             os.environ.setdefault(key, value)
         Path(self.args.env["NEURON_COMPILE_CACHE_URL"]).mkdir(parents=True, exist_ok=True)
-        factors = {}
-        if self.compressed and self.cfg.neuron.use_lowrank_kernel:
+        factors, tnx_dir = {}, self.model_dir
+        if self.compressed and read_manifest(self.compressed).pruned_modules():
+            # a pruned artifact is a plain Llama with narrower MLPs: tnx compiles it as one, no kernel patch
+            tnx_dir = write_pruned_checkpoint(self.model_dir, self.compressed, Path(self.args.env[
+                "NEURON_COMPILE_CACHE_URL"]) / "checkpoints", self.cfg.neuron.tp_degree)
+        elif self.compressed and self.cfg.neuron.use_lowrank_kernel:
             factors = load_factors(self.compressed, self.hf_config["num_hidden_layers"], self.cfg.neuron.tp_degree)
             log.info("low-rank NKI MLP in %d of %d layers", len(factors), self.hf_config["num_hidden_layers"])
         elif self.compressed:
             raise ConfigError("neuron.use_lowrank_kernel: false cannot serve model.compressed (no dense fallback "
                               "for factors on Neuron); drop model.compressed or enable the kernel")
-        self.model = self._factory(self.model_dir, self.args, factors, self.hf_config)
+        self.model = self._factory(tnx_dir, self.args, factors, self.hf_config)
 
     def allocate_kv(self, num_slots: int) -> None:
         """tnx allocates the KV cache at compile time for the largest batch bucket; only check the fit."""
