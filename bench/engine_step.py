@@ -6,6 +6,12 @@ logits, no sampling). Compare with `bench.serve`, whose
 TPOT adds the sampler, detokenisation, SSE and a client sharing the same cores.
 
     python -m bench.engine_step --batch-sizes 1 4 16 32
+
+With `--compressed DIR --ab-rounds N`, the dense model and the artifact are loaded side by side in one process
+and timed in N alternating rounds (ABBA order) per batch size, so the speed-up is a ratio of neighbouring rounds:
+a noisy or drifting shared CPU moves both sides of each ratio together.
+
+    python -m bench.engine_step --batch-sizes 1 16 --steps 40 --compressed DIR --ab-rounds 8
 """
 
 from __future__ import annotations
@@ -77,6 +83,33 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def _load_runner(model_dir: Path, cfg, args, compressed: str | None) -> TorchRunner:
+    runner = TorchRunner(model_dir, args.context + args.steps + 6, cfg.model.dtype, cfg.device,
+                         Path(compressed) if compressed else None, num_threads=args.num_threads,
+                         panel_gemm=not args.no_panel_gemm)
+    runner.load()
+    max_len = args.context + args.steps + 6
+    runner.allocate_kv_blocks(max(args.batch_sizes) * -(-max_len // cfg.engine.block_size), cfg.engine.block_size)
+    return runner
+
+
+def ab_rows(dense: TorchRunner, compressed: TorchRunner, args, block_size: int) -> list[dict]:
+    """Per batch size: the step p50 of each side in every round (ABBA order) and speed-up = dense / compressed per
+    round, summarised by its median and range."""
+    rows = []
+    for bs in args.batch_sizes:
+        medians = {"dense": [], "compressed": []}
+        for r in tqdm(range(args.ab_rounds), desc=f"A/B rounds, batch {bs}"):
+            order = [("dense", dense), ("compressed", compressed)]
+            for name, runner in order if r % 2 == 0 else order[::-1]:
+                times = step_times(runner, bs, args.context, args.steps + 5, args.seed + r, block_size)[5:]
+                medians[name].append(1000 * statistics.median(times))
+        ratios = sorted(d / c for d, c in zip(medians["dense"], medians["compressed"]))
+        rows.append({"batch_size": bs, "dense_step_ms": medians["dense"], "compressed_step_ms": medians["compressed"],
+                     "speedup_median": statistics.median(ratios), "speedup_min": ratios[0], "speedup_max": ratios[-1]})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: time decode steps per batch size, print a table, save JSON."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -88,19 +121,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compressed", help="a compressed artifact folder to apply (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-panel-gemm", action="store_true", help="oneDNN's packed GEMM even where the panel GEMM applies")
+    p.add_argument("--ab-rounds", type=int, default=0,
+                   help="with --compressed: time dense and compressed in this many alternating rounds (one process)")
     p.add_argument("--out", default=str(RESULTS / "engine_step.json"))
     args = p.parse_args(argv)
+    if args.ab_rounds and not args.compressed:
+        p.error("--ab-rounds needs --compressed (the artifact to compare with the dense model)")
 
     cfg = load_config(args.config)
     model_dir = resolve_model_dir(cfg.model, Path(cfg.cache_dir).expanduser())
     compressed = args.compressed or cfg.model.compressed
-    runner = TorchRunner(model_dir, args.context + args.steps + 6, cfg.model.dtype, cfg.device,
-                         Path(compressed) if compressed else None, num_threads=args.num_threads,
-                         panel_gemm=not args.no_panel_gemm)
-    runner.load()
+    runner = _load_runner(model_dir, cfg, args, compressed)
     block_size = cfg.engine.block_size  # the paged cache the server runs
-    max_len = args.context + args.steps + 6
-    runner.allocate_kv_blocks(max(args.batch_sizes) * -(-max_len // block_size), block_size)
+    if args.ab_rounds:
+        return _main_ab(args, cfg, model_dir, runner, block_size)
     rows = []
     with torch.inference_mode():
         for bs in tqdm(args.batch_sizes, desc="batch sizes"):
@@ -108,18 +142,42 @@ def main(argv: list[str] | None = None) -> int:
             median = statistics.median(times)
             rows.append({"batch_size": bs, "step_ms_p50": 1000 * median,
                          "step_ms_min": 1000 * min(times), "tok_s": bs / median})
-    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
-              "cpus": os.cpu_count(), "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS),
-              "torch_threads": torch.get_num_threads(), "config": args.config, "compressed": compressed,
-              "panel_gemm": not args.no_panel_gemm,
-              "dtype": str(runner.dtype).removeprefix("torch."), "weight_bytes": weight_bytes(runner.model),
-              "context": args.context, "block_size": block_size, "rows": rows}
+    result = {**_facts(args, runner, compressed, block_size), "weight_bytes": weight_bytes(runner.model),
+              "rows": rows}
     print("| batch | step p50 ms | step min ms | decode tok/s |\n|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['batch_size']} | {r['step_ms_p50']:.1f} | {r['step_ms_min']:.1f} | {r['tok_s']:.1f} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"saved {args.out}")
+    _save(args.out, result)
+    return 0
+
+
+def _facts(args, runner: TorchRunner, compressed: str | None, block_size: int) -> dict:
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
+            "cpus": os.cpu_count(), "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS),
+            "torch_threads": torch.get_num_threads(), "config": args.config, "compressed": compressed,
+            "panel_gemm": not args.no_panel_gemm, "dtype": str(runner.dtype).removeprefix("torch."),
+            "context": args.context, "block_size": block_size, "steps_per_round": args.steps}
+
+
+def _save(out: str, result: dict) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"saved {out}")
+
+
+def _main_ab(args, cfg, model_dir: Path, compressed: TorchRunner, block_size: int) -> int:
+    dense = _load_runner(model_dir, cfg, args, None)
+    with torch.inference_mode():
+        rows = ab_rows(dense, compressed, args, block_size)
+    result = {**_facts(args, compressed, args.compressed, block_size), "ab_rounds": args.ab_rounds,
+              "weight_bytes": {"dense": weight_bytes(dense.model), "compressed": weight_bytes(compressed.model)},
+              "rows": rows}
+    print("| batch | dense step p50 ms (rounds) | compressed | speed-up median (min-max) |\n|---:|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch_size']} | {' '.join(f'{t:.1f}' for t in r['dense_step_ms'])} | "
+              f"{' '.join(f'{t:.1f}' for t in r['compressed_step_ms'])} | {r['speedup_median']:.3f} "
+              f"({r['speedup_min']:.3f}-{r['speedup_max']:.3f}) |")
+    _save(args.out, result)
     return 0
 
 

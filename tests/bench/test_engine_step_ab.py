@@ -1,0 +1,34 @@
+"""bench.engine_step --ab-rounds: alternating order and the per-round speed-up (step times stubbed, nothing timed)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench import engine_step
+
+
+def test_rounds_alternate_abba_and_speedups_are_neighbouring_ratios(monkeypatch):
+    calls = []
+    fake_ms = {"dense": [10.0, 12.0, 11.0, 9.0], "compressed": [8.0, 10.0, 11.0, 6.0]}
+
+    def fake_step_times(runner, batch_size, context, steps, seed, block_size):
+        calls.append((runner, seed))
+        ms = fake_ms[runner][len([c for c in calls if c[0] == runner]) - 1]
+        return [ms / 1000] * steps
+
+    monkeypatch.setattr(engine_step, "step_times", fake_step_times)
+    args = argparse.Namespace(batch_sizes=[1], ab_rounds=4, context=8, steps=3, seed=0)
+    (row,) = engine_step.ab_rows("dense", "compressed", args, block_size=16)
+    assert [c[0] for c in calls] == ["dense", "compressed", "compressed", "dense"] * 2  # ABBA: drift cancels
+    assert [c[1] for c in calls][::2] == [0, 1, 2, 3]  # each round its own prompts, both sides the same
+    assert row["dense_step_ms"] == pytest.approx(fake_ms["dense"])
+    assert row["speedup_median"] == pytest.approx((10 / 8 + 12 / 10) / 2)  # ratios 1.0, 1.2, 1.25, 1.5
+    assert (row["speedup_min"], row["speedup_max"]) == pytest.approx((1.0, 1.5))
+
+
+def test_ab_needs_an_artifact(capsys):
+    with pytest.raises(SystemExit):
+        engine_step.main(["--ab-rounds", "2"])
+    assert "--ab-rounds needs --compressed" in capsys.readouterr().err
