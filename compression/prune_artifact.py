@@ -48,6 +48,9 @@ def check_prune_settings(settings: CompressSettings, intermediate: int | None = 
     if settings.allocation == "measured":
         raise ConfigError("--method prune: --allocation measured scores SVD ranks; use sensitivity/exact (the exact "
                           "DP over Fisher-weighted costs) or uniform")
+    if settings.sensitivity != "fisher" or settings.latency_model != "none":
+        raise ConfigError("--method prune weighs layers by the output Fisher only (no --sensitivity normalised, no "
+                          "--latency-model)")
     if intermediate is not None and (intermediate % settings.rank_multiple
                                      or intermediate // settings.rank_multiple <= MIN_KEEP_BLOCKS):
         raise ConfigError(f"--rank-multiple {settings.rank_multiple}: pruning removes whole blocks, and the MLP's "

@@ -154,6 +154,8 @@ def test_recover_distill_trains_the_pruned_weights_and_keeps_their_shapes(pruned
 @pytest.mark.parametrize("flags,needle", [
     (["--targets", "mlp+attn"], "--targets mlp"),
     (["--allocation", "measured"], "--allocation measured"),
+    (["--latency-model", "trn1"], "no --latency-model"),
+    (["--sensitivity-cache", "/tmp/x.json"], "--sensitivity-cache"),
 ])
 def test_prune_settings_it_cannot_honour_fail_in_one_line(flags, needle, tmp_path, capsys):
     code = cli_main(["compress", "--method", "prune", *flags, "--out", str(tmp_path / "x")])
