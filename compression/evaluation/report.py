@@ -52,14 +52,16 @@ def table_legend(runs: list[dict]) -> str:
     """The line under a table: windows, items and what the accuracy cells hold."""
     run = runs[0] if runs else {}
     ppl = run.get("perplexity", {})
-    zs = next(iter(run.get("zeroshot", {}).values()), None)
+    tasks = run.get("zeroshot", {})
+    zs = next(iter(tasks.values()), None)
     parts = []
     if ppl:
         windows = ", ".join(f"{_CORPUS_TITLES[c]} {r['num_windows']}" for c, r in ppl.items())
         seqlen = next(iter(ppl.values()))["seqlen"]
         parts.append(f"perplexity over non-overlapping windows of {seqlen} tokens ({windows} windows)")
     if zs:
-        parts.append(f"zero-shot on the first {zs['num_items']} items per task (fewer where a task has fewer), "
-                     "cells are acc % / acc_norm % (acc only where the harness reports only acc); "
+        counts = ", ".join(f"{r['num_items']}" for r in tasks.values())
+        parts.append(f"zero-shot items per task {counts} (the first items of each split; a task's whole split when "
+                     "no limit was given), cells are acc % / acc_norm % (acc only where the harness reports only acc); "
                      "mean acc is the unweighted mean of acc")
     return "; ".join(parts) + "." if parts else ""

@@ -66,3 +66,11 @@ def test_per_corpus_window_limits():
     assert parse_ppl_limits("wikitext2=40,ptb=10", 5, corpora) == {"wikitext2": 40, "ptb": 10, "c4": 5}
     assert parse_ppl_limits("7", None, corpora) == dict.fromkeys(corpora, 7)
     assert parse_ppl_limits(None, None, ["ptb"]) == {"ptb": None}
+
+
+def test_table_legend_names_each_tasks_item_count():
+    from compression.evaluation.report import table_legend
+
+    run = {"zeroshot": {"arc_easy": {"num_items": 1188}, "hellaswag": {"num_items": 5021}}}
+    legend = table_legend([run])
+    assert "items per task 1188, 5021" in legend and "first 1188 items per task" not in legend
