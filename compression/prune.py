@@ -40,6 +40,7 @@ from torch import nn
 from tqdm import tqdm
 
 from compression.statistics import capture_layer0_inputs, dense_mlp_grams, gram, mlp_inputs
+from server.models.compressed import linear_with
 
 log = logging.getLogger(__name__)
 
@@ -247,26 +248,16 @@ def make_plan(orders: list[RemovalOrder], intermediate: int, hidden: int, keep_r
     return PrunePlan(keep, counts, record)
 
 
-def _sliced_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    out_f, in_f = weight.shape
-    lin = nn.Linear(in_f, out_f, bias=bias is not None, dtype=weight.dtype, device=weight.device)
-    with torch.no_grad():
-        lin.weight.copy_(weight)
-        if bias is not None:
-            lin.bias.copy_(bias)
-    return lin
-
-
 @torch.no_grad()
 def prune_mlp(mlp: nn.Module, keep: torch.Tensor, down_weight: torch.Tensor | None = None) -> None:
     """Slice a Llama MLP in place to the channels `keep` (new nn.Linear modules); down_weight replaces
     down_proj's kept columns when given (a refit)."""
     keep = keep.to(mlp.gate_proj.weight.device)
     g, u, d = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-    mlp.gate_proj = _sliced_linear(g.weight[keep], None if g.bias is None else g.bias[keep])
-    mlp.up_proj = _sliced_linear(u.weight[keep], None if u.bias is None else u.bias[keep])
+    mlp.gate_proj = linear_with(g.weight[keep], None if g.bias is None else g.bias[keep])
+    mlp.up_proj = linear_with(u.weight[keep], None if u.bias is None else u.bias[keep])
     new_down = d.weight[:, keep] if down_weight is None else down_weight.to(d.weight)
-    mlp.down_proj = _sliced_linear(new_down, d.bias)
+    mlp.down_proj = linear_with(new_down, d.bias)
     if hasattr(mlp, "intermediate_size"):
         mlp.intermediate_size = len(keep)
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from compression.calibration import calibration_windows
 from compression.compress import CompressSettings, calibration_batch_size, tool_version
+from compression.evaluation.model import count_parameters
 from compression.prune import apply_plan, layer_stats, make_plan, removal_orders
 from compression.sensitivity import output_fisher
 from compression.statistics import MLP
@@ -55,10 +56,6 @@ def check_prune_settings(settings: CompressSettings, intermediate: int | None = 
                                      or intermediate // settings.rank_multiple <= MIN_KEEP_BLOCKS):
         raise ConfigError(f"--rank-multiple {settings.rank_multiple}: pruning removes whole blocks, and the MLP's "
                           f"intermediate size {intermediate} is not a multiple of it with room to remove one")
-
-
-def _unique_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 def _mlp_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
@@ -103,7 +100,7 @@ def prune_compress_model(model_dir: Path, settings: CompressSettings, out_dir: P
     block = settings.rank_multiple
     calib = calibration_windows(calib_path, tokenizer, settings.calib_samples, settings.calib_seqlen, settings.seed)
     windows, bs = calib.windows, calibration_batch_size(settings.calib_samples, settings.batch_size)
-    params_before, dense_shapes = _unique_parameters(model), _mlp_shapes(model)
+    params_before, dense_shapes = count_parameters(model), _mlp_shapes(model)
     mlp_before = sum(i * o for i, o in dense_shapes.values())
     wall = {}
 
@@ -126,7 +123,7 @@ def prune_compress_model(model_dir: Path, settings: CompressSettings, out_dir: P
     wall["slice_and_refit_s"] = round(time.perf_counter() - t, 1)
 
     modules, tensors = _records(model, dense_shapes, refit.get("rel_error"))
-    params_after = _unique_parameters(model)
+    params_after = count_parameters(model)
     mlp_after = sum(m.in_features * m.out_features if m.dense else m.pruned_shape[0] * m.pruned_shape[1]
                     for m in modules.values())
     counts = ParameterCounts(model_before=params_before, model_after=params_after, mlp_before=mlp_before,

@@ -14,7 +14,8 @@ import uvicorn
 from bench.harness import wait_healthy
 from server.api.app import create_app
 from server.config import Config
-from server.runtime import load_runtime
+from server.engine.sampling_params import SamplingParams
+from server.runtime import build_engine, eos_token_ids, load_runtime
 
 
 def tiny_config(model_dir: Path, **engine):
@@ -53,3 +54,18 @@ def live_server(cfg, loader: Callable | None = None, ready_timeout: float = 60.0
         server.should_exit = True
         thread.join(10)
         sock.close()
+
+
+def engine_greedy(model_dir: Path, runner, tok, prompts: list[str], new_tokens: int,
+                  max_model_len: int) -> list[list[int]]:
+    """Greedy tokens (ignore_eos) of each prompt, all in one engine batch, over a loaded runner."""
+    engine = build_engine(tiny_config(model_dir, max_model_len=max_model_len), runner, tok,
+                          eos_token_ids(model_dir, tok))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), tok(p).input_ids,
+                           SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    got = {str(i): [] for i in range(len(prompts))}
+    while engine.has_work():
+        for out in engine.step():
+            got[out.request_id].extend(out.token_ids)
+    return [got[str(i)] for i in range(len(prompts))]

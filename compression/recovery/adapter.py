@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from server.models.compressed import linear_with
 from server.models.lowrank import LowRankLinear
 
 
@@ -78,13 +79,8 @@ class AdaptedLinear(nn.Module):
 
     def merged(self) -> nn.Linear:
         """A plain Linear with the adapter folded in (the base's shape, frozen)."""
-        out = nn.Linear(self.base.in_features, self.base.out_features, bias=self.base.bias is not None,
-                        dtype=self.base.weight.dtype, device=self.base.weight.device)
         with torch.no_grad():
-            out.weight.copy_(self.weight())
-            if self.base.bias is not None:
-                out.bias.copy_(self.base.bias)
-        return out.requires_grad_(False)
+            return linear_with(self.weight(), self.base.bias)
 
 
 Trainable = LowRankLinear | nn.Linear

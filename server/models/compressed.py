@@ -31,18 +31,23 @@ def _existing_linear(model: nn.Module, target: str, name: str) -> nn.Linear:
     return old
 
 
-def _pruned_linear(old: nn.Linear, weight: torch.Tensor, name: str) -> nn.Linear:
-    """A Linear holding the pruned weight; its bias is the dense one sliced when the output was pruned."""
+def linear_with(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    """A Linear holding copies of `weight` [out, in] (and `bias`), in their dtype and device, frozen."""
     out_f, in_f = weight.shape
-    if old.bias is not None and out_f != old.out_features:
-        raise ConfigError(f"compressed artifact: {name} prunes the outputs of a Linear with a bias (unsupported)")
-    new = nn.Linear(in_f, out_f, bias=old.bias is not None, dtype=old.weight.dtype, device=old.weight.device)
+    lin = nn.Linear(in_f, out_f, bias=bias is not None, dtype=weight.dtype, device=weight.device)
     with torch.no_grad():
-        new.weight.copy_(weight)
-        if old.bias is not None:
-            new.bias.copy_(old.bias)
-    new.requires_grad_(old.weight.requires_grad)
-    return new
+        lin.weight.copy_(weight)
+        if bias is not None:
+            lin.bias.copy_(bias)
+    return lin.requires_grad_(False)
+
+
+def _pruned_linear(old: nn.Linear, weight: torch.Tensor, name: str) -> nn.Linear:
+    """A Linear holding the pruned weight (in the old one's dtype and device), with the old bias."""
+    if old.bias is not None and weight.shape[0] != old.out_features:
+        raise ConfigError(f"compressed artifact: {name} prunes the outputs of a Linear with a bias (unsupported)")
+    return linear_with(weight.to(old.weight.device, old.weight.dtype), old.bias).requires_grad_(
+        old.weight.requires_grad)
 
 
 def _check_mlp_widths(model: nn.Module, targets: list[str]) -> None:

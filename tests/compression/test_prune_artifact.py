@@ -15,12 +15,11 @@ from compression.prune_artifact import prune_compress_model
 from server.backends.torch_runner import TorchRunner
 from server.cli import main as cli_main
 from server.config import RecoveryConfig, load_config
-from server.engine.sampling_params import SamplingParams
 from server.errors import ConfigError
 from server.models.artifact import FACTORS, MANIFEST, load_artifact
 from server.models.compressed import apply_artifact_to_hf
-from server.runtime import build_engine, eos_token_ids, load_tokenizer
-from support import tiny_config
+from server.runtime import load_tokenizer
+from support import engine_greedy
 
 BLOCK = 32  # the tiny model's intermediate 128 = 4 blocks
 
@@ -75,15 +74,7 @@ def _engine_greedy(model_dir, artifact, dtype: str, fused: bool, prompts: list[s
     tok = load_tokenizer(model_dir)
     runner = TorchRunner(model_dir, 128, dtype, compressed=artifact, fused_kernels=fused)
     runner.load()
-    engine = build_engine(tiny_config(model_dir, max_model_len=128), runner, tok, eos_token_ids(model_dir, tok))
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), tok(p).input_ids,
-                           SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
-    got = {str(i): [] for i in range(len(prompts))}
-    while engine.has_work():
-        for o in engine.step():
-            got[o.request_id].extend(o.token_ids)
-    return tok, [got[str(i)] for i in range(len(prompts))]
+    return tok, engine_greedy(model_dir, runner, tok, prompts, new_tokens, 128)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference"])

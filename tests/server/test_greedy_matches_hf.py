@@ -7,9 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from server.backends.torch_runner import TorchRunner
-from server.engine.sampling_params import SamplingParams
-from server.runtime import build_engine, eos_token_ids, load_tokenizer
-from support import tiny_config
+from server.runtime import load_tokenizer
+from support import engine_greedy
 
 NEW_TOKENS = 40
 PROMPTS = ["The three primary colors are", "def fibonacci(n):"]
@@ -24,15 +23,7 @@ FP32_TIE_MARGIN = 1e-3
 def _engine_greedy(smol_dir, tok, dtype: str, fused: bool) -> list[list[int]]:
     runner = TorchRunner(smol_dir, 512, dtype, fused_kernels=fused)
     runner.load()
-    engine = build_engine(tiny_config(smol_dir, max_model_len=512), runner, tok, eos_token_ids(smol_dir, tok))
-    for i, p in enumerate(PROMPTS):  # both in one batch: batching must not change greedy results
-        engine.add_request(str(i), tok(p).input_ids,
-                           SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
-    got = {str(i): [] for i in range(len(PROMPTS))}
-    while engine.has_work():
-        for out in engine.step():
-            got[out.request_id].extend(out.token_ids)
-    return [got[str(i)] for i in range(len(PROMPTS))]
+    return engine_greedy(smol_dir, runner, tok, PROMPTS, NEW_TOKENS, 512)  # one batch: batching must not matter
 
 
 @pytest.mark.slow
