@@ -72,6 +72,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--recover-train", choices=["lora", "factors"],
                    help="with --recover distill: train LoRA adapters (default) or the factors themselves")
     p.add_argument("--recover-steps", type=int, default=200, help="with --recover: training steps")
+    p.add_argument("--recover-lr", type=float, help="with --recover: peak learning rate (default as `neuronmm "
+                                                    "recover`'s: 1e-3 for LoRA, 1e-4 for the factors)")
     p.add_argument("--num-threads", type=int, default=2, help="torch threads (the CPU is shared)")
     p.add_argument("--out", required=True, help="artifact directory to write (replaced atomically)")
     p.set_defaults(func=_run)
@@ -103,11 +105,15 @@ def recovery_settings(args: argparse.Namespace, cfg: Config) -> RecoveryConfig |
     if args.recover is None:
         if args.recover_train is not None:
             raise ConfigError("--recover-train needs --recover distill")
+        if args.recover_lr is not None:
+            raise ConfigError("--recover-lr needs --recover")
         return None
     if args.recover == "lora" and args.recover_train not in (None, "lora"):
         raise ConfigError("--recover-train factors needs --recover distill (--recover lora trains LoRA adapters)")
     flags = {"objective": "next_token" if args.recover == "lora" else "distill", "train": args.recover_train or "lora",
              "steps": args.recover_steps, "num_threads": max(1, args.num_threads)}
+    if args.recover_lr is not None:
+        flags["lr"] = args.recover_lr
     return validate_section(RecoveryConfig, {**cfg.recovery.model_dump(), **flags}, f"--recover {args.recover}")
 
 

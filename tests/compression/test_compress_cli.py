@@ -105,17 +105,19 @@ def test_compress_with_recover_distill_trains_the_factors(tmp_path, tiny_model_d
     out = tmp_path / "art"
     assert main(["compress", "--config", str(cfg), "--keep-ratio", "0.5", "--rank-multiple", "8", "--allocation",
                  "uniform", "--calib-samples", "2", "--calib-seqlen", "32", "--recover", "distill", "--recover-train",
-                 "factors", "--recover-steps", "2", "--num-threads", "1", "--out", str(out)]) == 0
+                 "factors", "--recover-steps", "2", "--recover-lr", "5e-4", "--num-threads", "1", "--out", str(out)]) == 0
     recovery = json.loads((out / "manifest.json").read_text())["recovery"]
     assert (recovery["method"], recovery["objective"], recovery["train"]) == ("distill-kl/full-factors", "distill",
                                                                               "factors")
-    assert recovery["steps"] == 2 and recovery["lr"] == 1e-4
+    assert recovery["steps"] == 2 and recovery["lr"] == 5e-4
 
 
 @pytest.mark.parametrize("argv, needle", [
     (["--recover-train", "factors"], "--recover-train needs --recover distill"),
     (["--recover", "lora", "--recover-train", "factors"], "--recover-train factors needs --recover distill"),
     (["--recover", "distill", "--recover-steps", "0"], "--recover distill: steps must be >= 1"),
+    (["--recover-lr", "5e-4"], "--recover-lr needs --recover"),
+    (["--recover", "distill", "--recover-lr", "-1"], "--recover distill: lr must be a positive number"),
 ])
 def test_bad_recover_flags_fail_before_compressing(argv, needle, tmp_path, capsys):
     out = tmp_path / "art"
