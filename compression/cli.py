@@ -92,7 +92,7 @@ def settings_from(args: argparse.Namespace, cfg: Config) -> CompressSettings:
         raise ConfigError("--" + first_error(exc).replace(name, name.replace("_", "-"), 1)) from None
     if settings.method == "prune":
         check_prune_settings(settings)
-        if getattr(args, "sensitivity_cache", None):
+        if args.sensitivity_cache:
             raise ConfigError("--sensitivity-cache keeps the SVD allocation's pre-passes; --method prune does not use it")
     elif settings.allocation == "exact" and settings.sensitivity != "fisher":  # fail before minutes of calibration
         raise ConfigError("--allocation exact needs --sensitivity fisher (normalised losses of different matrices "

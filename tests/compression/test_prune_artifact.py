@@ -164,6 +164,6 @@ def test_block_that_does_not_divide_the_intermediate_size_is_a_clear_error(tiny_
 def test_method_prune_comes_from_the_flag():
     import argparse
 
-    args = argparse.Namespace(method="prune", prune_order="energy", keep_ratio=None)
+    args = argparse.Namespace(method="prune", prune_order="energy", keep_ratio=None, sensitivity_cache=None)
     s = settings_from(args, load_config())
     assert (s.method, s.prune_order, s.refit) == ("prune", "energy", True)
