@@ -8,13 +8,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
 from compression.recovery.adapter import adapter_parameters
 from compression.recovery.checkpoint import load_checkpoint, save_checkpoint
 from compression.recovery.data import batch_indices
+from compression.recovery.distill import distill_backward
 from server.config import RecoveryConfig
 from server.errors import ConfigError
 
@@ -30,29 +30,13 @@ def lr_factor(step: int, cfg: RecoveryConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def kl_per_token(student_logits: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
-    """KL(teacher ‖ student) in nats, summed over the vocabulary and averaged over tokens (temperature 1).
-
-    Both [batch, seqlen, vocab]; teacher_logp is already log-softmaxed. Flattened to [num_tokens, vocab],
-    kl_div's "batchmean" divides the total by num_tokens, so this is the mean of per-token KLs.
-    """
-    vocab = student_logits.shape[-1]
-    student_logp = F.log_softmax(student_logits.float(), dim=-1).reshape(-1, vocab)
-    return F.kl_div(student_logp, teacher_logp.reshape(-1, vocab), log_target=True, reduction="batchmean")
-
-
-def teacher_log_probs(teacher: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """The frozen teacher's log-softmax [batch, seqlen, vocab] (float32, no graph; its logits are freed here)."""
-    with torch.no_grad():
-        return F.log_softmax(teacher(input_ids=batch).logits.float(), dim=-1)
-
-
-def step_loss(model: nn.Module, batch: torch.Tensor, cfg: RecoveryConfig, teacher: nn.Module | None) -> torch.Tensor:
-    """One batch's loss: next-token cross-entropy, or KL to the teacher per token (cfg.objective)."""
+def step_backward(model: nn.Module, batch: torch.Tensor, cfg: RecoveryConfig, teacher: nn.Module | None) -> float:
+    """One batch's loss, its gradients accumulated into .grad: next-token cross-entropy, or KL to the teacher."""
     if cfg.objective == "next_token":
-        return model(input_ids=batch, labels=batch).loss
-    target = teacher_log_probs(teacher, batch)
-    return kl_per_token(model(input_ids=batch).logits, target)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        return loss.item()
+    return distill_backward(model, teacher, batch)
 
 
 def train_adapters(model: nn.Module, windows: torch.Tensor, cfg: RecoveryConfig, ckpt_path: Path,
@@ -85,13 +69,12 @@ def train_adapters(model: nn.Module, windows: torch.Tensor, cfg: RecoveryConfig,
     bar = tqdm(range(start, end), initial=start, total=cfg.steps, desc="recovery", unit="step")
     for step in bar:
         batch = windows[batch_indices(step, len(windows), cfg.batch_size, cfg.seed)].to(device)
-        loss = step_loss(model, batch, cfg, teacher)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = step_backward(model, batch, cfg, teacher)
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         opt.step()
         sched.step()
-        losses.append(loss.item())
+        losses.append(loss)
         bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
         done = step + 1
         if done % cfg.checkpoint_every == 0 or done == end:

@@ -14,8 +14,9 @@ from compression.recovery import recover_artifact
 from compression.recovery.adapter import adapter_parameters, merge_adapters, prepare_training
 from compression.recovery.checkpoint import CHECKPOINT_NAME
 from compression.recovery.data import batch_indices
+from compression.recovery.distill import distill_backward, kl_per_token, teacher_log_probs
 from compression.recovery.recover import load_teacher
-from compression.recovery.train import kl_per_token, lr_factor, train_adapters
+from compression.recovery.train import lr_factor, train_adapters
 from server.config import RecoveryConfig, data_dir
 from server.errors import ConfigError
 from server.models.artifact import (FORMAT_VERSION, Manifest, ModuleRecord, SourceRecord, load_artifact, save_artifact,
@@ -208,6 +209,26 @@ def test_kl_per_token_is_the_mean_over_tokens_of_full_vocabulary_kls():
     per_token = (p * (teacher_logp - log_q)).sum(-1)  # [2, 3]
     torch.testing.assert_close(kl_per_token(student, teacher_logp), per_token.mean())
     assert kl_per_token(teacher, teacher_logp).abs() < 1e-6
+
+
+@pytest.mark.parametrize("chunk_tokens", [5, 16, 1000])
+def test_chunked_distill_step_matches_the_full_logits_kl_and_its_gradients(tiny_model_dir, windows, chunk_tokens):
+    teacher = load_teacher(tiny_model_dir, torch.device("cpu"))
+    model = _tiny_adapted(tiny_model_dir, train="factors")
+    torch.manual_seed(0)
+    with torch.no_grad():  # move the student off the teacher so the KL and its gradients are not ~0
+        for p in adapter_parameters(model):
+            p.add_(torch.randn_like(p) * p.std())
+    batch = windows[:2]
+    reference = kl_per_token(model(input_ids=batch).logits, teacher_log_probs(teacher, batch))
+    reference.backward()
+    expected = [p.grad.clone() for p in adapter_parameters(model)]
+    model.zero_grad(set_to_none=True)
+    loss = distill_backward(model, teacher, batch, chunk_tokens=chunk_tokens)
+    assert reference.item() > 1e-3
+    assert loss == pytest.approx(reference.item(), rel=1e-4)
+    for got, want in zip((p.grad for p in adapter_parameters(model)), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
 
 
 def test_distill_loss_decreases(tiny_model_dir, tmp_path, windows):

@@ -1,0 +1,79 @@
+"""Distillation loss KL(teacher ‖ student) per token, and a chunked step that never holds [tokens, vocab] tensors.
+
+The plain path (`kl_per_token` on full logits) materialises several [batch·seqlen, vocab] float32 tensors per step
+(teacher logits and log-probs, student logits, log-probs and their gradients): at batch 4 × 256 and SmolLM2's
+49 152-token vocabulary that is ~200 MB each, allocated and page-faulted afresh every step. `distill_backward`
+instead runs both models to their final hidden states and walks the LM head in chunks of tokens, using the
+closed-form gradient of KL(p ‖ softmax(z)) with respect to the student's logits z, softmax(z) − p, so each
+chunk's vocabulary-sized tensors are freed before the next and autograd only ever sees the hidden state.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# 128 tokens × 49 152 × 4 bytes = 25 MB a tensor: under glibc's largest mmap threshold (32 MiB), so the chunks are
+# reused from the heap instead of being mapped and faulted in again every step.
+CHUNK_TOKENS = 128
+
+
+def kl_per_token(student_logits: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    """KL(teacher ‖ student) in nats, summed over the vocabulary and averaged over tokens (temperature 1).
+
+    Both [..., vocab]; teacher_logp is already log-softmaxed. Flattened to [num_tokens, vocab], kl_div's
+    "batchmean" divides the total by num_tokens, so this is the mean of per-token KLs.
+    """
+    vocab = student_logits.shape[-1]
+    student_logp = F.log_softmax(student_logits.float(), dim=-1).reshape(-1, vocab)
+    return F.kl_div(student_logp, teacher_logp.reshape(-1, vocab), log_target=True, reduction="batchmean")
+
+
+def teacher_log_probs(teacher: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """The frozen teacher's log-softmax [batch, seqlen, vocab] (float32, no graph; its logits are freed here)."""
+    with torch.no_grad():
+        return F.log_softmax(teacher(input_ids=batch).logits.float(), dim=-1)
+
+
+def _plain_head(model: nn.Module) -> nn.Linear | None:
+    """The model's LM head when logits are exactly head(final hidden state) with a frozen, bias-free weight."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    plain = (isinstance(head, nn.Linear) and head.bias is None and not head.weight.requires_grad
+             and getattr(model.config, "final_logit_softcapping", None) is None
+             and getattr(model.config, "logit_scale", None) is None)
+    return head if plain else None
+
+
+def distill_backward(model: nn.Module, teacher: nn.Module, batch: torch.Tensor,
+                     chunk_tokens: int = CHUNK_TOKENS) -> float:
+    """Accumulate d KL(teacher ‖ student)/d params into .grad for one batch; returns the mean per-token KL.
+
+    Equal to `kl_per_token(model(batch).logits, teacher_log_probs(teacher, batch)).backward()` (tests check both
+    the value and the gradients); models whose logits are not a plain frozen linear head take that path.
+    """
+    head, teacher_head = _plain_head(model), _plain_head(teacher)
+    if head is None or teacher_head is None:
+        loss = kl_per_token(model(input_ids=batch).logits, teacher_log_probs(teacher, batch))
+        loss.backward()
+        return loss.item()
+    with torch.no_grad():
+        teacher_hidden = teacher.base_model(input_ids=batch).last_hidden_state
+    hidden = model.base_model(input_ids=batch).last_hidden_state
+    flat, teacher_flat = hidden.detach().reshape(-1, hidden.shape[-1]), teacher_hidden.reshape(-1, hidden.shape[-1])
+    num_tokens = flat.shape[0]
+    weight, teacher_weight = head.weight, teacher_head.weight
+    grad = torch.empty_like(flat)
+    total = 0.0
+    with torch.no_grad():
+        for lo in range(0, num_tokens, chunk_tokens):
+            rows = slice(lo, lo + chunk_tokens)
+            teacher_logp = F.log_softmax((teacher_flat[rows] @ teacher_weight.T).float(), dim=-1)
+            student_logp = F.log_softmax((flat[rows] @ weight.T).float(), dim=-1)
+            teacher_p = teacher_logp.exp()
+            total += (teacher_p * (teacher_logp - student_logp)).sum().item()
+            # d/dz Σ p (log p − log softmax z) = softmax(z) − p, per token; the mean over tokens divides by N.
+            dlogits = student_logp.exp_().sub_(teacher_p).div_(num_tokens)
+            grad[rows] = (dlogits.to(weight.dtype) @ weight).to(grad.dtype)
+    hidden.backward(grad.view_as(hidden))
+    return total / num_tokens
