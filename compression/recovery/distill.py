@@ -6,9 +6,15 @@ The plain path (`kl_per_token` on full logits) materialises several [batch·seql
 instead runs both models to their final hidden states and walks the LM head in chunks of tokens, using the
 closed-form gradient of KL(p ‖ softmax(z)) with respect to the student's logits z, softmax(z) − p, so each
 chunk's vocabulary-sized tensors are freed before the next and autograd only ever sees the hidden state.
+
+The leading decoder layers that the student holds frozen and identical to the teacher's (pruning keeps layers
+0-4 of SmolLM2 whole) compute the same thing in both: `shared_prefix_layers` counts them, and the student starts
+from the teacher's hidden state after them instead of running them again.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -45,12 +51,44 @@ def _plain_head(model: nn.Module) -> nn.Linear | None:
     return head if plain else None
 
 
-def distill_backward(model: nn.Module, teacher: nn.Module, batch: torch.Tensor,
+def _same_and_frozen(module: nn.Module, other: nn.Module) -> bool:
+    mine, theirs = module.state_dict(), other.state_dict()
+    return (not any(p.requires_grad for p in module.parameters()) and mine.keys() == theirs.keys()
+            and all(mine[k].shape == theirs[k].shape and torch.equal(mine[k], theirs[k]) for k in mine))
+
+
+def shared_prefix_layers(model: nn.Module, teacher: nn.Module) -> int:
+    """How many leading decoder layers (and the embedding) the student runs exactly as the teacher does."""
+    base, teacher_base = model.base_model, teacher.base_model
+    if not _same_and_frozen(base.embed_tokens, teacher_base.embed_tokens):
+        return 0
+    shared = 0
+    for layer, teacher_layer in zip(base.layers, teacher_base.layers):
+        if not _same_and_frozen(layer, teacher_layer):
+            break
+        shared += 1
+    return min(shared, len(base.layers) - 1)  # the student keeps at least one layer of its own to run
+
+
+@contextmanager
+def _layers_from(model: nn.Module, first: int):
+    """The decoder runs only layers[first:] inside the block (inputs_embeds then stands for layer first's input)."""
+    base = model.base_model
+    layers = base.layers
+    base.layers = nn.ModuleList(list(layers)[first:])
+    try:
+        yield
+    finally:
+        base.layers = layers
+
+
+def distill_backward(model: nn.Module, teacher: nn.Module, batch: torch.Tensor, shared_layers: int = 0,
                      chunk_tokens: int = CHUNK_TOKENS) -> float:
     """Accumulate d KL(teacher ‖ student)/d params into .grad for one batch; returns the mean per-token KL.
 
     Equal to `kl_per_token(model(batch).logits, teacher_log_probs(teacher, batch)).backward()` (tests check both
     the value and the gradients); models whose logits are not a plain frozen linear head take that path.
+    `shared_layers` (from `shared_prefix_layers`) leading layers are taken from the teacher's pass.
     """
     head, teacher_head = _plain_head(model), _plain_head(teacher)
     if head is None or teacher_head is None:
@@ -58,8 +96,14 @@ def distill_backward(model: nn.Module, teacher: nn.Module, batch: torch.Tensor,
         loss.backward()
         return loss.item()
     with torch.no_grad():
-        teacher_hidden = teacher.base_model(input_ids=batch).last_hidden_state
-    hidden = model.base_model(input_ids=batch).last_hidden_state
+        teacher_out = teacher.base_model(input_ids=batch, output_hidden_states=shared_layers > 0, use_cache=False)
+    teacher_hidden = teacher_out.last_hidden_state
+    if shared_layers:
+        with _layers_from(model, shared_layers):
+            hidden = model.base_model(inputs_embeds=teacher_out.hidden_states[shared_layers],
+                                      use_cache=False).last_hidden_state
+    else:
+        hidden = model.base_model(input_ids=batch, use_cache=False).last_hidden_state
     flat, teacher_flat = hidden.detach().reshape(-1, hidden.shape[-1]), teacher_hidden.reshape(-1, hidden.shape[-1])
     num_tokens = flat.shape[0]
     weight, teacher_weight = head.weight, teacher_head.weight

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from compression.recovery.adapter import adapter_parameters
 from compression.recovery.checkpoint import load_checkpoint, save_checkpoint
 from compression.recovery.data import batch_indices
-from compression.recovery.distill import distill_backward
+from compression.recovery.distill import distill_backward, shared_prefix_layers
 from server.config import RecoveryConfig
 from server.errors import ConfigError
 
@@ -30,13 +30,14 @@ def lr_factor(step: int, cfg: RecoveryConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def step_backward(model: nn.Module, batch: torch.Tensor, cfg: RecoveryConfig, teacher: nn.Module | None) -> float:
+def step_backward(model: nn.Module, batch: torch.Tensor, cfg: RecoveryConfig, teacher: nn.Module | None,
+                  shared_layers: int = 0) -> float:
     """One batch's loss, its gradients accumulated into .grad: next-token cross-entropy, or KL to the teacher."""
     if cfg.objective == "next_token":
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         return loss.item()
-    return distill_backward(model, teacher, batch)
+    return distill_backward(model, teacher, batch, shared_layers)
 
 
 def train_adapters(model: nn.Module, windows: torch.Tensor, cfg: RecoveryConfig, ckpt_path: Path,
@@ -63,6 +64,9 @@ def train_adapters(model: nn.Module, windows: torch.Tensor, cfg: RecoveryConfig,
         sched.load_state_dict(state["scheduler"])
         start, losses, wall_before = state["step"], list(state["losses"]), state["wall_s"]
         log.info("resuming recovery at step %d of %d", start, cfg.steps)
+    shared = shared_prefix_layers(model, teacher) if cfg.objective == "distill" else 0
+    if shared:
+        log.info("distillation: the student starts from the teacher's hidden state after %d shared layers", shared)
     model.train()
     t0 = time.perf_counter()
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
@@ -70,7 +74,7 @@ def train_adapters(model: nn.Module, windows: torch.Tensor, cfg: RecoveryConfig,
     for step in bar:
         batch = windows[batch_indices(step, len(windows), cfg.batch_size, cfg.seed)].to(device)
         opt.zero_grad(set_to_none=True)
-        loss = step_backward(model, batch, cfg, teacher)
+        loss = step_backward(model, batch, cfg, teacher, shared)
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         opt.step()
         sched.step()

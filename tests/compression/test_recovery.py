@@ -14,7 +14,7 @@ from compression.recovery import recover_artifact
 from compression.recovery.adapter import adapter_parameters, merge_adapters, prepare_training
 from compression.recovery.checkpoint import CHECKPOINT_NAME
 from compression.recovery.data import batch_indices
-from compression.recovery.distill import distill_backward, kl_per_token, teacher_log_probs
+from compression.recovery.distill import distill_backward, kl_per_token, shared_prefix_layers, teacher_log_probs
 from compression.recovery.recover import load_teacher
 from compression.recovery.train import lr_factor, train_adapters
 from server.config import RecoveryConfig, data_dir
@@ -229,6 +229,29 @@ def test_chunked_distill_step_matches_the_full_logits_kl_and_its_gradients(tiny_
     assert loss == pytest.approx(reference.item(), rel=1e-4)
     for got, want in zip((p.grad for p in adapter_parameters(model)), expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+
+
+def test_student_starts_after_the_layers_it_shares_with_the_teacher(tiny_model_dir, windows):
+    teacher = load_teacher(tiny_model_dir, torch.device("cpu"))
+    student = load_teacher(tiny_model_dir, torch.device("cpu"))  # layer 0 stays the teacher's; layer 1's MLP trains
+    assert shared_prefix_layers(student, teacher) == 1  # every layer equal: the student still runs its last
+    torch.manual_seed(0)
+    trained = list(student.model.layers[1].mlp.parameters())
+    with torch.no_grad():
+        for p in trained:
+            p.add_(torch.randn_like(p) * p.std()).requires_grad_(True)
+    assert shared_prefix_layers(student, teacher) == 1
+    batch = windows[:2]
+    reference = kl_per_token(student(input_ids=batch).logits, teacher_log_probs(teacher, batch))
+    reference.backward()
+    expected = [p.grad.clone() for p in trained]
+    student.zero_grad(set_to_none=True)
+    assert distill_backward(student, teacher, batch, shared_layers=1) == pytest.approx(reference.item(), rel=1e-4)
+    for got, want in zip((p.grad for p in trained), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    assert len(student.model.layers) == 2  # the layers are put back after the step
+    student.model.layers[0].mlp.up_proj.weight.requires_grad_(True)
+    assert shared_prefix_layers(student, teacher) == 0  # a trained layer 0 is not shared
 
 
 def test_distill_loss_decreases(tiny_model_dir, tmp_path, windows):
