@@ -86,17 +86,20 @@ def _intermediate_input(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
 
 
-def _mlp_pass(layer: nn.Module, hidden: torch.Tensor, kwargs: dict,
-              batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(G = HᵀH of the layer's intermediate h on hidden, residual, normed MLP input); attention runs once."""
+def _refit_inputs(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int,
+                  keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(G = HᵀH of the layer's unpruned intermediate h on hidden, residual, h[..., keep] per batch).
+
+    Attention runs once; the kept columns of h are what the pruned gate/up will compute (their rows are unchanged),
+    so the layer's pruned output needs only down_proj on them, not a second MLP pass.
+    """
     residual, normed = mlp_inputs(layer, hidden, kwargs, batch_size)
-    g = sum(gram(_intermediate_input(layer.mlp, x)) for x in normed.split(batch_size))
-    return g, residual, normed
-
-
-def _advance(layer: nn.Module, residual: torch.Tensor, normed: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """The layer's output from its captured MLP inputs (residual + mlp(normed)), without re-running attention."""
-    return torch.cat([r + layer.mlp(x) for r, x in zip(residual.split(batch_size), normed.split(batch_size))])
+    g, kept = None, []
+    for x in normed.split(batch_size):
+        h = _intermediate_input(layer.mlp, x)
+        g = gram(h) if g is None else g + gram(h)
+        kept.append(h[..., keep])
+    return g, residual, kept
 
 
 def layer_stats(model: nn.Module, windows: torch.Tensor, batch_size: int) -> list[LayerStats]:
@@ -304,16 +307,17 @@ def apply_plan(model: nn.Module, plan: PrunePlan, windows: torch.Tensor | None =
     for layer, keep in tqdm(list(zip(layers, plan.keep)), desc="prune: refit down_proj", unit="layer"):
         mlp = layer.mlp
         if len(keep) != mlp.gate_proj.out_features:
-            g, residual, normed = _mlp_pass(layer, hidden, kwargs, batch_size)
+            g, residual, kept = _refit_inputs(layer, hidden, kwargs, batch_size, keep)
             W = mlp.down_proj.weight
             new = refit_down(W, keep, g, damp)
             errors.append([round(output_rel_error(W, W[:, keep], keep, g), 6),
                            round(output_rel_error(W, new, keep, g), 6)])
             prune_mlp(mlp, keep, new)
+            hidden = torch.cat([r + mlp.down_proj(h) for r, h in zip(residual.split(batch_size), kept)])
         else:
             residual, normed = mlp_inputs(layer, hidden, kwargs, batch_size)
             errors.append([0.0, 0.0])
-        hidden = _advance(layer, residual, normed, batch_size)
+            hidden = torch.cat([r + mlp(x) for r, x in zip(residual.split(batch_size), normed.split(batch_size))])
     return {"refit": True, "damp": damp, "rel_error": errors}
 
 

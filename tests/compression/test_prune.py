@@ -192,3 +192,25 @@ def test_refit_plan_runs_and_lowers_layer_error(tiny, windows, stats):
         assert after <= before + 1e-9
         assert (before > 0) == (k > 0)
     assert torch.isfinite(_logits(model, windows[:2])).all()
+
+
+def test_refit_solves_each_layer_on_the_pruned_models_own_inputs(tiny, windows, stats):
+    orders = removal_orders(tiny, stats, "obs", INTER - BLOCK)
+    plan = make_plan(orders, INTER, HIDDEN, 0.6, BLOCK, "global")
+    model = copy.deepcopy(tiny)
+    apply_plan(model, plan, windows, batch_size=4, refit=True)
+    inputs = {}
+    hooks = [layer.mlp.register_forward_pre_hook(lambda _m, args, i=i: inputs.__setitem__(i, args[0]))
+             for i, layer in enumerate(model.model.layers)]
+    _logits(model, windows)
+    for h in hooks:
+        h.remove()
+    pruned = [i for i, k in enumerate(plan.removed_blocks) if k]
+    assert len(pruned) >= 2  # a later layer's inputs depend on the earlier layers' refit outputs
+    for i in pruned:
+        dense = tiny.model.layers[i].mlp
+        with torch.no_grad():
+            h = dense.act_fn(dense.gate_proj(inputs[i])) * dense.up_proj(inputs[i])
+        g = (h.reshape(-1, INTER).double().T @ h.reshape(-1, INTER).double())
+        expected = refit_down(dense.down_proj.weight, plan.keep[i], g)
+        torch.testing.assert_close(model.model.layers[i].mlp.down_proj.weight.double(), expected, rtol=1e-4, atol=1e-6)
