@@ -4,8 +4,9 @@ Removing channel j of a Llama MLP removes row j of gate_proj and up_proj and col
 3·hidden parameters, one narrower matmul per projection, tile-aligned when whole blocks of `block` channels go.
 
 Scores come from one calibration pass over the DENSE model (the C4 windows `neuronmm compress` uses, same
-helpers): for every layer, h = act(gate x)·(up x) on the normed MLP inputs x, and its Gram G = HᵀH (float64,
-compression.statistics: it is the down_proj input XᵀX the whitened SVD uses).
+helpers): for every layer, h = act(gate x)·(up x) on the normed MLP inputs x, and its Gram G = HᵀH (float32 products
+summed over batches in float64, compression.statistics.gram_float32: the down_proj input XᵀX the whitened SVD
+computes in float64).
 
 - "energy": s_j = E[h_j²]·‖down[:, j]‖², the expected squared contribution of channel j to the MLP output
   (the diagonal of the output error ‖H_S down_Sᵀ‖² of removing a set S; ignores cross terms).
@@ -39,7 +40,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from compression.statistics import capture_layer0_inputs, dense_mlp_grams, gram, mlp_inputs
+from compression.statistics import capture_layer0_inputs, dense_mlp_grams, gram_float32, mlp_inputs
 from server.models.compressed import linear_with
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ def _refit_inputs(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_si
     g, kept = None, []
     for x in normed.split(batch_size):
         h = _intermediate_input(layer.mlp, x)
-        g = gram(h) if g is None else g + gram(h)
+        g = gram_float32(h) if g is None else g + gram_float32(h)
         kept.append(h[..., keep])
     return g, residual, kept
 
@@ -107,7 +108,7 @@ def layer_stats(model: nn.Module, windows: torch.Tensor, batch_size: int) -> lis
     with torch.no_grad():
         hidden, kwargs = capture_layer0_inputs(model, windows, batch_size)
     return [LayerStats(xtx_down, windows.numel()) for _, _, _, xtx_down in
-            dense_mlp_grams(model, hidden, kwargs, batch_size, "prune: channel statistics")]
+            dense_mlp_grams(model, hidden, kwargs, batch_size, "prune: channel statistics", gram_float32)]
 
 
 def energy_scores(stats: LayerStats, down_weight: torch.Tensor) -> torch.Tensor:

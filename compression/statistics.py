@@ -39,6 +39,17 @@ def gram(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.triu(upper) + np.triu(upper, 1).T)
 
 
+def gram_float32(x: torch.Tensor) -> torch.Tensor:
+    """XᵀX from float32 products (ssyrk, twice dsyrk's speed), returned float64 so callers sum batches in float64.
+
+    For statistics that rank or ridge-solve (structured pruning's channel orders and refit), where one batch's
+    float32 rounding (~1e-6 relative) is far below the calibration noise; the SVD whitening's Cholesky keeps `gram`.
+    """
+    flat = x.detach().reshape(-1, x.shape[-1]).to(torch.float32).numpy()
+    upper = blas.ssyrk(1.0, flat.T, trans=0).astype(np.float64)
+    return torch.from_numpy(np.triu(upper) + np.triu(upper, 1).T)
+
+
 def batched_gram(x: torch.Tensor, batch_size: int) -> torch.Tensor:
     """gram(x) accumulated over batches of the leading dim (bounds the float64 copy to one batch)."""
     return sum(gram(x[start:start + batch_size]) for start in range(0, x.shape[0], batch_size))
@@ -139,12 +150,14 @@ def cross_gram(a: torch.Tensor, b: torch.Tensor, batch_size: int) -> torch.Tenso
     return total
 
 
-def dense_mlp_grams(model: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int, desc: str):
+def dense_mlp_grams(model: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int, desc: str,
+                    down_gram=gram):
     """Yield (layer index, layer, gate/up input XᵀX, down input XᵀX) for every layer of the DENSE model, float64.
 
     hidden: the calibration hidden states entering layer 0 (capture_layer0_inputs). gate and up share one XᵀX (the
-    normed MLP input); down's input is act(gate)·up. The next layer's input is the residual plus the MLP output
-    computed here (no second pass through the layer). The layer is still dense when the caller receives it.
+    normed MLP input); down's input is act(gate)·up, its XᵀX summed over batches of `down_gram` (gram_float32 for
+    pruning). The next layer's input is the residual plus the MLP output computed here (no second pass through
+    the layer). The layer is still dense when the caller receives it.
     """
     layers = model.model.layers
     with torch.no_grad():
@@ -157,7 +170,7 @@ def dense_mlp_grams(model: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_
             for start in range(0, normed.shape[0], batch_size):
                 x = normed[start:start + batch_size]
                 m = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
-                xtx_down = gram(m) if xtx_down is None else xtx_down + gram(m)
+                xtx_down = down_gram(m) if xtx_down is None else xtx_down + down_gram(m)
                 outs.append(residual[start:start + batch_size] + mlp.down_proj(m))
             del residual, normed
             yield i, layer, xtx, xtx_down

@@ -79,3 +79,14 @@ def test_gram_is_float64_symmetric_xtx_over_leading_dims():
     assert g.dtype == torch.float64 and g.shape == (9, 9)
     assert torch.equal(g, g.T)
     torch.testing.assert_close(g, flat.T @ flat, rtol=1e-12, atol=1e-10)
+
+
+def test_gram_float32_is_symmetric_and_within_float32_rounding_of_the_float64_gram():
+    from compression.statistics import gram, gram_float32
+
+    x = torch.randn(4, 256, 48, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
+    g32, g64 = gram_float32(x), gram(x)
+    assert g32.dtype == torch.float64 and torch.equal(g32, g32.T)
+    scale = g64.diagonal().sqrt()
+    relative = (g32 - g64) / torch.outer(scale, scale)  # error per entry against the Cauchy-Schwarz bound
+    assert relative.abs().max() < 1e-5 and not torch.equal(g32, g64)
