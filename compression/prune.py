@@ -108,7 +108,8 @@ def layer_stats(model: nn.Module, windows: torch.Tensor, batch_size: int) -> lis
     with torch.no_grad():
         hidden, kwargs = capture_layer0_inputs(model, windows, batch_size)
     return [LayerStats(xtx_down, windows.numel()) for _, _, _, xtx_down in
-            dense_mlp_grams(model, hidden, kwargs, batch_size, "prune: channel statistics", gram_float32)]
+            dense_mlp_grams(model, hidden, kwargs, batch_size, "prune: channel statistics", gram_float32,
+                            input_gram=False)]
 
 
 def energy_scores(stats: LayerStats, down_weight: torch.Tensor) -> torch.Tensor:

@@ -151,13 +151,13 @@ def cross_gram(a: torch.Tensor, b: torch.Tensor, batch_size: int) -> torch.Tenso
 
 
 def dense_mlp_grams(model: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int, desc: str,
-                    down_gram=gram):
+                    down_gram=gram, input_gram: bool = True):
     """Yield (layer index, layer, gate/up input XᵀX, down input XᵀX) for every layer of the DENSE model, float64.
 
     hidden: the calibration hidden states entering layer 0 (capture_layer0_inputs). gate and up share one XᵀX (the
     normed MLP input); down's input is act(gate)·up, its XᵀX summed over batches of `down_gram` (gram_float32 for
-    pruning). The next layer's input is the residual plus the MLP output computed here (no second pass through
-    the layer). The layer is still dense when the caller receives it.
+    pruning), the gate/up one skipped (None) without input_gram. The next layer's input is the residual plus the MLP
+    output computed here (no second pass through the layer). The layer is still dense when the caller receives it.
     """
     layers = model.model.layers
     with torch.no_grad():
@@ -165,7 +165,7 @@ def dense_mlp_grams(model: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_
             layer = layers[i]
             mlp = layer.mlp
             residual, normed = mlp_inputs(layer, hidden, kwargs, batch_size)
-            xtx = batched_gram(normed, batch_size)
+            xtx = batched_gram(normed, batch_size) if input_gram else None
             xtx_down, outs = None, []
             for start in range(0, normed.shape[0], batch_size):
                 x = normed[start:start + batch_size]
