@@ -7,8 +7,8 @@ instead runs both models to their final hidden states and walks the LM head in c
 closed-form gradient of KL(p ‖ softmax(z)) with respect to the student's logits z, softmax(z) − p, so each
 chunk's vocabulary-sized tensors are freed before the next and autograd only ever sees the hidden state.
 
-The leading decoder layers that the student holds frozen and identical to the teacher's (pruning keeps layers
-0-4 of SmolLM2 whole) compute the same thing in both: `shared_prefix_layers` counts them, and the student starts
+The leading decoder layers that the student holds frozen and identical to the teacher's (pruning keeps the first
+5-6 layers of SmolLM2 whole) compute the same thing in both: `shared_prefix_layers` counts them, and the student starts
 from the teacher's hidden state after them instead of running them again.
 """
 
