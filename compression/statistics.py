@@ -35,8 +35,7 @@ def gram(x: torch.Tensor) -> torch.Tensor:
     flat = x.detach().reshape(-1, x.shape[-1]).to(torch.float64).numpy()
     # BLAS syrk computes one triangle only: half the flops of flat.T @ flat, the bulk of compression time.
     # flat.T of a C-ordered array is Fortran-ordered, so SciPy passes it without a copy.
-    upper = blas.dsyrk(1.0, flat.T, trans=0)
-    return torch.from_numpy(np.triu(upper) + np.triu(upper, 1).T)
+    return _symmetric(blas.dsyrk(1.0, flat.T, trans=0))
 
 
 def gram_float32(x: torch.Tensor) -> torch.Tensor:
@@ -46,7 +45,11 @@ def gram_float32(x: torch.Tensor) -> torch.Tensor:
     float32 rounding (~1e-6 relative) is far below the calibration noise; the SVD whitening's Cholesky keeps `gram`.
     """
     flat = x.detach().reshape(-1, x.shape[-1]).to(torch.float32).numpy()
-    upper = blas.ssyrk(1.0, flat.T, trans=0).astype(np.float64)
+    return _symmetric(blas.ssyrk(1.0, flat.T, trans=0).astype(np.float64))
+
+
+def _symmetric(upper: np.ndarray) -> torch.Tensor:
+    """The full symmetric matrix from the upper triangle BLAS syrk fills."""
     return torch.from_numpy(np.triu(upper) + np.triu(upper, 1).T)
 
 
