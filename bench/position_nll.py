@@ -29,8 +29,6 @@ from compression.evaluation.model import load_eval_model
 from compression.evaluation.perplexity import token_windows
 from server.config import load_config
 
-log = logging.getLogger(__name__)
-
 EDGES = (0, 64, 256, 512, 1024, 2048)
 
 
@@ -88,13 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config)
-    nll, windows_total = {}, 0
+    nll, windows, windows_total = {}, None, 0
     for name, compressed in (("dense", None), ("compressed", args.compressed)):
         model, tokenizer, _ = load_eval_model(cfg, compressed, args.num_threads)
-        ids = torch.tensor(tokenizer(corpus_text("wikitext2"), verbose=False)["input_ids"], dtype=torch.long)
-        all_windows = token_windows(ids, args.seqlen)
-        windows_total = len(all_windows)
-        windows = spread_windows(all_windows, args.windows)
+        if windows is None:  # both models share the tokenizer: the same windows for both
+            ids = torch.tensor(tokenizer(corpus_text("wikitext2"), verbose=False)["input_ids"], dtype=torch.long)
+            all_windows = token_windows(ids, args.seqlen)
+            windows_total, windows = len(all_windows), spread_windows(all_windows, args.windows)
         nll[name] = position_nll(model, windows, name)
         del model
     dense, comp = nll["dense"], nll["compressed"]

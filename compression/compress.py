@@ -25,7 +25,7 @@ from compression.sensitivity import dense_mlp_spectra, output_fisher
 from compression.recovery.recover import evaluation_documents
 from compression.refit import dense_output_rel_error, refit_b
 from compression.statistics import (MLP, batched_gram, capture_layer0_inputs, cross_gram, gram, input_grams,
-                                    mlp_inputs, single_threaded_lapack)
+                                    mlp_inputs, mlp_intermediate, single_threaded_lapack)
 from compression.whiten import activation_rel_error, damped_cholesky, plain_factors, whitened_factors
 from server.config import CompressionConfig, data_path
 from server.errors import ConfigError
@@ -201,7 +201,7 @@ def _mlp_pass(comp: _Compressor, layer: nn.Module, i: int, hidden, kwargs, bs: i
     with torch.no_grad():
         for start in range(0, normed.shape[0], bs):
             x = normed[start:start + bs]
-            m = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+            m = mlp_intermediate(mlp, x)
             xtx_down = gram(m) if xtx_down is None else xtx_down + gram(m)
             inner.append(m)
     refit = None

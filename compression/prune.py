@@ -40,7 +40,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from compression.statistics import capture_layer0_inputs, dense_mlp_grams, gram_float32, mlp_inputs
+from compression.statistics import (capture_layer0_inputs, dense_mlp_grams, gram_float32, mlp_inputs,
+                                   mlp_intermediate)
 from server.models.compressed import linear_with
 
 log = logging.getLogger(__name__)
@@ -83,10 +84,6 @@ class PrunePlan:
     record: dict = field(default_factory=dict)
 
 
-def _intermediate_input(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
-
-
 def _refit_inputs(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int,
                   keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """(G = HᵀH of the layer's unpruned intermediate h on hidden, residual, h[..., keep] per batch).
@@ -97,7 +94,7 @@ def _refit_inputs(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_si
     residual, normed = mlp_inputs(layer, hidden, kwargs, batch_size)
     g, kept = None, []
     for x in normed.split(batch_size):
-        h = _intermediate_input(layer.mlp, x)
+        h = mlp_intermediate(layer.mlp, x)
         g = gram_float32(h) if g is None else g + gram_float32(h)
         kept.append(h[..., keep])
     return g, residual, kept

@@ -153,6 +153,11 @@ def cross_gram(a: torch.Tensor, b: torch.Tensor, batch_size: int) -> torch.Tenso
     return total
 
 
+def mlp_intermediate(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A Llama MLP's down_proj input act(gate x)·(up x) for its normed input x."""
+    return mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+
+
 def dense_mlp_grams(model: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int, desc: str,
                     down_gram=gram, input_gram: bool = True):
     """Yield (layer index, layer, gate/up input XᵀX, down input XᵀX) for every layer of the DENSE model, float64.
@@ -172,7 +177,7 @@ def dense_mlp_grams(model: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_
             xtx_down, outs = None, []
             for start in range(0, normed.shape[0], batch_size):
                 x = normed[start:start + batch_size]
-                m = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+                m = mlp_intermediate(mlp, x)
                 xtx_down = down_gram(m) if xtx_down is None else xtx_down + down_gram(m)
                 outs.append(residual[start:start + batch_size] + mlp.down_proj(m))
             del residual, normed
