@@ -87,3 +87,20 @@ def test_acc_norm_divides_by_characters():
     # Raw log-likelihood favours the short choice; per character the long one wins.
     assert zeroshot.predictions([-10.0, -12.0], ("cat", "a much longer answer")) == (0, 1)
     assert zeroshot.predictions([-3.0, -2.0], ("aa", "bb")) == (1, 1)
+
+
+def test_standard_errors_are_the_harness_mean_stderr_of_the_outcomes(tokenizer):
+    """lm-evaluation-harness reports stdev(outcomes, ddof=1) / sqrt(n) for acc and acc_norm; so must we."""
+    import math
+    import statistics
+
+    yes = tokenizer(" yes", add_special_tokens=False)["input_ids"][0]
+    model = _forced_model(len(tokenizer), yes)  # always answers " yes"
+    golds = [1, 1, 0, 1, 0]
+    items = [MCItem((("Is it?", " no"), ("Is it?", " yes")), g, ("no", "yes")) for g in golds]
+    result = zeroshot.evaluate_task(model, tokenizer, TaskSpec("forced", lambda: items, has_acc_norm=True))
+    outcomes = [float(g == 1) for g in golds]
+    harness = statistics.stdev(outcomes) / math.sqrt(len(outcomes))
+    assert result.acc == pytest.approx(0.6) and result.acc_stderr == pytest.approx(harness, rel=1e-12)
+    assert result.acc_norm_stderr == pytest.approx(harness, rel=1e-12)
+    assert harness != pytest.approx(math.sqrt(0.6 * 0.4 / 5))  # the population form would differ
