@@ -103,6 +103,9 @@ class RecoveryConfig(_Strict):
     objective: Literal["next_token", "distill"] = "next_token"  # distill: KL(dense teacher || student) per token
     train: Literal["lora", "factors"] = "lora"  # factors: the LowRankLinear A, B themselves, no adapters
     steps: int = Field(200, ge=1)
+    # distinct training windows; None: steps × batch_size, every step new text. Fewer are revisited epoch by epoch
+    # (with distill, the teacher's states are cached: a revisited step skips the teacher)
+    windows: int | None = Field(None, ge=1)
     lr: float | None = Field(None, gt=0, allow_inf_nan=False)  # None: learning_rate's default for `train`
     seqlen: int = Field(256, ge=1)
     batch_size: int = Field(4, ge=1)

@@ -123,7 +123,7 @@ def recover_artifact(artifact_dir: Path, model_dir: Path, cfg: RecoveryConfig | 
     calibration = calibration_document_ids(manifest, path, tokenizer)
     held_out = evaluation_documents(path)
     docs, data_sha, num_excluded = recovery_documents(path, calibration | held_out)
-    windows = token_windows(tokenizer, docs, rcfg.seqlen, max_windows=rcfg.steps * rcfg.batch_size)
+    windows = token_windows(tokenizer, docs, rcfg.seqlen, max_windows=rcfg.windows or rcfg.steps * rcfg.batch_size)
     torch.manual_seed(rcfg.seed)
     model, names = load_adapted_model(Path(model_dir), manifest, tensors, rcfg, device)
     teacher = load_teacher(Path(model_dir), device) if rcfg.objective == "distill" else None
@@ -150,7 +150,8 @@ def recover_artifact(artifact_dir: Path, model_dir: Path, cfg: RecoveryConfig | 
         "evaluation_documents_excluded": len(held_out), "documents_excluded": num_excluded,
         "calibration": manifest.calibration.model_dump(include={"samples", "seqlen", "seed"})
         if manifest.calibration else None,
-        "num_windows": len(windows), "seed": rcfg.seed, "device": str(device),
+        "num_windows": len(windows), "epochs": round(rcfg.steps * rcfg.batch_size / len(windows), 3),
+        "teacher_cache": run.get("teacher_cache"), "seed": rcfg.seed, "device": str(device),
         "wall_s": round(run["wall_s"], 2), "total_wall_s": round(time.perf_counter() - t0, 2),
         "peak_rss_mib": round(_peak_rss_mib(), 1),
         "config": rcfg.model_dump(),

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from compression.recovery.adapter import adapter_parameters
 from compression.recovery.checkpoint import load_checkpoint, save_checkpoint
 from compression.recovery.data import batch_indices
-from compression.recovery.distill import distill_backward, shared_prefix_layers
+from compression.recovery.distill import TeacherCache, can_cache_teacher, distill_backward, shared_prefix_layers
 from server.config import RecoveryConfig
 from server.errors import ConfigError
 
@@ -31,21 +31,26 @@ def lr_factor(step: int, cfg: RecoveryConfig) -> float:
 
 
 def step_backward(model: nn.Module, batch: torch.Tensor, cfg: RecoveryConfig, teacher: nn.Module | None,
-                  shared_layers: int = 0) -> float:
-    """One batch's loss, its gradients accumulated into .grad: next-token cross-entropy, or KL to the teacher."""
+                  shared_layers: int = 0, cache: TeacherCache | None = None,
+                  indices: torch.Tensor | None = None) -> float:
+    """One batch's loss, its gradients accumulated into .grad: next-token cross-entropy, or KL to the teacher
+    (whose states for the windows `indices` come from `cache` when given)."""
     if cfg.objective == "next_token":
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         return loss.item()
-    return distill_backward(model, teacher, batch, shared_layers)
+    states = None if cache is None else cache.states(teacher, batch, indices, shared_layers)
+    return distill_backward(model, teacher, batch, shared_layers, states=states)
 
 
 def train_adapters(model: nn.Module, windows: torch.Tensor, cfg: RecoveryConfig, ckpt_path: Path,
-                   resume: bool = False, stop_after: int | None = None, teacher: nn.Module | None = None) -> dict:
-    """Train the model's recovery parameters for cfg.steps; returns {losses, tokens, wall_s, resumed_from}.
+                   resume: bool = False, stop_after: int | None = None, teacher: nn.Module | None = None,
+                   cache_teacher: bool = True) -> dict:
+    """Train the model's recovery parameters for cfg.steps; returns {losses, tokens, wall_s, resumed_from, ...}.
 
-    `teacher` (frozen, eval) is required with cfg.objective "distill". `stop_after` ends the run early after
-    that many steps (tests use it to simulate an interruption).
+    `teacher` (frozen, eval) is required with cfg.objective "distill"; when the steps revisit windows (more
+    steps × batch than windows) its states are cached per window unless `cache_teacher` is off. `stop_after` ends
+    the run early after that many steps (tests use it to simulate an interruption).
     """
     if cfg.objective == "distill" and teacher is None:
         raise ValueError("objective distill needs a teacher model")
@@ -67,14 +72,18 @@ def train_adapters(model: nn.Module, windows: torch.Tensor, cfg: RecoveryConfig,
     shared = shared_prefix_layers(model, teacher) if cfg.objective == "distill" else 0
     if shared:
         log.info("distillation: the student starts from the teacher's hidden state after %d shared layers", shared)
+    revisits = cfg.steps * cfg.batch_size > len(windows)
+    cache = (TeacherCache() if cfg.objective == "distill" and revisits and cache_teacher
+             and can_cache_teacher(model, teacher) else None)
     model.train()
     t0 = time.perf_counter()
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
     bar = tqdm(range(start, end), initial=start, total=cfg.steps, desc="recovery", unit="step")
     for step in bar:
-        batch = windows[batch_indices(step, len(windows), cfg.batch_size, cfg.seed)].to(device)
+        indices = batch_indices(step, len(windows), cfg.batch_size, cfg.seed)
+        batch = windows[indices].to(device)
         opt.zero_grad(set_to_none=True)
-        loss = step_backward(model, batch, cfg, teacher, shared)
+        loss = step_backward(model, batch, cfg, teacher, shared, cache, indices)
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         opt.step()
         sched.step()
@@ -88,6 +97,11 @@ def train_adapters(model: nn.Module, windows: torch.Tensor, cfg: RecoveryConfig,
                 "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                 "wall_s": wall_before + time.perf_counter() - t0})
     model.eval()
-    return {"losses": losses, "tokens": len(losses) * cfg.batch_size * cfg.seqlen,
-            "wall_s": wall_before + time.perf_counter() - t0, "resumed_from": start,
-            "completed": len(losses) >= cfg.steps}
+    run = {"losses": losses, "tokens": len(losses) * cfg.batch_size * cfg.seqlen,
+           "wall_s": wall_before + time.perf_counter() - t0, "resumed_from": start,
+           "completed": len(losses) >= cfg.steps}
+    if cache is not None:
+        run["teacher_cache"] = {"batches_from_cache": cache.hits, "batches_run": cache.misses,
+                                "mib": round(cache.nbytes / 2**20, 1)}
+        log.info("teacher cache: %d batches read, %d run, %.0f MiB", cache.hits, cache.misses, cache.nbytes / 2**20)
+    return run

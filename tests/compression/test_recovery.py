@@ -14,7 +14,8 @@ from compression.recovery import recover_artifact
 from compression.recovery.adapter import adapter_parameters, merge_adapters, prepare_training
 from compression.recovery.checkpoint import CHECKPOINT_NAME
 from compression.recovery.data import batch_indices
-from compression.recovery.distill import distill_backward, kl_per_token, shared_prefix_layers, teacher_log_probs
+from compression.recovery.distill import (TeacherCache, distill_backward, kl_per_token, shared_prefix_layers,
+                                         teacher_log_probs, teacher_states)
 from compression.recovery.recover import load_teacher
 from compression.recovery.train import lr_factor, train_adapters
 from server.config import RecoveryConfig, data_dir
@@ -254,6 +255,51 @@ def test_student_starts_after_the_layers_it_shares_with_the_teacher(tiny_model_d
     assert shared_prefix_layers(student, teacher) == 0  # a trained layer 0 is not shared
 
 
+def _counting_calls(module: torch.nn.Module) -> list[int]:
+    calls = []
+    module.register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+def test_revisited_windows_read_the_teacher_from_the_cache_and_train_the_same(tmp_path, tiny_model_dir, windows):
+    teacher = load_teacher(tiny_model_dir, torch.device("cpu"))
+    calls = _counting_calls(teacher.base_model)
+    cfg = _small_cfg(objective="distill", train="factors", lr=1e-3, steps=15, checkpoint_every=5)  # 30 rows, 12 windows
+    cached = _tiny_adapted(tiny_model_dir, train="factors")
+    run = train_adapters(cached, windows, cfg, tmp_path / "a.pt", teacher=teacher)
+    assert run["teacher_cache"]["batches_run"] == len(calls) == 6  # the first epoch's six batches, nothing after
+    assert run["teacher_cache"]["batches_from_cache"] == 9 and run["teacher_cache"]["mib"] > 0
+    calls.clear()
+    plain = _tiny_adapted(tiny_model_dir, train="factors")
+    reference = train_adapters(plain, windows, cfg, tmp_path / "b.pt", teacher=teacher, cache_teacher=False)
+    assert len(calls) == 15 and "teacher_cache" not in reference
+    assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    for a, b in zip(adapter_parameters(cached), adapter_parameters(plain), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # interrupted in the second epoch and resumed with an empty cache: the same weights again
+    part = _tiny_adapted(tiny_model_dir, train="factors")
+    train_adapters(part, windows, cfg, tmp_path / "c.pt", teacher=teacher, stop_after=10)
+    train_adapters(part, windows, cfg, tmp_path / "c.pt", teacher=teacher, resume=True)
+    for a, b in zip(adapter_parameters(part), adapter_parameters(plain), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_teacher_cache_keeps_the_shared_prefix_state_per_window(tiny_model_dir, windows):
+    teacher = load_teacher(tiny_model_dir, torch.device("cpu"))
+    calls = _counting_calls(teacher.base_model)
+    cache = TeacherCache()
+    first = cache.states(teacher, windows[[0, 1]], torch.tensor([0, 1]), shared_layers=1)
+    again = cache.states(teacher, windows[[1, 0]], torch.tensor([1, 0]), shared_layers=1)  # other batch, same windows
+    assert len(calls) == 1 and (cache.hits, cache.misses) == (1, 1)
+    fresh = teacher_states(teacher, windows[[1, 0]], shared_layers=1)
+    torch.testing.assert_close(again.prefix, fresh.prefix, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(again.final, fresh.final, rtol=1e-5, atol=1e-6)
+    assert torch.equal(again.final[1], first.final[0])
+    cache.states(teacher, windows[[0, 2]], torch.tensor([0, 2]), shared_layers=1)  # window 2 is new: the teacher runs
+    assert len(calls) == 3 and cache.misses == 2  # (one of the three is `fresh` above)
+    assert cache.nbytes == 3 * 2 * windows.shape[1] * teacher.config.hidden_size * 4  # prefix and final, 3 windows
+
+
 def test_distill_loss_decreases(tiny_model_dir, tmp_path, windows):
     teacher = load_teacher(tiny_model_dir, torch.device("cpu"))
     model = _tiny_adapted(tiny_model_dir)
@@ -285,10 +331,12 @@ def test_train_factors_changes_only_the_factors(tiny_model_dir, tmp_path, window
                                            ("factors", "distill-kl/full-factors")])
 def test_distilled_artifact_records_objective_and_loads_in_the_server(train, method, artifact, tiny_model_dir):
     before = load_file(str(artifact / "factors.safetensors"))
-    block = recover_artifact(artifact, tiny_model_dir, _small_cfg(objective="distill", train=train, steps=4),
+    block = recover_artifact(artifact, tiny_model_dir, _small_cfg(objective="distill", train=train, steps=4, windows=4),
                              data_path=C4)
     recovery = json.loads((artifact / "manifest.json").read_text())["recovery"]
     assert recovery == block
+    assert (recovery["num_windows"], recovery["epochs"]) == (4, 2.0)  # 4 steps x 2 rows over 4 windows
+    assert recovery["teacher_cache"]["batches_from_cache"] == 2
     assert (recovery["objective"], recovery["train"], recovery["method"]) == ("distill", train, method)
     assert ("adapter_rank" in recovery) == (train == "lora") and recovery["lr"] == pytest.approx(1e-2)
     _, after = load_artifact(artifact)
