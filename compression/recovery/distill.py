@@ -129,9 +129,14 @@ class TeacherCache:
             self._rows[k] = (None if states.prefix is None else states.prefix[i], states.final[i])
         return states
 
+    @staticmethod
+    def bytes_needed(num_windows: int, seqlen: int, hidden_size: int, shared_layers: int) -> int:
+        """What the cache grows to over num_windows windows (float32; the prefix state only with shared layers)."""
+        return num_windows * seqlen * hidden_size * 4 * (2 if shared_layers else 1)
+
     @property
     def nbytes(self) -> int:
-        """Bytes held (each batch's tensors are kept whole, so this counts the rows actually stored)."""
+        """Bytes of the states held."""
         return sum(t.numel() * t.element_size() for row in self._rows.values() for t in row if t is not None)
 
 

@@ -20,6 +20,10 @@ from server.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+# Above this the teacher runs again in every epoch instead of its states being held (fits the 6 GiB recovery budget
+# of the default model beside the two models and the optimizer state).
+TEACHER_CACHE_LIMIT = 2 << 30
+
 
 def lr_factor(step: int, cfg: RecoveryConfig) -> float:
     """Linear warmup to 1, then cosine decay to min_lr_ratio at the last step."""
@@ -72,9 +76,15 @@ def train_adapters(model: nn.Module, windows: torch.Tensor, cfg: RecoveryConfig,
     shared = shared_prefix_layers(model, teacher) if cfg.objective == "distill" else 0
     if shared:
         log.info("distillation: the student starts from the teacher's hidden state after %d shared layers", shared)
-    revisits = cfg.steps * cfg.batch_size > len(windows)
-    cache = (TeacherCache() if cfg.objective == "distill" and revisits and cache_teacher
-             and can_cache_teacher(model, teacher) else None)
+    cache = None
+    if cfg.objective == "distill" and cfg.steps * cfg.batch_size > len(windows) and cache_teacher \
+            and can_cache_teacher(model, teacher):
+        need = TeacherCache.bytes_needed(len(windows), windows.shape[1], teacher.config.hidden_size, shared)
+        if need <= TEACHER_CACHE_LIMIT:
+            cache = TeacherCache()
+        else:
+            log.warning("windows are revisited but caching the teacher's states would take %.1f GiB (limit %.0f): "
+                        "the teacher runs on every step", need / 2**30, TEACHER_CACHE_LIMIT / 2**30)
     model.train()
     t0 = time.perf_counter()
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)

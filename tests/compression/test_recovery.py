@@ -17,6 +17,7 @@ from compression.recovery.data import batch_indices
 from compression.recovery.distill import (TeacherCache, distill_backward, kl_per_token, shared_prefix_layers,
                                          teacher_log_probs, teacher_states)
 from compression.recovery.recover import load_teacher
+import compression.recovery.train as train_module
 from compression.recovery.train import lr_factor, train_adapters
 from server.config import RecoveryConfig, data_dir
 from server.errors import ConfigError
@@ -261,7 +262,8 @@ def _counting_calls(module: torch.nn.Module) -> list[int]:
     return calls
 
 
-def test_revisited_windows_read_the_teacher_from_the_cache_and_train_the_same(tmp_path, tiny_model_dir, windows):
+def test_revisited_windows_read_the_teacher_from_the_cache_and_train_the_same(tmp_path, tiny_model_dir, windows,
+                                                                               monkeypatch):
     teacher = load_teacher(tiny_model_dir, torch.device("cpu"))
     calls = _counting_calls(teacher.base_model)
     cfg = _small_cfg(objective="distill", train="factors", lr=1e-3, steps=15, checkpoint_every=5)  # 30 rows, 12 windows
@@ -282,6 +284,10 @@ def test_revisited_windows_read_the_teacher_from_the_cache_and_train_the_same(tm
     train_adapters(part, windows, cfg, tmp_path / "c.pt", teacher=teacher, resume=True)
     for a, b in zip(adapter_parameters(part), adapter_parameters(plain), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(train_module, "TEACHER_CACHE_LIMIT", 1000)  # a cache that would not fit is not made
+    over = train_adapters(_tiny_adapted(tiny_model_dir, train="factors"), windows, cfg, tmp_path / "d.pt",
+                          teacher=teacher, stop_after=1)
+    assert "teacher_cache" not in over
 
 
 def test_teacher_cache_keeps_the_shared_prefix_state_per_window(tiny_model_dir, windows):
@@ -298,6 +304,7 @@ def test_teacher_cache_keeps_the_shared_prefix_state_per_window(tiny_model_dir, 
     cache.states(teacher, windows[[0, 2]], torch.tensor([0, 2]), shared_layers=1)  # window 2 is new: the teacher runs
     assert len(calls) == 3 and cache.misses == 2  # (one of the three is `fresh` above)
     assert cache.nbytes == 3 * 2 * windows.shape[1] * teacher.config.hidden_size * 4  # prefix and final, 3 windows
+    assert cache.nbytes == TeacherCache.bytes_needed(3, windows.shape[1], teacher.config.hidden_size, 1)
 
 
 def test_distill_loss_decreases(tiny_model_dir, tmp_path, windows):
