@@ -74,6 +74,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--recover-steps", type=int, default=200, help="with --recover: training steps")
     p.add_argument("--recover-windows", type=int, help="with --recover: distinct training windows (default steps x "
                                                         "batch size); fewer are revisited, see `neuronmm recover`")
+    p.add_argument("--recover-hidden-loss", type=float, help="with --recover distill: weight of the hidden-state "
+                                                             "loss (see `neuronmm recover --hidden-loss`)")
     p.add_argument("--recover-lr", type=float, help="with --recover: peak learning rate (default as `neuronmm "
                                                     "recover`'s: 1e-3 for LoRA, 1e-4 for the factors)")
     p.add_argument("--num-threads", type=int, default=2, help="torch threads (the CPU is shared)")
@@ -111,6 +113,8 @@ def recovery_settings(args: argparse.Namespace, cfg: Config) -> RecoveryConfig |
             raise ConfigError("--recover-lr needs --recover")
         if args.recover_windows is not None:
             raise ConfigError("--recover-windows needs --recover")
+        if args.recover_hidden_loss is not None:
+            raise ConfigError("--recover-hidden-loss needs --recover distill")
         return None
     if args.recover == "lora" and args.recover_train not in (None, "lora"):
         raise ConfigError("--recover-train factors needs --recover distill (--recover lora trains LoRA adapters)")
@@ -120,6 +124,8 @@ def recovery_settings(args: argparse.Namespace, cfg: Config) -> RecoveryConfig |
         flags["lr"] = args.recover_lr
     if args.recover_windows is not None:
         flags["windows"] = args.recover_windows
+    if args.recover_hidden_loss is not None:
+        flags["hidden_loss"] = args.recover_hidden_loss
     return validate_section(RecoveryConfig, {**cfg.recovery.model_dump(), **flags}, f"--recover {args.recover}")
 
 

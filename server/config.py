@@ -107,6 +107,9 @@ class RecoveryConfig(_Strict):
     # (with distill, the teacher's states are cached: a revisited step skips the teacher)
     windows: int | None = Field(None, ge=1)
     lr: float | None = Field(None, gt=0, allow_inf_nan=False)  # None: learning_rate's default for `train`
+    # with distill: weight of a second loss, the RMS-normalised hidden states after each of the student's own
+    # layers against the teacher's (compression.recovery.distill.hidden_state_loss); 0 = logits only
+    hidden_loss: float = Field(0.0, ge=0, allow_inf_nan=False)
     seqlen: int = Field(256, ge=1)
     batch_size: int = Field(4, ge=1)
     adapter_rank: int = Field(8, ge=1)
@@ -119,6 +122,12 @@ class RecoveryConfig(_Strict):
     seed: int = 0
     num_threads: int = Field(2, ge=1)
     device: str = "auto"
+
+    @model_validator(mode="after")
+    def _hidden_loss_needs_a_teacher(self) -> RecoveryConfig:
+        if self.hidden_loss and self.objective != "distill":
+            raise ValueError("hidden_loss needs objective distill (the targets are the dense teacher's hidden states)")
+        return self
 
     @property
     def learning_rate(self) -> float:

@@ -90,18 +90,39 @@ def _layers_from(model: nn.Module, first: int):
 
 @dataclass
 class TeacherStates:
-    """The teacher's hidden states for one batch: entering the first unshared layer (None without a shared prefix)
-    and after the final norm (the LM head's input)."""
+    """The teacher's hidden states for one batch: entering the first unshared layer (None without a shared prefix),
+    after the final norm (the LM head's input) and, for the hidden-state loss, after each unshared layer but the last
+    (empty without it)."""
 
     prefix: torch.Tensor | None
     final: torch.Tensor
+    layers: tuple[torch.Tensor, ...] = ()
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        """prefix, final, then layers: one flat list (what the cache keeps per window)."""
+        return [self.prefix, self.final, *self.layers]
 
 
-def teacher_states(teacher: nn.Module, batch: torch.Tensor, shared_layers: int = 0) -> TeacherStates:
-    """Run the frozen teacher's decoder on batch (no graph)."""
+def teacher_states(teacher: nn.Module, batch: torch.Tensor, shared_layers: int = 0,
+                   layers: bool = False) -> TeacherStates:
+    """Run the frozen teacher's decoder on batch (no graph); `layers` keeps the states after each unshared layer."""
     with torch.no_grad():
-        out = teacher.base_model(input_ids=batch, output_hidden_states=shared_layers > 0, use_cache=False)
-    return TeacherStates(out.hidden_states[shared_layers] if shared_layers else None, out.last_hidden_state)
+        out = teacher.base_model(input_ids=batch, output_hidden_states=shared_layers > 0 or layers, use_cache=False)
+    # hidden_states: the input of every layer, then the final norm's output
+    return TeacherStates(out.hidden_states[shared_layers] if shared_layers else None, out.last_hidden_state,
+                         tuple(out.hidden_states[shared_layers + 1:-1]) if layers else ())
+
+
+def _rms_normed(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def hidden_state_loss(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Mean over layers and tokens of ‖rms(h_s) − rms(h_t)‖² / hidden: each token's state RMS-normalised first, as
+    the next layer's norm sees it, so the few huge activation channels of the residual stream do not set the scale."""
+    if len(student) != len(teacher) or not student:
+        raise ValueError(f"hidden-state loss: {len(student)} student states against {len(teacher)} of the teacher")
+    return sum(F.mse_loss(_rms_normed(s), _rms_normed(t)) for s, t in zip(student, teacher)) / len(student)
 
 
 class TeacherCache:
@@ -111,8 +132,9 @@ class TeacherCache:
     (about a third of a distillation step). Kept in float32, so a step from the cache equals one without it.
     """
 
-    def __init__(self) -> None:
-        self._rows: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+    def __init__(self, layers: bool = False) -> None:
+        self.layers = layers  # whether the states after each layer (the hidden-state loss's targets) are kept
+        self._rows: dict[int, list[torch.Tensor | None]] = {}
         self.hits = self.misses = 0
 
     def states(self, teacher: nn.Module, batch: torch.Tensor, indices: torch.Tensor, shared_layers: int) -> TeacherStates:
@@ -121,18 +143,18 @@ class TeacherCache:
         if all(k in self._rows for k in keys):
             self.hits += 1
             rows = [self._rows[k] for k in keys]
-            prefix = None if rows[0][0] is None else torch.stack([r[0] for r in rows])
-            return TeacherStates(prefix, torch.stack([r[1] for r in rows]))
+            stacked = [None if row0 is None else torch.stack([r[i] for r in rows]) for i, row0 in enumerate(rows[0])]
+            return TeacherStates(stacked[0], stacked[1], tuple(stacked[2:]))
         self.misses += 1
-        states = teacher_states(teacher, batch, shared_layers)
+        states = teacher_states(teacher, batch, shared_layers, self.layers)
         for i, k in enumerate(keys):
-            self._rows[k] = (None if states.prefix is None else states.prefix[i], states.final[i])
+            self._rows[k] = [None if t is None else t[i] for t in states.tensors()]
         return states
 
     @staticmethod
-    def bytes_needed(num_windows: int, seqlen: int, hidden_size: int, shared_layers: int) -> int:
-        """What the cache grows to over num_windows windows (float32; the prefix state only with shared layers)."""
-        return num_windows * seqlen * hidden_size * 4 * (2 if shared_layers else 1)
+    def bytes_needed(num_windows: int, seqlen: int, hidden_size: int, states_per_window: int) -> int:
+        """What the cache grows to over num_windows windows of float32 states."""
+        return num_windows * seqlen * hidden_size * 4 * states_per_window
 
     @property
     def nbytes(self) -> int:
@@ -141,8 +163,10 @@ class TeacherCache:
 
 
 def distill_backward(model: nn.Module, teacher: nn.Module, batch: torch.Tensor, shared_layers: int = 0,
-                     chunk_tokens: int = CHUNK_TOKENS, states: TeacherStates | None = None) -> float:
-    """Accumulate d KL(teacher ‖ student)/d params into .grad for one batch; returns the mean per-token KL.
+                     chunk_tokens: int = CHUNK_TOKENS, states: TeacherStates | None = None,
+                     hidden_weight: float = 0.0) -> float:
+    """Accumulate d [KL(teacher ‖ student) + hidden_weight · hidden_state_loss]/d params into .grad for one batch;
+    returns the mean per-token KL (the hidden-state term, over the states after each unshared layer, is left out).
 
     Equal to `kl_per_token(model(batch).logits, teacher_log_probs(teacher, batch)).backward()` (tests check both
     the value and the gradients); models whose logits are not a plain frozen linear head take that path.
@@ -151,17 +175,21 @@ def distill_backward(model: nn.Module, teacher: nn.Module, batch: torch.Tensor, 
     """
     head, teacher_head = _plain_head(model), _plain_head(teacher)
     if head is None or teacher_head is None:
+        if hidden_weight:
+            raise ValueError("the hidden-state loss needs plain LM heads (the chunked distillation step)")
         loss = kl_per_token(model(input_ids=batch).logits, teacher_log_probs(teacher, batch))
         loss.backward()
         return loss.item()
+    layers = hidden_weight > 0
     if states is None:
-        states = teacher_states(teacher, batch, shared_layers)
+        states = teacher_states(teacher, batch, shared_layers, layers)
     teacher_hidden = states.final
     if shared_layers:
         with _layers_from(model, shared_layers):
-            hidden = model.base_model(inputs_embeds=states.prefix, use_cache=False).last_hidden_state
+            out = model.base_model(inputs_embeds=states.prefix, output_hidden_states=layers, use_cache=False)
     else:
-        hidden = model.base_model(input_ids=batch, use_cache=False).last_hidden_state
+        out = model.base_model(input_ids=batch, output_hidden_states=layers, use_cache=False)
+    hidden = out.last_hidden_state
     flat, teacher_flat = hidden.detach().reshape(-1, hidden.shape[-1]), teacher_hidden.reshape(-1, hidden.shape[-1])
     num_tokens = flat.shape[0]
     weight, teacher_weight = head.weight, teacher_head.weight
@@ -177,5 +205,9 @@ def distill_backward(model: nn.Module, teacher: nn.Module, batch: torch.Tensor, 
             # d/dz Σ p (log p − log softmax z) = softmax(z) − p, per token; the mean over tokens divides by N.
             dlogits = student_logp.exp_().sub_(teacher_p).div_(num_tokens)
             grad[rows] = (dlogits.to(weight.dtype) @ weight).to(grad.dtype)
-    hidden.backward(grad.view_as(hidden))
+    if layers and states.layers:  # (a student that runs only its last layer has no state to compare)
+        extra = hidden_weight * hidden_state_loss(tuple(out.hidden_states[1:-1]), states.layers)
+        torch.autograd.backward([hidden, extra], [grad.view_as(hidden), None])
+    else:
+        hidden.backward(grad.view_as(hidden))
     return total / num_tokens

@@ -92,6 +92,9 @@ def _objective_record(rcfg: RecoveryConfig) -> dict:
     record = {"method": recovery_method(rcfg), "objective": rcfg.objective, "train": rcfg.train}
     if rcfg.objective == "distill":
         record["loss"] = "KL(teacher || student) per token, nats (sum over vocabulary, mean over tokens), T=1"
+        if rcfg.hidden_loss:
+            record["loss"] += (f" + {rcfg.hidden_loss} x mean squared difference of the RMS-normalised hidden states "
+                               "after each of the student's own layers (not in the reported losses)")
         record["teacher"] = "the dense source model, float32"
     else:
         record["loss"] = "next-token cross-entropy per token, nats"

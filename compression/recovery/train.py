@@ -44,7 +44,7 @@ def step_backward(model: nn.Module, batch: torch.Tensor, cfg: RecoveryConfig, te
         loss.backward()
         return loss.item()
     states = None if cache is None else cache.states(teacher, batch, indices, shared_layers)
-    return distill_backward(model, teacher, batch, shared_layers, states=states)
+    return distill_backward(model, teacher, batch, shared_layers, states=states, hidden_weight=cfg.hidden_loss)
 
 
 def train_adapters(model: nn.Module, windows: torch.Tensor, cfg: RecoveryConfig, ckpt_path: Path,
@@ -79,9 +79,11 @@ def train_adapters(model: nn.Module, windows: torch.Tensor, cfg: RecoveryConfig,
     cache = None
     if cfg.objective == "distill" and cfg.steps * cfg.batch_size > len(windows) and cache_teacher \
             and can_cache_teacher(model, teacher):
-        need = TeacherCache.bytes_needed(len(windows), windows.shape[1], teacher.config.hidden_size, shared)
+        layers = cfg.hidden_loss > 0  # then the states after every unshared layer but the last are targets too
+        per_window = (1 if shared else 0) + 1 + (len(model.base_model.layers) - shared - 1 if layers else 0)
+        need = TeacherCache.bytes_needed(len(windows), windows.shape[1], teacher.config.hidden_size, per_window)
         if need <= TEACHER_CACHE_LIMIT:
-            cache = TeacherCache()
+            cache = TeacherCache(layers)
         else:
             log.warning("windows are revisited but caching the teacher's states would take %.1f GiB (limit %.0f): "
                         "the teacher runs on every step", need / 2**30, TEACHER_CACHE_LIMIT / 2**30)

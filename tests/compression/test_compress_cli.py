@@ -118,6 +118,8 @@ def test_compress_with_recover_distill_trains_the_factors(tmp_path, tiny_model_d
     (["--recover", "distill", "--recover-steps", "0"], "--recover distill: steps must be >= 1"),
     (["--recover-lr", "5e-4"], "--recover-lr needs --recover"),
     (["--recover-windows", "100"], "--recover-windows needs --recover"),
+    (["--recover-hidden-loss", "2"], "--recover-hidden-loss needs --recover distill"),
+    (["--recover", "lora", "--recover-hidden-loss", "2"], "hidden_loss needs objective distill"),
     (["--recover", "distill", "--recover-lr", "-1"], "--recover distill: lr must be a positive number"),
 ])
 def test_bad_recover_flags_fail_before_compressing(argv, needle, tmp_path, capsys):

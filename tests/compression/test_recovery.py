@@ -8,14 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from compression.recovery import recover_artifact
 from compression.recovery.adapter import adapter_parameters, merge_adapters, prepare_training
 from compression.recovery.checkpoint import CHECKPOINT_NAME
 from compression.recovery.data import batch_indices
-from compression.recovery.distill import (TeacherCache, distill_backward, kl_per_token, shared_prefix_layers,
-                                         teacher_log_probs, teacher_states)
+from compression.recovery.distill import (TeacherCache, distill_backward, hidden_state_loss, kl_per_token,
+                                         shared_prefix_layers, teacher_log_probs, teacher_states)
 from compression.recovery.recover import load_teacher
 import compression.recovery.train as train_module
 from compression.recovery.train import lr_factor, train_adapters
@@ -262,11 +263,13 @@ def _counting_calls(module: torch.nn.Module) -> list[int]:
     return calls
 
 
+@pytest.mark.parametrize("hidden_loss", [0.0, 2.0])
 def test_revisited_windows_read_the_teacher_from_the_cache_and_train_the_same(tmp_path, tiny_model_dir, windows,
-                                                                               monkeypatch):
+                                                                               monkeypatch, hidden_loss):
     teacher = load_teacher(tiny_model_dir, torch.device("cpu"))
     calls = _counting_calls(teacher.base_model)
-    cfg = _small_cfg(objective="distill", train="factors", lr=1e-3, steps=15, checkpoint_every=5)  # 30 rows, 12 windows
+    cfg = _small_cfg(objective="distill", train="factors", lr=1e-3, steps=15, checkpoint_every=5,  # 30 rows, 12 windows
+                     hidden_loss=hidden_loss)
     cached = _tiny_adapted(tiny_model_dir, train="factors")
     run = train_adapters(cached, windows, cfg, tmp_path / "a.pt", teacher=teacher)
     assert run["teacher_cache"]["batches_run"] == len(calls) == 6  # the first epoch's six batches, nothing after
@@ -304,7 +307,41 @@ def test_teacher_cache_keeps_the_shared_prefix_state_per_window(tiny_model_dir, 
     cache.states(teacher, windows[[0, 2]], torch.tensor([0, 2]), shared_layers=1)  # window 2 is new: the teacher runs
     assert len(calls) == 3 and cache.misses == 2  # (one of the three is `fresh` above)
     assert cache.nbytes == 3 * 2 * windows.shape[1] * teacher.config.hidden_size * 4  # prefix and final, 3 windows
-    assert cache.nbytes == TeacherCache.bytes_needed(3, windows.shape[1], teacher.config.hidden_size, 1)
+    assert cache.nbytes == TeacherCache.bytes_needed(3, windows.shape[1], teacher.config.hidden_size, 2)
+
+
+def test_hidden_state_loss_compares_directions_per_token():
+    torch.manual_seed(0)
+    states = tuple(torch.randn(2, 5, 8) for _ in range(3))
+    scaled = tuple(s * torch.rand(2, 5, 1).add(0.5) * 100 for s in states)  # every token's state rescaled
+    assert hidden_state_loss(states, scaled).item() == pytest.approx(0.0, abs=1e-6)
+    other = tuple(torch.randn(2, 5, 8) for _ in range(3))
+    assert hidden_state_loss(states, other).item() == pytest.approx(2.0, rel=0.3)  # unit-RMS random pairs: E = 2
+    with pytest.raises(ValueError, match="2 student states against 3"):
+        hidden_state_loss(states[:2], other)
+
+
+def test_hidden_state_loss_gradients_match_autograd_of_the_summed_loss(tiny_model_dir, windows):
+    teacher = load_teacher(tiny_model_dir, torch.device("cpu"))
+    model = _tiny_adapted(tiny_model_dir, train="factors")
+    batch, weight = windows[:2], 3.0
+    out = model(input_ids=batch, output_hidden_states=True)
+    with torch.no_grad():
+        t_out = teacher(input_ids=batch, output_hidden_states=True)
+    hidden = hidden_state_loss(tuple(out.hidden_states[1:-1]), tuple(t_out.hidden_states[1:-1]))
+    assert hidden.item() > 1e-4  # the factored MLPs move the states, or the test proves nothing
+    kl = kl_per_token(out.logits, F.log_softmax(t_out.logits, dim=-1))
+    (kl + weight * hidden).backward()
+    expected = [p.grad.clone() for p in adapter_parameters(model)]
+    model.zero_grad(set_to_none=True)
+    assert distill_backward(model, teacher, batch, hidden_weight=weight) == pytest.approx(kl.item(), rel=1e-4)
+    for got, want in zip((p.grad for p in adapter_parameters(model)), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+
+
+def test_hidden_loss_needs_distillation():
+    with pytest.raises(ValueError, match="hidden_loss needs objective distill"):
+        RecoveryConfig(objective="next_token", hidden_loss=1.0)
 
 
 def test_distill_loss_decreases(tiny_model_dir, tmp_path, windows):
