@@ -20,9 +20,9 @@ from server.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# Above this the teacher runs again in every epoch instead of its states being held (fits the 6 GiB recovery budget
-# of the default model beside the two models and the optimizer state).
-TEACHER_CACHE_LIMIT = 2 << 30
+# Above this the teacher runs again in every epoch instead of its states being held: 990 MiB of cache put the default
+# model's one-command recipe at 4.97 GiB peak RSS, so 1.5 GiB stays inside issue 18's 6 GiB budget.
+TEACHER_CACHE_LIMIT = 3 << 29
 
 
 def lr_factor(step: int, cfg: RecoveryConfig) -> float:
@@ -85,7 +85,7 @@ def train_adapters(model: nn.Module, windows: torch.Tensor, cfg: RecoveryConfig,
         if need <= TEACHER_CACHE_LIMIT:
             cache = TeacherCache(layers)
         else:
-            log.warning("windows are revisited but caching the teacher's states would take %.1f GiB (limit %.0f): "
+            log.warning("windows are revisited but caching the teacher's states would take %.1f GiB (limit %.1f): "
                         "the teacher runs on every step", need / 2**30, TEACHER_CACHE_LIMIT / 2**30)
     model.train()
     t0 = time.perf_counter()
