@@ -3,6 +3,7 @@ only the factors change, manifest, serving the result, CLI errors."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -336,6 +337,35 @@ def test_hidden_state_loss_gradients_match_autograd_of_the_summed_loss(tiny_mode
     model.zero_grad(set_to_none=True)
     assert distill_backward(model, teacher, batch, hidden_weight=weight) == pytest.approx(kl.item(), rel=1e-4)
     for got, want in zip((p.grad for p in adapter_parameters(model)), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+
+
+def test_hidden_state_loss_after_a_shared_prefix_compares_the_same_layers():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(config).eval()
+    student = copy.deepcopy(teacher)
+    for p in [*teacher.parameters(), *student.parameters()]:
+        p.requires_grad_(False)
+    trained = [p for layer in student.model.layers[1:] for p in layer.mlp.parameters()]
+    with torch.no_grad():
+        for p in trained:
+            p.add_(torch.randn_like(p) * p.std()).requires_grad_(True)
+    assert shared_prefix_layers(student, teacher) == 1
+    batch, weight = torch.randint(0, 256, (2, 16)), 2.0
+    out = student(input_ids=batch, output_hidden_states=True)
+    with torch.no_grad():
+        t_out = teacher(input_ids=batch, output_hidden_states=True)
+    # the state after layer 1, the one unshared layer before the last: index 2 of (embeddings, layer 0, 1, final norm)
+    hidden = hidden_state_loss((out.hidden_states[2],), (t_out.hidden_states[2],))
+    (kl_per_token(out.logits, F.log_softmax(t_out.logits, dim=-1)) + weight * hidden).backward()
+    expected = [p.grad.clone() for p in trained]
+    student.zero_grad(set_to_none=True)
+    distill_backward(student, teacher, batch, shared_layers=1, hidden_weight=weight)
+    for got, want in zip((p.grad for p in trained), expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
 
 
