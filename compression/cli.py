@@ -74,6 +74,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--recover-steps", type=int, default=200, help="with --recover: training steps")
     p.add_argument("--recover-windows", type=int, help="with --recover: distinct training windows (default steps x "
                                                         "batch size); fewer are revisited, see `neuronmm recover`")
+    p.add_argument("--recover-ce-weight", type=float, help="with --recover distill: weight of the next-token "
+                                                           "cross-entropy added to the KL (see `neuronmm recover`)")
     p.add_argument("--recover-hidden-loss", type=float, help="with --recover distill: weight of the hidden-state "
                                                              "loss (see `neuronmm recover --hidden-loss`)")
     p.add_argument("--recover-lr", type=float, help="with --recover: peak learning rate (default as `neuronmm "
@@ -115,6 +117,8 @@ def recovery_settings(args: argparse.Namespace, cfg: Config) -> RecoveryConfig |
             raise ConfigError("--recover-windows needs --recover")
         if args.recover_hidden_loss is not None:
             raise ConfigError("--recover-hidden-loss needs --recover distill")
+        if args.recover_ce_weight is not None:
+            raise ConfigError("--recover-ce-weight needs --recover distill")
         return None
     if args.recover == "lora" and args.recover_train not in (None, "lora"):
         raise ConfigError("--recover-train factors needs --recover distill (--recover lora trains LoRA adapters)")
@@ -126,6 +130,8 @@ def recovery_settings(args: argparse.Namespace, cfg: Config) -> RecoveryConfig |
         flags["windows"] = args.recover_windows
     if args.recover_hidden_loss is not None:
         flags["hidden_loss"] = args.recover_hidden_loss
+    if args.recover_ce_weight is not None:
+        flags["ce_weight"] = args.recover_ce_weight
     return validate_section(RecoveryConfig, {**cfg.recovery.model_dump(), **flags}, f"--recover {args.recover}")
 
 

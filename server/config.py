@@ -110,6 +110,8 @@ class RecoveryConfig(_Strict):
     # with distill: weight of a second loss, the RMS-normalised hidden states after each of the student's own
     # layers against the teacher's (compression.recovery.distill.hidden_state_loss); 0 = logits only
     hidden_loss: float = Field(0.0, ge=0, allow_inf_nan=False)
+    # with distill: weight of the next-token cross-entropy on the training text, added to the KL (0 = KL only)
+    ce_weight: float = Field(0.0, ge=0, allow_inf_nan=False)
     seqlen: int = Field(256, ge=1)
     batch_size: int = Field(4, ge=1)
     adapter_rank: int = Field(8, ge=1)
@@ -127,6 +129,8 @@ class RecoveryConfig(_Strict):
     def _hidden_loss_needs_a_teacher(self) -> RecoveryConfig:
         if self.hidden_loss and self.objective != "distill":
             raise ValueError("hidden_loss needs objective distill (the targets are the dense teacher's hidden states)")
+        if self.ce_weight and self.objective != "distill":
+            raise ValueError("ce_weight needs objective distill (next_token is the cross-entropy alone)")
         return self
 
     @property

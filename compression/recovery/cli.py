@@ -28,6 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--windows", type=int, help="distinct training windows (default steps x batch size: all new text); "
                                                "fewer are revisited in later epochs, the teacher's states cached")
     p.add_argument("--lr", type=float, help="default 1e-3 with --train lora, 1e-4 with --train factors")
+    p.add_argument("--ce-weight", type=float, help="with --objective distill: weight of the next-token cross-entropy "
+                                                   "added to the KL (default 0: KL only)")
     p.add_argument("--hidden-loss", type=float, help="with --objective distill: weight of a loss on the hidden states "
                                                      "after each layer against the teacher's (default 0: logits only)")
     p.add_argument("--seqlen", type=int)
@@ -49,7 +51,7 @@ def _run(args: argparse.Namespace) -> int:
     if not artifact.is_dir():
         raise ConfigError(f"--artifact {artifact}: no such directory")
     cfg = load_config(args.config)
-    keys = ("objective", "train", "steps", "windows", "lr", "hidden_loss", "seqlen", "batch_size", "adapter_rank", "warmup_steps",
+    keys = ("objective", "train", "steps", "windows", "lr", "hidden_loss", "ce_weight", "seqlen", "batch_size", "adapter_rank", "warmup_steps",
             "checkpoint_every", "seed", "num_threads", "device")
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     rcfg = validate_section(RecoveryConfig, {**cfg.recovery.model_dump(), **overrides}, "recovery")

@@ -164,9 +164,10 @@ class TeacherCache:
 
 def distill_backward(model: nn.Module, teacher: nn.Module, batch: torch.Tensor, shared_layers: int = 0,
                      chunk_tokens: int = CHUNK_TOKENS, states: TeacherStates | None = None,
-                     hidden_weight: float = 0.0) -> float:
-    """Accumulate d [KL(teacher ‖ student) + hidden_weight · hidden_state_loss]/d params into .grad for one batch;
-    returns the mean per-token KL (the hidden-state term, over the states after each unshared layer, is left out).
+                     hidden_weight: float = 0.0, ce_weight: float = 0.0) -> float:
+    """Accumulate d [KL(teacher ‖ student) + hidden_weight · hidden_state_loss + ce_weight · next-token CE]/d params
+    into .grad for one batch; returns the mean per-token KL (the other two terms are left out of it). The CE is the
+    usual causal-LM loss on batch itself (HF's `labels=batch`: mean over every position but each window's last).
 
     Equal to `kl_per_token(model(batch).logits, teacher_log_probs(teacher, batch)).backward()` (tests check both
     the value and the gradients); models whose logits are not a plain frozen linear head take that path.
@@ -177,8 +178,9 @@ def distill_backward(model: nn.Module, teacher: nn.Module, batch: torch.Tensor, 
     if head is None or teacher_head is None:
         if hidden_weight:
             raise ValueError("the hidden-state loss needs plain LM heads (the chunked distillation step)")
-        loss = kl_per_token(model(input_ids=batch).logits, teacher_log_probs(teacher, batch))
-        loss.backward()
+        out = model(input_ids=batch, labels=batch if ce_weight else None)
+        loss = kl_per_token(out.logits, teacher_log_probs(teacher, batch))
+        (loss + ce_weight * out.loss if ce_weight else loss).backward()
         return loss.item()
     layers = hidden_weight > 0
     if states is None:
@@ -193,6 +195,9 @@ def distill_backward(model: nn.Module, teacher: nn.Module, batch: torch.Tensor, 
     flat, teacher_flat = hidden.detach().reshape(-1, hidden.shape[-1]), teacher_hidden.reshape(-1, hidden.shape[-1])
     num_tokens = flat.shape[0]
     weight, teacher_weight = head.weight, teacher_head.weight
+    # next token of each position, -1 at each window's last (no label), flattened as the hidden states are
+    labels = torch.cat([batch[:, 1:], batch.new_full((batch.shape[0], 1), -1)], dim=1).reshape(-1)
+    num_labels = batch.shape[0] * (batch.shape[1] - 1)
     grad = torch.empty_like(flat)
     total = 0.0
     with torch.no_grad():
@@ -203,7 +208,13 @@ def distill_backward(model: nn.Module, teacher: nn.Module, batch: torch.Tensor, 
             teacher_p = teacher_logp.exp()
             total += (teacher_p * (teacher_logp - student_logp)).sum().item()
             # d/dz Σ p (log p − log softmax z) = softmax(z) − p, per token; the mean over tokens divides by N.
-            dlogits = student_logp.exp_().sub_(teacher_p).div_(num_tokens)
+            student_p = student_logp.exp_()
+            dlogits = (student_p - teacher_p).div_(num_tokens)
+            if ce_weight and num_labels:  # d CE/dz = softmax(z) − onehot(label), mean over labelled positions
+                labelled = (labels[rows] >= 0).nonzero().flatten()
+                ce = student_p[labelled]
+                ce[torch.arange(len(labelled)), labels[rows][labelled]] -= 1.0
+                dlogits.index_add_(0, labelled, ce, alpha=ce_weight / num_labels)
             grad[rows] = (dlogits.to(weight.dtype) @ weight).to(grad.dtype)
     if layers and states.layers:  # (a student that runs only its last layer has no state to compare)
         extra = hidden_weight * hidden_state_loss(tuple(out.hidden_states[1:-1]), states.layers)

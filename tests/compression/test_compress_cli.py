@@ -119,6 +119,7 @@ def test_compress_with_recover_distill_trains_the_factors(tmp_path, tiny_model_d
     (["--recover-lr", "5e-4"], "--recover-lr needs --recover"),
     (["--recover-windows", "100"], "--recover-windows needs --recover"),
     (["--recover-hidden-loss", "2"], "--recover-hidden-loss needs --recover distill"),
+    (["--recover-ce-weight", "0.5"], "--recover-ce-weight needs --recover distill"),
     (["--recover", "lora", "--recover-hidden-loss", "2"], "hidden_loss needs objective distill"),
     (["--recover", "distill", "--recover-lr", "-1"], "--recover distill: lr must be a positive number"),
 ])

@@ -369,9 +369,31 @@ def test_hidden_state_loss_after_a_shared_prefix_compares_the_same_layers():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("chunk_tokens", [7, 128])
+def test_cross_entropy_term_matches_autograd_of_kl_plus_the_next_token_loss(tiny_model_dir, windows, chunk_tokens):
+    teacher = load_teacher(tiny_model_dir, torch.device("cpu"))
+    model = _tiny_adapted(tiny_model_dir, train="factors")
+    batch, weight = windows[:2], 0.5
+    out = model(input_ids=batch, labels=batch)
+    kl = kl_per_token(out.logits, teacher_log_probs(teacher, batch))
+    (kl + weight * out.loss).backward()
+    expected = [p.grad.clone() for p in adapter_parameters(model)]
+    model.zero_grad(set_to_none=True)
+    got_kl = distill_backward(model, teacher, batch, chunk_tokens=chunk_tokens, ce_weight=weight)
+    assert got_kl == pytest.approx(kl.item(), rel=1e-4)  # the reported loss stays the KL
+    for got, want in zip((p.grad for p in adapter_parameters(model)), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    model.zero_grad(set_to_none=True)
+    distill_backward(model, teacher, batch, chunk_tokens=chunk_tokens)  # without it the gradients differ
+    assert any(not torch.allclose(p.grad, e, rtol=1e-3, atol=1e-6)
+               for p, e in zip(adapter_parameters(model), expected, strict=True))
+
+
 def test_hidden_loss_needs_distillation():
     with pytest.raises(ValueError, match="hidden_loss needs objective distill"):
         RecoveryConfig(objective="next_token", hidden_loss=1.0)
+    with pytest.raises(ValueError, match="ce_weight needs objective distill"):
+        RecoveryConfig(objective="next_token", ce_weight=0.5)
 
 
 def test_distill_loss_decreases(tiny_model_dir, tmp_path, windows):
