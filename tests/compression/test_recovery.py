@@ -18,7 +18,7 @@ from compression.recovery.checkpoint import CHECKPOINT_NAME
 from compression.recovery.data import batch_indices
 from compression.recovery.distill import (TeacherCache, distill_backward, hidden_state_loss, kl_per_token,
                                          shared_prefix_layers, teacher_log_probs, teacher_states)
-from compression.recovery.recover import load_teacher
+from compression.recovery.recover import _objective_record, load_teacher
 import compression.recovery.train as train_module
 from compression.recovery.train import lr_factor, train_adapters
 from server.config import RecoveryConfig, data_dir
@@ -387,6 +387,19 @@ def test_cross_entropy_term_matches_autograd_of_kl_plus_the_next_token_loss(tiny
     distill_backward(model, teacher, batch, chunk_tokens=chunk_tokens)  # without it the gradients differ
     assert any(not torch.allclose(p.grad, e, rtol=1e-3, atol=1e-6)
                for p, e in zip(adapter_parameters(model), expected, strict=True))
+
+
+def test_ce_weight_reaches_the_training_step_and_the_manifest(tmp_path, tiny_model_dir, windows):
+    teacher = load_teacher(tiny_model_dir, torch.device("cpu"))
+    runs, models = [], []
+    for ce in (0.0, 0.5):
+        model = _tiny_adapted(tiny_model_dir, train="factors")
+        cfg = _small_cfg(objective="distill", train="factors", lr=1e-3, steps=3, ce_weight=ce)
+        runs.append(train_adapters(model, windows, cfg, tmp_path / f"ce{ce}.pt", teacher=teacher))
+        models.append(model)
+    assert runs[0]["losses"][0] == pytest.approx(runs[1]["losses"][0], rel=1e-6)  # the same KL before any update
+    assert any(not torch.allclose(a, b) for a, b in zip(*(adapter_parameters(m) for m in models), strict=True))
+    assert "next-token cross-entropy" in _objective_record(_small_cfg(objective="distill", ce_weight=0.5))["loss"]
 
 
 def test_hidden_loss_needs_distillation():
