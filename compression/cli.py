@@ -106,32 +106,25 @@ def settings_from(args: argparse.Namespace, cfg: Config) -> CompressSettings:
     return settings
 
 
+# `--recover-<name>` flags that map 1:1 onto RecoveryConfig fields, and what their error says they need
+_RECOVER_FLAGS = {"lr": "", "windows": "", "hidden_loss": " distill", "ce_weight": " distill"}
+
+
 def recovery_settings(args: argparse.Namespace, cfg: Config) -> RecoveryConfig | None:
     """RecoveryConfig for --recover (None without it): the config's recovery block with the flags over it."""
+    optional = {name: getattr(args, f"recover_{name}") for name in _RECOVER_FLAGS}
     if args.recover is None:
         if args.recover_train is not None:
             raise ConfigError("--recover-train needs --recover distill")
-        if args.recover_lr is not None:
-            raise ConfigError("--recover-lr needs --recover")
-        if args.recover_windows is not None:
-            raise ConfigError("--recover-windows needs --recover")
-        if args.recover_hidden_loss is not None:
-            raise ConfigError("--recover-hidden-loss needs --recover distill")
-        if args.recover_ce_weight is not None:
-            raise ConfigError("--recover-ce-weight needs --recover distill")
+        for name, value in optional.items():
+            if value is not None:
+                raise ConfigError(f"--recover-{name.replace('_', '-')} needs --recover{_RECOVER_FLAGS[name]}")
         return None
     if args.recover == "lora" and args.recover_train not in (None, "lora"):
         raise ConfigError("--recover-train factors needs --recover distill (--recover lora trains LoRA adapters)")
     flags = {"objective": "next_token" if args.recover == "lora" else "distill", "train": args.recover_train or "lora",
              "steps": args.recover_steps, "num_threads": max(1, args.num_threads)}
-    if args.recover_lr is not None:
-        flags["lr"] = args.recover_lr
-    if args.recover_windows is not None:
-        flags["windows"] = args.recover_windows
-    if args.recover_hidden_loss is not None:
-        flags["hidden_loss"] = args.recover_hidden_loss
-    if args.recover_ce_weight is not None:
-        flags["ce_weight"] = args.recover_ce_weight
+    flags.update({name: value for name, value in optional.items() if value is not None})
     return validate_section(RecoveryConfig, {**cfg.recovery.model_dump(), **flags}, f"--recover {args.recover}")
 
 
