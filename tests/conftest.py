@@ -29,9 +29,16 @@ def smol_dir(default_config) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, smol_dir) -> Path:
-    """A 2-layer random Llama with SmolLM2's tokenizer and chat template (fast, deterministic)."""
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), smol_dir)
+def tiny_model_dir(request, tmp_path_factory) -> Path:
+    """A 2-layer random Llama with SmolLM2's tokenizer and chat template (fast, deterministic).
+
+    $NEURONMM_TINY_MODEL names one make_tiny_model built earlier: a GPU machine gets the 16 MB folder, not the
+    94 MB default model it would be built from.
+    """
+    prebuilt = os.environ.get("NEURONMM_TINY_MODEL")
+    if prebuilt:
+        return Path(prebuilt).resolve()
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), request.getfixturevalue("smol_dir"))
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,149 @@
+"""The PyTorch backend on CUDA, against the CPU: greedy tokens, the auto dtype, compressed factors, recovery's
+training on the GPU, and the served API with its engine process. Skipped without a CUDA device (CI has none);
+docs/BENCHMARKS.md records the run on a lent GPU."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from compression.compress import CompressSettings, compress_model
+from compression.recovery import recover_artifact
+from server.backends.base import SeqChunk
+from server.backends.torch_runner import TorchRunner
+from server.config import Config, RecoveryConfig, data_dir
+from server.runtime import load_tokenizer
+from support import engine_greedy, live_server, tiny_config
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI has none)")]
+
+PROMPTS = ["The three primary colors are", "def fibonacci(n):",
+           "Paris is the capital of France, and Berlin is the capital of Germany. " * 6]
+# the long prompt (~100 tokens) is prefilled in chunks of the batch budget (64): SDPA chunks, the later ones
+# attending a cached prefix through an explicit mask (the non-CPU path of Attention._attend_chunk)
+NEW_TOKENS = 24
+MAX_LEN = 256
+# fp32 on both devices: the GEMMs sum in another order, so a chosen token may trail the CPU's best logit by
+# rounding (the tiny model's logits are below 1: 1e-4 is hundreds of fp32 ulps and far below any real gap)
+FP32_TIE = 1e-4
+
+
+def _runner(model_dir, device: str, dtype: str = "float32", compressed=None) -> TorchRunner:
+    runner = TorchRunner(model_dir, MAX_LEN, dtype, device, compressed)
+    runner.load()
+    return runner
+
+
+def _greedy(model_dir, device: str, dtype: str = "float32", compressed=None) -> list[list[int]]:
+    runner = _runner(model_dir, device, dtype, compressed)
+    return engine_greedy(model_dir, runner, load_tokenizer(model_dir), PROMPTS, NEW_TOKENS, MAX_LEN)
+
+
+def _prompt_logits(runner: TorchRunner, ids: list[int], split: int = 48) -> torch.Tensor:
+    """fp32 logits of every position of one prompt prefilled in two chunks (the second over a cached prefix)."""
+    runner.allocate_kv(1)
+    first = runner.execute([SeqChunk(slot=0, token_ids=ids[:split], start_pos=0, all_logits=True)])
+    rest = runner.execute([SeqChunk(slot=0, token_ids=ids[split:], start_pos=split, all_logits=True)])
+    return torch.cat([first, rest]).float().cpu()
+
+
+def _assert_greedy_of(model, tok, outputs: list[list[int]]) -> None:
+    """Each token is the CPU model's argmax given the same prefix, up to FP32_TIE (teacher-forced)."""
+    for prompt, tokens in zip(PROMPTS, outputs):
+        ids = tok(prompt).input_ids
+        assert len(tokens) == NEW_TOKENS
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1].float()
+        chosen = logits.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+        gap = (logits.max(-1).values - chosen).max().item()
+        assert gap <= FP32_TIE, (prompt, gap)
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_model_dir, tmp_path_factory):
+    """The tiny model SVD-compressed at keep 0.5 (calibration on the shared C4 sample, on the CPU)."""
+    if not (data_dir() / "c4" / "c4-validation-sample.jsonl").is_file():
+        pytest.skip("shared C4 sample not present")
+    out = tmp_path_factory.mktemp("cuda-art") / "tiny-k05"
+    settings = CompressSettings(keep_ratio=0.5, rank_multiple=8, calib_samples=4, calib_seqlen=32, batch_size=2,
+                                allocation="uniform")
+    compress_model(tiny_model_dir, settings, out, model_id="tiny")
+    return out
+
+
+def test_fp32_greedy_on_cuda_is_the_cpu_models_greedy(tiny_model_dir):
+    """The engine on CUDA chooses the CPU reference model's argmax at every step (3 prompts in one batch)."""
+    ours = _greedy(tiny_model_dir, "cuda")
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    _assert_greedy_of(hf, load_tokenizer(tiny_model_dir), ours)
+
+
+def test_prefill_logits_on_cuda_match_the_cpu(tiny_model_dir):
+    ids = load_tokenizer(tiny_model_dir)(PROMPTS[2]).input_ids
+    assert len(ids) > 80
+    cpu = _prompt_logits(_runner(tiny_model_dir, "cpu"), ids)
+    gpu = _prompt_logits(_runner(tiny_model_dir, "cuda"), ids)
+    assert gpu.shape == cpu.shape == (len(ids), cpu.shape[1])
+    torch.testing.assert_close(gpu, cpu, rtol=0, atol=1e-4)
+
+
+def test_auto_dtype_on_cuda_is_half_precision_and_tracks_fp32(tiny_model_dir):
+    """auto picks bf16 (fp16 without bf16 support) on CUDA; its logits stay within bf16 rounding of fp32's."""
+    runner = _runner(tiny_model_dir, "cuda", "auto")
+    assert runner.dtype == (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
+    assert runner.model.embed_tokens.weight.dtype == runner.dtype
+    ids = load_tokenizer(tiny_model_dir)(PROMPTS[2]).input_ids
+    half = _prompt_logits(runner, ids)
+    full = _prompt_logits(_runner(tiny_model_dir, "cpu"), ids)
+    assert torch.isfinite(half).all()
+    err = (half - full).abs().max().item()
+    assert err < 0.05 * full.abs().max().item(), err  # bf16 keeps 8 bits: ~0.4 % per op, 2 layers
+    agree = (half.argmax(-1) == full.argmax(-1)).float().mean().item()
+    assert agree >= 0.8, agree
+
+
+def test_compressed_factors_on_cuda_give_the_cpu_tokens(artifact, tiny_model_dir):
+    from transformers import LlamaForCausalLM
+
+    from server.models.compressed import apply_artifact_to_hf
+
+    runner = _runner(tiny_model_dir, "cuda", compressed=artifact)
+    ours = engine_greedy(tiny_model_dir, runner, load_tokenizer(tiny_model_dir), PROMPTS, NEW_TOKENS, MAX_LEN)
+    hf = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    apply_artifact_to_hf(hf, artifact, tiny_model_dir)
+    _assert_greedy_of(hf, load_tokenizer(tiny_model_dir), ours)
+
+
+def test_recovery_trains_on_cuda_and_serves_there(artifact, tiny_model_dir, tmp_path):
+    """Distillation of the factors on the GPU: the loss falls, the manifest records GPU memory, the result serves."""
+    import shutil
+
+    art = shutil.copytree(artifact, tmp_path / "art")
+    cfg = RecoveryConfig(objective="distill", train="factors", steps=20, lr=1e-3, seqlen=32, batch_size=4,
+                         warmup_steps=2, checkpoint_every=10, device="cuda")
+    block = recover_artifact(art, tiny_model_dir, cfg, data_path=data_dir() / "c4" / "c4-validation-sample.jsonl")
+    assert block["final_loss"] < block["initial_loss"], block
+    assert block["peak_cuda_mib"] > 0
+    assert json.loads((art / "manifest.json").read_text())["recovery"] == block
+    tokens = _greedy(tiny_model_dir, "cuda", compressed=art)
+    assert all(len(t) == NEW_TOKENS for t in tokens)
+
+
+def test_served_on_cuda_with_the_engine_process_answers_like_the_cpu(tiny_model_dir):
+    """`neuronmm serve`'s layout (engine core in a spawned process) on device cuda: same greedy text as on CPU."""
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+    texts = {}
+    for device in ("cpu", "cuda"):
+        cfg = Config.model_validate({**tiny_config(tiny_model_dir).model_dump(), "device": device})
+        with live_server(cfg, engine_process=True, ready_timeout=120) as srv:
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            out = r.json()
+            assert out["usage"]["completion_tokens"] == 12
+            texts[device] = out["choices"][0]["text"]
+    assert texts["cuda"] == texts["cpu"]
