@@ -75,7 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--recover-windows", type=int, help="with --recover: distinct training windows (default steps x "
                                                         "batch size); fewer are revisited, see `neuronmm recover`")
     p.add_argument("--recover-ce-weight", type=float, help="with --recover distill: weight of the next-token "
-                                                           "cross-entropy added to the KL (see `neuronmm recover`)")
+                                                           "cross-entropy added to the KL (default 0.5; 0: KL only)")
     p.add_argument("--recover-hidden-loss", type=float, help="with --recover distill: weight of the hidden-state "
                                                              "loss (see `neuronmm recover --hidden-loss`)")
     p.add_argument("--recover-lr", type=float, help="with --recover: peak learning rate (default as `neuronmm "

@@ -29,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                "fewer are revisited in later epochs, the teacher's states cached")
     p.add_argument("--lr", type=float, help="default 1e-3 with --train lora, 1e-4 with --train factors")
     p.add_argument("--ce-weight", type=float, help="with --objective distill: weight of the next-token cross-entropy "
-                                                   "added to the KL (default 0: KL only)")
+                                                   "added to the KL (default 0.5; 0: KL only)")
     p.add_argument("--hidden-loss", type=float, help="with --objective distill: weight of a loss on the hidden states "
                                                      "after each layer against the teacher's (default 0: logits only)")
     p.add_argument("--seqlen", type=int)

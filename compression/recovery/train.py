@@ -45,7 +45,7 @@ def step_backward(model: nn.Module, batch: torch.Tensor, cfg: RecoveryConfig, te
         return loss.item()
     states = None if cache is None else cache.states(teacher, batch, indices, shared_layers)
     return distill_backward(model, teacher, batch, shared_layers, states=states, hidden_weight=cfg.hidden_loss,
-                            ce_weight=cfg.ce_weight)
+                            ce_weight=cfg.cross_entropy_weight)
 
 
 def train_adapters(model: nn.Module, windows: torch.Tensor, cfg: RecoveryConfig, ckpt_path: Path,
