@@ -1,5 +1,5 @@
 """The PyTorch backend on CUDA, against the CPU: greedy tokens, the auto dtype, compressed factors, recovery's
-training on the GPU, and the served API with its engine process. Skipped without a CUDA device (CI has none);
+training step and run on the GPU, and the served API with its engine process. Skipped without a CUDA device (CI has none);
 docs/BENCHMARKS.md records the run on a lent GPU."""
 
 from __future__ import annotations
@@ -13,9 +13,13 @@ from transformers import AutoModelForCausalLM
 
 from compression.compress import CompressSettings, compress_model
 from compression.recovery import recover_artifact
+from compression.recovery.adapter import adapter_parameters
+from compression.recovery.distill import distill_backward, shared_prefix_layers
+from compression.recovery.recover import load_adapted_model, load_teacher
 from server.backends.base import SeqChunk
 from server.backends.torch_runner import TorchRunner
 from server.config import Config, RecoveryConfig, data_dir
+from server.models.artifact import load_artifact
 from server.runtime import load_tokenizer
 from support import engine_greedy, live_server, tiny_config
 
@@ -124,14 +128,37 @@ def test_recovery_trains_on_cuda_and_serves_there(artifact, tiny_model_dir, tmp_
     import shutil
 
     art = shutil.copytree(artifact, tmp_path / "art")
+    # KL alone: the tiny model's teacher is random, so the default next-token term pulls away from it (the term's
+    # CUDA arithmetic is the next test's)
     cfg = RecoveryConfig(objective="distill", train="factors", steps=20, lr=1e-3, seqlen=32, batch_size=4,
-                         warmup_steps=2, checkpoint_every=10, device="cuda")
+                         warmup_steps=2, checkpoint_every=10, device="cuda", ce_weight=0.0)
     block = recover_artifact(art, tiny_model_dir, cfg, data_path=data_dir() / "c4" / "c4-validation-sample.jsonl")
     assert block["final_loss"] < block["initial_loss"], block
     assert block["peak_cuda_mib"] > 0
     assert json.loads((art / "manifest.json").read_text())["recovery"] == block
     tokens = _greedy(tiny_model_dir, "cuda", compressed=art)
     assert all(len(t) == NEW_TOKENS for t in tokens)
+
+
+def test_distillation_step_on_cuda_matches_the_cpu(artifact, tiny_model_dir):
+    """The chunked KL + next-token CE step (the recipe's loss; chunks straddle windows) gives the CPU's KL and
+    gradients on CUDA."""
+    manifest, tensors = load_artifact(artifact)
+    rcfg = RecoveryConfig(objective="distill", train="factors")
+    assert rcfg.cross_entropy_weight > 0
+    batch = torch.randint(0, len(load_tokenizer(tiny_model_dir)), (2, 48), generator=torch.Generator().manual_seed(0))
+    got = {}
+    for device in ("cpu", "cuda"):
+        model, _ = load_adapted_model(tiny_model_dir, manifest, tensors, rcfg, torch.device(device))
+        teacher = load_teacher(tiny_model_dir, torch.device(device))
+        kl = distill_backward(model, teacher, batch.to(device), shared_prefix_layers(model, teacher), chunk_tokens=32,
+                              ce_weight=rcfg.cross_entropy_weight)
+        got[device] = kl, [p.grad.cpu() for p in adapter_parameters(model)]
+    # the KL (3e-4 here) is a difference of near-equal log-probabilities near -11: compare it on their scale
+    assert got["cuda"][0] == pytest.approx(got["cpu"][0], abs=1e-6)
+    assert len(got["cpu"][1]) == len(got["cuda"][1]) > 0
+    for cpu, gpu in zip(got["cpu"][1], got["cuda"][1], strict=True):
+        torch.testing.assert_close(gpu, cpu, rtol=1e-3, atol=1e-3 * cpu.abs().max().item())
 
 
 def test_served_on_cuda_with_the_engine_process_answers_like_the_cpu(tiny_model_dir):
