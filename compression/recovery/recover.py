@@ -95,8 +95,8 @@ def _objective_record(rcfg: RecoveryConfig) -> dict:
         if rcfg.hidden_loss:
             record["loss"] += (f" + {rcfg.hidden_loss} x mean squared difference of the RMS-normalised hidden states "
                                "after each of the student's own layers (not in the reported losses)")
-        if rcfg.cross_entropy_weight:
-            record["loss"] += f" + {rcfg.cross_entropy_weight} x next-token cross-entropy on the text (not in the reported losses)"
+        if ce := rcfg.cross_entropy_weight:
+            record["loss"] += f" + {ce} x next-token cross-entropy on the text (not in the reported losses)"
         record["teacher"] = "the dense source model, float32"
     else:
         record["loss"] = "next-token cross-entropy per token, nats"
