@@ -68,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                "allocation experiments")
     p.add_argument("--recover", choices=["lora", "distill"],
                    help="after compressing, recover the factors: lora = LoRA with the next-token loss, distill = KL to "
-                        "the dense model (`neuronmm recover` defaults; see its --help)")
+                        "the dense model + 0.5 x the next-token loss (`neuronmm recover` defaults; see its --help)")
     p.add_argument("--recover-train", choices=["lora", "factors"],
                    help="with --recover distill: train LoRA adapters (default) or the factors themselves")
     p.add_argument("--recover-steps", type=int, default=200, help="with --recover: training steps")

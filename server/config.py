@@ -105,7 +105,7 @@ DISTILL_CE_WEIGHT = 0.5
 class RecoveryConfig(_Strict):
     """Defaults for `neuronmm recover` (LoRA on the factors or the factors themselves); CLI flags map 1:1 onto these."""
 
-    objective: Literal["next_token", "distill"] = "next_token"  # distill: KL(dense teacher || student) per token
+    objective: Literal["next_token", "distill"] = "next_token"  # distill: KL(dense teacher || student) per token (+ CE)
     train: Literal["lora", "factors"] = "lora"  # factors: the LowRankLinear A, B themselves, no adapters
     steps: int = Field(200, ge=1)
     # distinct training windows; None: steps × batch_size, every step new text. Fewer are revisited epoch by epoch

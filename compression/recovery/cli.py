@@ -21,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                           "(default: the packaged configs/smollm2-135m.yaml)")
     p.add_argument("--objective", choices=["next_token", "distill"],
                    help="next_token (default): cross-entropy on the text; distill: KL(dense teacher || student) "
-                        "per token")
+                        "per token + --ce-weight x the cross-entropy")
     p.add_argument("--train", choices=["lora", "factors"],
                    help="lora (default): adapters on the factors, merged after; factors: the factors A, B themselves")
     p.add_argument("--steps", type=int)
