@@ -132,7 +132,7 @@ class RecoveryConfig(_Strict):
     device: str = "auto"
 
     @model_validator(mode="after")
-    def _hidden_loss_needs_a_teacher(self) -> RecoveryConfig:
+    def _extra_loss_terms_need_distill(self) -> RecoveryConfig:
         if self.hidden_loss and self.objective != "distill":
             raise ValueError("hidden_loss needs objective distill (the targets are the dense teacher's hidden states)")
         if self.ce_weight and self.objective != "distill":

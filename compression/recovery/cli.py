@@ -51,8 +51,8 @@ def _run(args: argparse.Namespace) -> int:
     if not artifact.is_dir():
         raise ConfigError(f"--artifact {artifact}: no such directory")
     cfg = load_config(args.config)
-    keys = ("objective", "train", "steps", "windows", "lr", "hidden_loss", "ce_weight", "seqlen", "batch_size", "adapter_rank", "warmup_steps",
-            "checkpoint_every", "seed", "num_threads", "device")
+    keys = ("objective", "train", "steps", "windows", "lr", "hidden_loss", "ce_weight", "seqlen", "batch_size",
+            "adapter_rank", "warmup_steps", "checkpoint_every", "seed", "num_threads", "device")
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     rcfg = validate_section(RecoveryConfig, {**cfg.recovery.model_dump(), **overrides}, "recovery")
     model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
