@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from server.models import fused_ops
+from server.models.gemm_tuning import tune_bf16_fma_rows
 from server.models.hugepages import into_huge_pages
 from server.models.llama import StackedPair
 from server.models.lowrank import LowRankLinear
@@ -210,5 +211,7 @@ def pack_linears(model: nn.Module, use_panels: bool = False) -> int:
         placed = iter(into_huge_pages([t for group in panels for t in group]))
         for layer, group in zip(panel_layers, panels):
             layer.set_panel_tensors([next(placed) for _ in group])
+        if any(t.dtype == torch.bfloat16 for group in panels for t in group):
+            tune_bf16_fma_rows()
     log.info("packed %d linear layers (%s)", count, "panels" if use_panels else "oneDNN")
     return count

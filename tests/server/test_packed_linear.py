@@ -9,6 +9,8 @@ from torch import nn
 
 from server.backends.base import SeqChunk
 from server.backends.torch_runner import TorchRunner
+from server.models import gemm_tuning
+from server.models.gemm_tuning import threshold_from
 from server.models.lowrank import LowRankLinear
 from server.models.llama import StackedPair
 from server.models.packed_linear import (FactoredPanelLinear, PackedLinear, PanelLinear, pack_linears, packing_available,
@@ -16,6 +18,17 @@ from server.models.packed_linear import (FactoredPanelLinear, PackedLinear, Pane
 
 needs_panels = pytest.mark.skipif(not panels_available(torch.device("cpu"), torch.bfloat16),
                                   reason="the panel GEMM is built only on CPUs with AVX512-BF16")
+
+
+@pytest.fixture
+def bf16_fma_rows():
+    """Sets the bf16 GEMMs' FMA threshold for one test; restores what this process had tuned (or the dot path) after."""
+    if not panels_available(torch.device("cpu"), torch.bfloat16):
+        yield None
+        return
+    before = gemm_tuning.bf16_fma_rows()
+    yield torch.ops.neuronmm.set_bf16_fma_rows
+    torch.ops.neuronmm.set_bf16_fma_rows(before or 0)
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -150,3 +163,40 @@ def test_runner_panel_and_onednn_paths_agree(tiny_model_dir):
                                  SeqChunk(slot=1, token_ids=[7, 2], start_pos=0)])
         outs.append(logits.float())
     assert torch.allclose(outs[0], outs[1], rtol=0.05, atol=0.05)
+
+
+@needs_panels
+@pytest.mark.parametrize("fma_from", [0, 1, 6])
+@pytest.mark.parametrize("rows", [1, 5, 12, 16, 49])
+def test_bf16_kernels_equal_the_fp32_reference(bf16_fma_rows, fma_from, rows):
+    """VDPBF16PS (0), fp32 FMAs at every row count (1) and the switch between them inside one call's row range (6):
+    each one bf16 rounding from the fp32 reference, on a dense and on a factored call with strided parts."""
+    bf16_fma_rows(fma_from)
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(70, 130, generator=g).bfloat16()
+    x = torch.randn(rows, 130, generator=g).bfloat16()
+    got = PanelLinear(w)(x)
+    assert torch.allclose(got.float(), _reference(x, w).float(), rtol=2 ** -7, atol=1e-3), (got - _reference(x, w)).abs().max()
+    a, b = torch.randn(24, 130, generator=g).bfloat16(), torch.randn(40, 24, generator=g).bfloat16()
+    t = _reference(x, a)  # the factored call rounds its intermediate to bf16 as well
+    torch.testing.assert_close(FactoredPanelLinear(a, [24], [b])(x).float(), _reference(t, b).float(),
+                               rtol=2 ** -7, atol=1e-2)
+
+
+def test_fma_threshold_is_the_smallest_row_count_it_wins_from():
+    """The FMA path is chosen from the first row count where it wins at it and every larger one, by >= 5 %."""
+    assert threshold_from({2: (30, 31), 4: (46, 32), 8: (86, 55), 16: (170, 106)}) == 4
+    assert threshold_from({2: (30, 20), 4: (46, 47), 8: (86, 55), 16: (170, 106)}) == 8  # a win below a loss
+    assert threshold_from({2: (30, 31), 4: (46, 45), 8: (86, 84), 16: (170, 168)}) == 0  # inside the noise
+    assert threshold_from({2: (30, 10), 4: (46, 12)}) == 2
+
+
+def test_fma_threshold_from_the_environment(monkeypatch, bf16_fma_rows):
+    """NEURONMM_BF16_FMA_ROWS fixes the threshold without timing; anything but a count >= 0 is refused."""
+    monkeypatch.setattr(gemm_tuning, "_chosen", None)
+    monkeypatch.setenv("NEURONMM_BF16_FMA_ROWS", "two")
+    with pytest.raises(ValueError, match="NEURONMM_BF16_FMA_ROWS must be a row count"):
+        gemm_tuning.tune_bf16_fma_rows()
+    if panels_available(torch.device("cpu"), torch.bfloat16):
+        monkeypatch.setenv("NEURONMM_BF16_FMA_ROWS", "8")
+        assert gemm_tuning.tune_bf16_fma_rows() == 8 and gemm_tuning.bf16_fma_rows() == 8

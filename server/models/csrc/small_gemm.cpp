@@ -10,13 +10,15 @@
 // input positions (k, k+1), the 32 columns' two values side by side: [N/32][K/2][32][2] bf16, N padded
 // to a multiple of 32 with zero columns. One 64-byte load then gives 16 columns x 2 inputs, which
 // VDPBF16PS multiplies by a broadcast pair of x and adds into 16 fp32 sums: no horizontal reductions,
-// and a panel is read front to back, a single stream for the hardware prefetcher.
+// and a panel is read front to back, a single stream for the hardware prefetcher. With more rows of x than
+// the loader's threshold (set_bf16_fma_rows), the same panels go through fp32 FMAs instead (tile_fma).
 // Register tile: up to 12 rows of x x one panel (24 accumulators).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -45,9 +47,9 @@ void for_each_tile(int64_t M, int64_t num_panels, const Tile& tile) {
 // One GEMM of a call: y[M, :N] (row stride ldy) = x[M, :K] (row stride ldx) · Wᵀ, W as panels of 32 columns
 // (panel_elems = K * 32 elements each, in either dtype's layout). Strides let a part read a column range of
 // another GEMM's output and write a column range of a shared output, with no copies.
-template <typename T>
+template <typename X, typename T>
 struct Part {
-  const T* x;
+  const X* x;
   int64_t ldx;
   const T* panels;
   int64_t K, N;
@@ -57,25 +59,29 @@ struct Part {
 
 // All parts' panels as one work list in one parallel region; `rows` computes one register tile:
 // rows(x, ldx, panel, y, ldy, valid_columns, K, num_rows).
-template <typename T, typename Rows>
-void gemm_parts(const std::vector<Part<T>>& parts, int64_t M, const Rows& rows) {
+template <typename X, typename T, typename Rows>
+void gemm_parts(const std::vector<Part<X, T>>& parts, int64_t M, const Rows& rows) {
   std::vector<int64_t> first(parts.size() + 1, 0);  // first panel of each part in the work list
   for (size_t i = 0; i < parts.size(); ++i) first[i + 1] = first[i] + (parts[i].N + 31) / 32;
   for_each_tile(M, first.back(), [&](int64_t p, int64_t m, int64_t n) {
     const size_t i = std::upper_bound(first.begin(), first.end(), p) - first.begin() - 1;
-    const Part<T>& q = parts[i];
+    const Part<X, T>& q = parts[i];
     const int64_t lp = p - first[i];
     rows(q.x + m * q.ldx, q.ldx, q.panels + lp * q.K * 32, q.y + m * q.ldy + lp * 32, q.ldy, q.N - lp * 32, q.K, n);
   });
 }
 
+// Runs a list of same-dtype parts with one dtype's kernel.
+template <typename T>
+using Runner = void (*)(const std::vector<Part<T, T>>& parts, int64_t M);
+
 // y [M, N] = x · Wᵀ for one panel-packed weight (dtype and panel layout checked by the caller).
-template <typename T, typename Rows>
-at::Tensor linear_of(const at::Tensor& x, const at::Tensor& panels, int64_t N, const Rows& rows) {
+template <typename T>
+at::Tensor linear_of(const at::Tensor& x, const at::Tensor& panels, int64_t N, Runner<T> run) {
   const auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
   auto y = at::empty({M, N}, xc.options());
-  gemm_parts<T>({{xc.data_ptr<T>(), K, panels.data_ptr<T>(), K, N, y.data_ptr<T>(), N}}, M, rows);
+  run({{xc.data_ptr<T>(), K, panels.data_ptr<T>(), K, N, y.data_ptr<T>(), N}}, M);
   return y;
 }
 
@@ -156,6 +162,73 @@ void rows_of(const at::BFloat16* x, int64_t ldx, const at::BFloat16* panel, at::
 const auto bf16_rows = [](const at::BFloat16* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
                           int64_t valid, int64_t K, int64_t rows) { rows_of<kMaxRows>(x, ldx, panel, y, ldy, valid, K, rows); };
 
+// The same panels through fp32 FMAs: a 64-byte load holds 16 columns x (k, k+1); shifting each 32-bit lane
+// left by 16 gives the 16 columns' fp32 values at k, masking its low half gives them at k+1 (bf16 is the top
+// half of an fp32). x comes in fp32 (widened once a call). Products and sums are exact-input fp32 FMAs, so
+// the result differs from the VDPBF16PS path only in rounding.
+template <int MT>
+inline void tile_fma(const float* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
+                     int64_t valid, int64_t K) {
+  __m512 lo[MT], hi[MT];
+  for (int j = 0; j < MT; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
+  const __m512i top = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (kp + kAhead) * 2 * kPanel), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (kp + kAhead) * 2 * kPanel + kPanel), _MM_HINT_T0);
+    const __m512i a = _mm512_loadu_si512(panel + kp * 2 * kPanel), b = _mm512_loadu_si512(panel + kp * 2 * kPanel + kPanel);
+    const __m512 a0 = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), a1 = _mm512_castsi512_ps(_mm512_and_si512(a, top));
+    const __m512 b0 = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), b1 = _mm512_castsi512_ps(_mm512_and_si512(b, top));
+    for (int j = 0; j < MT; ++j) {
+      const __m512 x0 = _mm512_set1_ps(x[j * ldx + 2 * kp]), x1 = _mm512_set1_ps(x[j * ldx + 2 * kp + 1]);
+      lo[j] = _mm512_fmadd_ps(x1, a1, _mm512_fmadd_ps(x0, a0, lo[j]));
+      hi[j] = _mm512_fmadd_ps(x1, b1, _mm512_fmadd_ps(x0, b0, hi[j]));
+    }
+  }
+  for (int j = 0; j < MT; ++j) store_row(y + j * ldy, lo[j], hi[j], valid);
+}
+
+template <int MT>
+void rows_fma(const float* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy, int64_t valid,
+              int64_t K, int64_t rows) {
+  if constexpr (MT > 0) {
+    if (rows == MT) return tile_fma<MT>(x, ldx, panel, y, ldy, valid, K);
+    rows_fma<MT - 1>(x, ldx, panel, y, ldy, valid, K, rows);
+  }
+}
+
+const auto bf16_fma_rows = [](const float* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
+                              int64_t valid, int64_t K, int64_t rows) { rows_fma<kMaxRows>(x, ldx, panel, y, ldy, valid, K, rows); };
+
+// From how many rows of x the bf16 panel GEMMs multiply with fp32 FMAs instead of VDPBF16PS (0: never). Set
+// once by the loader, which times both on this CPU: at one or two rows both stream the weight at memory
+// bandwidth and the dot product's fewer instructions win; with more rows the GEMM is compute-bound and the
+// faster instruction depends on the core (on the Xeons measured the FMA path is ~1.6 x faster from 4 rows).
+std::atomic<int64_t> g_fma_min_rows{0};
+
+void run_bf16(const std::vector<Part<at::BFloat16, at::BFloat16>>& parts, int64_t M) {
+  const int64_t fma_from = g_fma_min_rows.load(std::memory_order_relaxed);
+  if (fma_from == 0 || M < fma_from) return gemm_parts(parts, M, bf16_rows);
+  // Widen each part's x to fp32 once ([M, K] contiguous): the tiles then broadcast it with plain loads.
+  std::vector<std::vector<float>> wide(parts.size());
+  std::vector<Part<float, at::BFloat16>> fparts;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const auto& q = parts[i];
+    wide[i].resize(M * q.K);
+    float* dst = wide[i].data();
+    at::parallel_for(0, M, 64, [&](int64_t b, int64_t e) {
+      for (int64_t m = b; m < e; ++m)
+        for (int64_t k = 0; k < q.K; ++k) dst[m * q.K + k] = float(q.x[m * q.ldx + k]);
+    });
+    fparts.push_back({dst, q.K, q.panels, q.K, q.N, q.y, q.ldy});
+  }
+  gemm_parts(fparts, M, bf16_fma_rows);
+}
+
+void set_bf16_fma_rows(int64_t min_rows) {
+  TORCH_CHECK(min_rows >= 0, "set_bf16_fma_rows: a row count >= 0 expected (0: never use the FMA path)");
+  g_fma_min_rows.store(min_rows);
+}
+
 void check_panels_bf16(const at::Tensor& panels, int64_t K, int64_t N, const char* op) {
   TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 && panels.size(2) == kPanel &&
                   panels.size(1) * 2 == K && panels.size(0) * kPanel >= N && panels.is_contiguous(),
@@ -165,7 +238,7 @@ void check_panels_bf16(const at::Tensor& panels, int64_t K, int64_t N, const cha
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "panel_linear: bf16 x [M, K] expected");
   check_panels_bf16(panels, x.size(1), N, "panel_linear");
-  return linear_of<at::BFloat16>(x, panels, N, bf16_rows);
+  return linear_of<at::BFloat16>(x, panels, N, run_bf16);
 }
 
 }  // namespace
@@ -173,6 +246,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
 TORCH_LIBRARY_FRAGMENT(neuronmm, m) {
   m.def("pack_panels(Tensor weight) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, int out_features) -> Tensor");
+  m.def("set_bf16_fma_rows(int min_rows) -> ()", &set_bf16_fma_rows);  // no tensors: a catch-all kernel
 }
 
 TORCH_LIBRARY_IMPL(neuronmm, CPU, m) {
@@ -244,6 +318,8 @@ void rows_of_f32(const float* x, int64_t ldx, const float* panel, float* y, int6
 const auto f32_rows = [](const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid,
                          int64_t K, int64_t rows) { rows_of_f32<kMaxRows>(x, ldx, panel, y, ldy, valid, K, rows); };
 
+void run_f32(const std::vector<Part<float, float>>& parts, int64_t M) { gemm_parts(parts, M, f32_rows); }
+
 void check_panels_f32(const at::Tensor& panels, int64_t K, int64_t N, const char* op) {
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.size(2) == kPanelF &&
                   panels.size(1) == K && panels.size(0) * kPanelF >= N && panels.is_contiguous(),
@@ -253,7 +329,7 @@ void check_panels_f32(const at::Tensor& panels, int64_t K, int64_t N, const char
 at::Tensor panel_linear_f32(const at::Tensor& x, const at::Tensor& panels, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "panel_linear_f32: fp32 x [M, K] expected");
   check_panels_f32(panels, x.size(1), N, "panel_linear_f32");
-  return linear_of<float>(x, panels, N, f32_rows);
+  return linear_of<float>(x, panels, N, run_f32);
 }
 
 // ---- factored linear -------------------------------------------------------------------------------
@@ -261,10 +337,10 @@ at::Tensor panel_linear_f32(const at::Tensor& x, const at::Tensor& panels, int64
 // (one part: F = A, then B) or gate and up sharing their first GEMM (two parts, a dense part passing its
 // slice of t through, B absent). The CPU form of X·U·V: t stays in cache between the two GEMMs, and a
 // layer's low-rank projections are one call instead of a GEMM per factor plus a split and a concatenation.
-template <typename T, typename Rows>
+template <typename T>
 at::Tensor factored_impl(const at::Tensor& x, const at::Tensor& first, const std::vector<int64_t>& splits,
                          const std::vector<std::optional<at::Tensor>>& seconds, const std::vector<int64_t>& outs,
-                         const Rows& rows, void (*check)(const at::Tensor&, int64_t, int64_t, const char*)) {
+                         Runner<T> run, void (*check)(const at::Tensor&, int64_t, int64_t, const char*)) {
   TORCH_CHECK(splits.size() == seconds.size() && splits.size() == outs.size() && !splits.empty(),
               "factored_linear: splits, seconds and out_features must have one entry per part");
   const int64_t M = x.size(0), K = x.size(1);
@@ -276,9 +352,9 @@ at::Tensor factored_impl(const at::Tensor& x, const at::Tensor& first, const std
     out_width += outs[i];
   }
   check(first, K, width, "factored_linear (first)");
-  const at::Tensor t = linear_of<T>(x, first, width, rows);
+  const at::Tensor t = linear_of<T>(x, first, width, run);
   auto y = at::empty({M, out_width}, x.options());
-  std::vector<Part<T>> parts;
+  std::vector<Part<T, T>> parts;
   int64_t col = 0, out_col = 0;
   for (size_t i = 0; i < splits.size(); ++i) {
     T* dst = y.data_ptr<T>() + out_col;
@@ -291,7 +367,7 @@ at::Tensor factored_impl(const at::Tensor& x, const at::Tensor& first, const std
     col += splits[i];
     out_col += outs[i];
   }
-  if (!parts.empty()) gemm_parts<T>(parts, M, rows);
+  if (!parts.empty()) run(parts, M);
   return y;
 }
 
@@ -300,11 +376,11 @@ at::Tensor factored_linear(const at::Tensor& x, const at::Tensor& first, at::Int
   TORCH_CHECK(x.dim() == 2, "factored_linear: x [M, K] expected");
   const std::vector<int64_t> sp(splits.begin(), splits.end()), os(outs.begin(), outs.end());
   const std::vector<std::optional<at::Tensor>> sec(seconds.begin(), seconds.end());
-  if (x.scalar_type() == at::kFloat) return factored_impl<float>(x, first, sp, sec, os, f32_rows, check_panels_f32);
+  if (x.scalar_type() == at::kFloat) return factored_impl<float>(x, first, sp, sec, os, run_f32, check_panels_f32);
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16) {
     for (int64_t s : sp) TORCH_CHECK(s % 2 == 0, "factored_linear: bf16 panels pair K, so every split must be even");
-    return factored_impl<at::BFloat16>(x, first, sp, sec, os, bf16_rows, check_panels_bf16);
+    return factored_impl<at::BFloat16>(x, first, sp, sec, os, run_bf16, check_panels_bf16);
   }
 #endif
   TORCH_CHECK(false, "factored_linear: fp32 x (or bf16 on a CPU with AVX512-BF16) expected");
