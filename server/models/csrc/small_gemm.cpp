@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -199,6 +200,16 @@ void rows_fma(const float* x, int64_t ldx, const at::BFloat16* panel, at::BFloat
 const auto bf16_fma_rows = [](const float* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
                               int64_t valid, int64_t K, int64_t rows) { rows_fma<kMaxRows>(x, ldx, panel, y, ldy, valid, K, rows); };
 
+// dst[0..n) = src[0..n) in fp32 (bf16 is the top half of an fp32: a zero-extend and a shift per 16 values)
+inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+  }
+  for (; i < n; ++i) dst[i] = float(src[i]);
+}
+
 // From how many rows of x the bf16 panel GEMMs multiply with fp32 FMAs instead of VDPBF16PS (0: never). Set
 // once by the loader, which times both on this CPU: at one or two rows both stream the weight at memory
 // bandwidth and the dot product's fewer instructions win; with more rows the GEMM is compute-bound and the
@@ -209,17 +220,17 @@ void run_bf16(const std::vector<Part<at::BFloat16, at::BFloat16>>& parts, int64_
   const int64_t fma_from = g_fma_min_rows.load(std::memory_order_relaxed);
   if (fma_from == 0 || M < fma_from) return gemm_parts(parts, M, bf16_rows);
   // Widen each part's x to fp32 once ([M, K] contiguous): the tiles then broadcast it with plain loads.
-  std::vector<std::vector<float>> wide(parts.size());
+  int64_t total = 0;
+  for (const auto& q : parts) total += M * q.K;
+  std::unique_ptr<float[]> wide(new float[total]);  // no zero fill: every element is written below
   std::vector<Part<float, at::BFloat16>> fparts;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const auto& q = parts[i];
-    wide[i].resize(M * q.K);
-    float* dst = wide[i].data();
+  float* dst = wide.get();
+  for (const auto& q : parts) {
     at::parallel_for(0, M, 64, [&](int64_t b, int64_t e) {
-      for (int64_t m = b; m < e; ++m)
-        for (int64_t k = 0; k < q.K; ++k) dst[m * q.K + k] = float(q.x[m * q.ldx + k]);
+      for (int64_t m = b; m < e; ++m) widen(q.x + m * q.ldx, dst + m * q.K, q.K);
     });
     fparts.push_back({dst, q.K, q.panels, q.K, q.N, q.y, q.ldy});
+    dst += M * q.K;
   }
   gemm_parts(fparts, M, bf16_fma_rows);
 }
