@@ -87,11 +87,13 @@ def test_pack_linears_packs_every_layer_and_keeps_the_output(dtype):
     torch.testing.assert_close(model(x).float(), want, **tol)
 
 
-@pytest.mark.parametrize("dtype", _panel_dtypes())
+@pytest.mark.parametrize("dtype,fma_from", [(d, f) for d in _panel_dtypes() for f in ([0, 1] if d == torch.bfloat16 else [0])])
 @pytest.mark.parametrize("rows", [1, 5, 16, 49])
-def test_factored_linear_equals_its_two_gemms(dtype, rows):
+def test_factored_linear_equals_its_two_gemms(bf16_fma_rows, dtype, fma_from, rows):
     """Gate/up sharing a first GEMM (a low-rank part with ragged N, a dense part passed through) and a lone
-    low-rank linear: each equals x·Fᵀ rounded to the dtype, then each part's second GEMM."""
+    low-rank linear: each equals x·Fᵀ rounded to the dtype, then each part's second GEMM (bf16: by either kernel)."""
+    if dtype == torch.bfloat16:
+        bf16_fma_rows(fma_from)
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=g).to(dtype)
     a0, a1 = (torch.randn(n, 96, generator=g).div(10).to(dtype) for n in (32, 70))
