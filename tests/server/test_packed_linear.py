@@ -87,7 +87,8 @@ def test_pack_linears_packs_every_layer_and_keeps_the_output(dtype):
     torch.testing.assert_close(model(x).float(), want, **tol)
 
 
-@pytest.mark.parametrize("dtype,fma_from", [(d, f) for d in _panel_dtypes() for f in ([0, 1] if d == torch.bfloat16 else [0])])
+@pytest.mark.parametrize("dtype,fma_from",
+                         [(d, f) for d in _panel_dtypes() for f in ([0, 1] if d == torch.bfloat16 else [0])])
 @pytest.mark.parametrize("rows", [1, 5, 16, 49])
 def test_factored_linear_equals_its_two_gemms(bf16_fma_rows, dtype, fma_from, rows):
     """Gate/up sharing a first GEMM (a low-rank part with ragged N, a dense part passed through) and a lone
@@ -178,7 +179,8 @@ def test_bf16_kernels_equal_the_fp32_reference(bf16_fma_rows, fma_from, rows):
     w = torch.randn(70, 130, generator=g).bfloat16()
     x = torch.randn(rows, 130, generator=g).bfloat16()
     got = PanelLinear(w)(x)
-    assert torch.allclose(got.float(), _reference(x, w).float(), rtol=2 ** -7, atol=1e-3), (got - _reference(x, w)).abs().max()
+    want = _reference(x, w)
+    assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=1e-3), (got - want).abs().max()
     a, b = torch.randn(24, 130, generator=g).bfloat16(), torch.randn(40, 24, generator=g).bfloat16()
     t = _reference(x, a)  # the factored call rounds its intermediate to bf16 as well
     torch.testing.assert_close(FactoredPanelLinear(a, [24], [b])(x).float(), _reference(t, b).float(),

@@ -165,7 +165,7 @@ const auto bf16_rows = [](const at::BFloat16* x, int64_t ldx, const at::BFloat16
 
 // The same panels through fp32 FMAs: a 64-byte load holds 16 columns x (k, k+1); shifting each 32-bit lane
 // left by 16 gives the 16 columns' fp32 values at k, masking its low half gives them at k+1 (bf16 is the top
-// half of an fp32). x comes in fp32 (widened once a call). Products and sums are exact-input fp32 FMAs, so
+// half of an fp32). x comes in fp32 (widened by the caller). Products and sums are exact-input fp32 FMAs, so
 // the result differs from the VDPBF16PS path only in rounding.
 template <int MT>
 inline void tile_fma(const float* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
@@ -176,7 +176,8 @@ inline void tile_fma(const float* x, int64_t ldx, const at::BFloat16* panel, at:
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     _mm_prefetch(reinterpret_cast<const char*>(panel + (kp + kAhead) * 2 * kPanel), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(panel + (kp + kAhead) * 2 * kPanel + kPanel), _MM_HINT_T0);
-    const __m512i a = _mm512_loadu_si512(panel + kp * 2 * kPanel), b = _mm512_loadu_si512(panel + kp * 2 * kPanel + kPanel);
+    const __m512i a = _mm512_loadu_si512(panel + kp * 2 * kPanel);
+    const __m512i b = _mm512_loadu_si512(panel + kp * 2 * kPanel + kPanel);
     const __m512 a0 = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), a1 = _mm512_castsi512_ps(_mm512_and_si512(a, top));
     const __m512 b0 = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), b1 = _mm512_castsi512_ps(_mm512_and_si512(b, top));
     for (int j = 0; j < MT; ++j) {
@@ -198,7 +199,9 @@ void rows_fma(const float* x, int64_t ldx, const at::BFloat16* panel, at::BFloat
 }
 
 const auto bf16_fma_rows = [](const float* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
-                              int64_t valid, int64_t K, int64_t rows) { rows_fma<kMaxRows>(x, ldx, panel, y, ldy, valid, K, rows); };
+                              int64_t valid, int64_t K, int64_t rows) {
+  rows_fma<kMaxRows>(x, ldx, panel, y, ldy, valid, K, rows);
+};
 
 // dst[0..n) = src[0..n) in fp32 (bf16 is the top half of an fp32: a zero-extend and a shift per 16 values)
 inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
@@ -218,7 +221,8 @@ std::atomic<int64_t> g_fma_min_rows{0};
 
 // The FMA path at decode sizes (one row block): the panels are split between the threads as gemm_parts splits
 // them, and each thread widens the x of the parts it works on into its own buffer. Widening once for all
-// threads cost ~25 µs a call at K = 1536: the other thread then read every line of x from the core that wrote it.
+// threads cost ~25 µs a call at K = 1536: the other thread then read every line of x from the core that
+// wrote it.
 void fma_one_row_block(const std::vector<Part<at::BFloat16, at::BFloat16>>& parts, int64_t M) {
   std::vector<int64_t> first(parts.size() + 1, 0);  // first panel of each part
   for (size_t i = 0; i < parts.size(); ++i) first[i + 1] = first[i] + (parts[i].N + 31) / 32;
