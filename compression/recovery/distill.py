@@ -208,6 +208,7 @@ def distill_backward(model: nn.Module, teacher: nn.Module, batch: torch.Tensor, 
             teacher_p = teacher_logp.exp()
             total += (teacher_p * (teacher_logp - student_logp)).sum().item()
             student_p = student_logp.exp_()
+            ce = None
             if ce_weight and num_labels:  # d CE/dz = softmax(z) − onehot(label), mean over labelled positions
                 chunk_labels = labels[rows]
                 labelled = (chunk_labels >= 0).nonzero().flatten()
@@ -215,7 +216,7 @@ def distill_backward(model: nn.Module, teacher: nn.Module, batch: torch.Tensor, 
                 ce[torch.arange(len(labelled)), chunk_labels[labelled]] -= 1.0
             # d/dz Σ p (log p − log softmax z) = softmax(z) − p, per token; the mean over tokens divides by N.
             dlogits = student_p.sub_(teacher_p).div_(num_tokens)
-            if ce_weight and num_labels:
+            if ce is not None:
                 dlogits.index_add_(0, labelled, ce, alpha=ce_weight / num_labels)
             grad[rows] = (dlogits.to(weight.dtype) @ weight).to(grad.dtype)
     if layers and states.layers:  # (a student that runs only its last layer has no state to compare)

@@ -58,12 +58,19 @@ struct Part {
   int64_t ldy;
 };
 
+// The first panel of each part in a work list of all parts' panels (and the total, last).
+template <typename X, typename T>
+std::vector<int64_t> part_offsets(const std::vector<Part<X, T>>& parts) {
+  std::vector<int64_t> first(parts.size() + 1, 0);
+  for (size_t i = 0; i < parts.size(); ++i) first[i + 1] = first[i] + (parts[i].N + 31) / 32;
+  return first;
+}
+
 // All parts' panels as one work list in one parallel region; `rows` computes one register tile:
 // rows(x, ldx, panel, y, ldy, valid_columns, K, num_rows).
 template <typename X, typename T, typename Rows>
 void gemm_parts(const std::vector<Part<X, T>>& parts, int64_t M, const Rows& rows) {
-  std::vector<int64_t> first(parts.size() + 1, 0);  // first panel of each part in the work list
-  for (size_t i = 0; i < parts.size(); ++i) first[i + 1] = first[i] + (parts[i].N + 31) / 32;
+  const std::vector<int64_t> first = part_offsets(parts);
   for_each_tile(M, first.back(), [&](int64_t p, int64_t m, int64_t n) {
     const size_t i = std::upper_bound(first.begin(), first.end(), p) - first.begin() - 1;
     const Part<X, T>& q = parts[i];
@@ -224,8 +231,7 @@ std::atomic<int64_t> g_fma_min_rows{0};
 // threads cost ~25 µs a call at K = 1536: the other thread then read every line of x from the core that
 // wrote it.
 void fma_one_row_block(const std::vector<Part<at::BFloat16, at::BFloat16>>& parts, int64_t M) {
-  std::vector<int64_t> first(parts.size() + 1, 0);  // first panel of each part
-  for (size_t i = 0; i < parts.size(); ++i) first[i + 1] = first[i] + (parts[i].N + 31) / 32;
+  const std::vector<int64_t> first = part_offsets(parts);
   const int64_t panels = first.back(), threads = at::get_num_threads();
   at::parallel_for(0, panels, (panels + threads - 1) / threads, [&](int64_t b, int64_t e) {
     thread_local std::vector<float> wide;
