@@ -64,6 +64,16 @@ def _timings() -> dict[int, tuple[float, float]]:
     return timings
 
 
+def fma_rows_from_env() -> int | None:
+    """The threshold NEURONMM_BF16_FMA_ROWS fixes (None when unset); ValueError for anything but a count >= 0."""
+    value = os.environ.get(_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{_ENV} must be a row count >= 0 (0: never use the FMA path), got {value!r}")
+    return int(value)
+
+
 def _describe(fma_from: int) -> str:
     return f"fp32 FMAs from {fma_from} rows, VDPBF16PS below" if fma_from else "VDPBF16PS at every row count"
 
@@ -74,11 +84,9 @@ def tune_bf16_fma_rows() -> int:
     if _chosen is not None:
         return _chosen
     op = torch.ops.neuronmm
-    if os.environ.get(_ENV):
-        value = os.environ[_ENV].strip()
-        if not value.isdigit():
-            raise ValueError(f"{_ENV} must be a row count >= 0 (0: never use the FMA path), got {value!r}")
-        _chosen = int(value)
+    fixed = fma_rows_from_env()
+    if fixed is not None:
+        _chosen = fixed
         op.set_bf16_fma_rows(_chosen)
         log.info("bf16 panel GEMM: %s (%s)", _describe(_chosen), _ENV)
         return _chosen

@@ -119,3 +119,11 @@ def test_unknown_tool_parser_and_template_are_one_line_errors(capsys):
     assert "known: hermes" in capsys.readouterr().err
     assert main(["serve", "--chat-template", "/no/such.jinja", "--port", "0"]) == 2
     assert "hermes_tools" in capsys.readouterr().err
+
+
+def test_bad_bf16_fma_rows_stops_the_start_with_one_line(capsys, monkeypatch):
+    """The engine process reads NEURONMM_BF16_FMA_ROWS when it packs the weights; serve checks it before loading."""
+    monkeypatch.setenv("NEURONMM_BF16_FMA_ROWS", "-1")
+    assert main(["serve", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "NEURONMM_BF16_FMA_ROWS must be a row count >= 0" in err[0]
