@@ -90,22 +90,48 @@ def test_pack_linears_packs_every_layer_and_keeps_the_output(dtype):
 @pytest.mark.parametrize("dtype,fma_from",
                          [(d, f) for d in _panel_dtypes() for f in ([0, 1] if d == torch.bfloat16 else [0])])
 @pytest.mark.parametrize("rows", [1, 5, 16, 49])
-def test_factored_linear_equals_its_two_gemms(bf16_fma_rows, dtype, fma_from, rows):
-    """Gate/up sharing a first GEMM (a low-rank part with ragged N, a dense part passed through) and a lone
-    low-rank linear: each equals x·Fᵀ rounded to the dtype, then each part's second GEMM (bf16: by either kernel)."""
+@pytest.mark.parametrize("rank", [32, 34])
+def test_factored_linear_equals_its_two_gemms(bf16_fma_rows, dtype, fma_from, rows, rank):
+    """Gate/up sharing a first GEMM (a low-rank part with ragged N, a dense part passed through: written by the
+    first GEMM when it starts on a 32-column panel, copied out of it when not) and a lone low-rank linear: each
+    equals x·Fᵀ rounded to the dtype, then each part's second GEMM (bf16: by either kernel)."""
     if dtype == torch.bfloat16:
         bf16_fma_rows(fma_from)
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=g).to(dtype)
-    a0, a1 = (torch.randn(n, 96, generator=g).div(10).to(dtype) for n in (32, 70))
-    b0 = torch.randn(50, 32, generator=g).div(6).to(dtype)
+    a0, a1 = (torch.randn(n, 96, generator=g).div(10).to(dtype) for n in (rank, 70))
+    b0 = torch.randn(50, rank, generator=g).div(6).to(dtype)
     t = F.linear(x.float(), torch.cat([a0, a1]).float()).to(dtype)
-    want = torch.cat([F.linear(t[:, :32].float(), b0.float()).to(dtype), t[:, 32:]], dim=1)
-    pair = FactoredPanelLinear(torch.cat([a0, a1]), [32, 70], [b0, None])
-    lone = FactoredPanelLinear(a0, [32], [b0])
+    want = torch.cat([F.linear(t[:, :rank].float(), b0.float()).to(dtype), t[:, rank:]], dim=1)
+    pair = FactoredPanelLinear(torch.cat([a0, a1]), [rank, 70], [b0, None])
+    lone = FactoredPanelLinear(a0, [rank], [b0])
     tol = dict(rtol=2 ** -6, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     assert pair(x).shape == (rows, 120) and torch.allclose(pair(x).float(), want.float(), **tol)
     assert torch.allclose(lone(x).float(), want[:, :50].float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", _panel_dtypes())
+def test_parts_of_unequal_depth_are_all_computed(dtype):
+    """Two low-rank parts of different ranks (the work split by cost, not by panel count) equal their GEMMs."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 64, generator=g).to(dtype)
+    a0, a1 = torch.randn(32, 64, generator=g).div(8).to(dtype), torch.randn(96, 64, generator=g).div(8).to(dtype)
+    b0, b1 = torch.randn(160, 32, generator=g).div(6).to(dtype), torch.randn(160, 96, generator=g).div(6).to(dtype)
+    t = F.linear(x.float(), torch.cat([a0, a1]).float()).to(dtype)
+    want = torch.cat([F.linear(t[:, :32].float(), b0.float()), F.linear(t[:, 32:].float(), b1.float())], dim=1)
+    pair = FactoredPanelLinear(torch.cat([a0, a1]), [32, 96], [b0, b1])
+    tol = dict(rtol=2 ** -6, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    assert torch.allclose(pair(x).float(), want.to(dtype).float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", _panel_dtypes())
+def test_no_rows_give_an_empty_output(dtype):
+    """A step can select no rows (no sequence wants logits): both GEMM ops return [0, N], not a crash."""
+    g = torch.Generator().manual_seed(4)
+    lin = PanelLinear(torch.randn(40, 64, generator=g).to(dtype))
+    fact = FactoredPanelLinear(torch.randn(32, 64, generator=g).to(dtype), [32], [torch.randn(40, 32).to(dtype)])
+    for module in (lin, fact):
+        assert module(torch.empty(0, 64, dtype=dtype)).shape == (0, 40)
 
 
 @pytest.mark.parametrize("dtype", _panel_dtypes())

@@ -28,23 +28,6 @@ namespace {
 constexpr int64_t kMaxRows = 12;  // rows of x per register tile (both dtypes: 2 x 12 accumulators)
 constexpr int64_t kRowsPerItem = 4 * kMaxRows;  // rows of x per work item (a panel stays in L1/L2 across them)
 
-// Calls tile(panel, first row, rows) over an [M, K] x panels GEMM. Work items are (panel, row block) pairs,
-// panel-major, cut into one contiguous stretch per thread: at decode sizes (one row block) each thread
-// streams its own part of the weight once; at prefill sizes a matrix with few panels still spreads over
-// every thread. A row block is cut into register tiles of up to kMaxRows rows.
-template <typename Tile>
-void for_each_tile(int64_t M, int64_t num_panels, const Tile& tile) {
-  const int64_t row_blocks = (M + kRowsPerItem - 1) / kRowsPerItem, items = num_panels * row_blocks;
-  const int64_t threads = at::get_num_threads();
-  at::parallel_for(0, items, (items + threads - 1) / threads, [&](int64_t b, int64_t e) {
-    for (int64_t item = b; item < e; ++item) {
-      const int64_t p = item / row_blocks, m_end = std::min(M, (item % row_blocks + 1) * kRowsPerItem);
-      for (int64_t m = (item % row_blocks) * kRowsPerItem; m < m_end; m += kMaxRows)
-        tile(p, m, std::min(kMaxRows, m_end - m));
-    }
-  });
-}
-
 // One GEMM of a call: y[M, :N] (row stride ldy) = x[M, :K] (row stride ldx) · Wᵀ, W as panels of 32 columns
 // (panel_elems = K * 32 elements each, in either dtype's layout). Strides let a part read a column range of
 // another GEMM's output and write a column range of a shared output, with no copies.
@@ -58,23 +41,84 @@ struct Part {
   int64_t ldy;
 };
 
-// The first panel of each part in a work list of all parts' panels (and the total, last).
-template <typename X, typename T>
-std::vector<int64_t> part_offsets(const std::vector<Part<X, T>>& parts) {
-  std::vector<int64_t> first(parts.size() + 1, 0);
-  for (size_t i = 0; i < parts.size(); ++i) first[i + 1] = first[i] + (parts[i].N + 31) / 32;
-  return first;
+// All parts' panels as one work list: panel p is panel p - first[i] of part i, and costs K_i (a row of x
+// against a panel is K multiply-adds).
+struct PanelList {
+  std::vector<int64_t> first;     // first panel of each part, and the total last
+  std::vector<int64_t> k_before;  // summed cost of the panels before each part, and the total last
+  std::vector<int64_t> k;         // each part's K: the cost of one of its panels
+
+  template <typename X, typename T>
+  explicit PanelList(const std::vector<Part<X, T>>& parts)
+      : first(parts.size() + 1, 0), k_before(parts.size() + 1, 0), k(parts.size()) {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      k[i] = parts[i].K;
+      first[i + 1] = first[i] + (parts[i].N + 31) / 32;
+      k_before[i + 1] = k_before[i] + (first[i + 1] - first[i]) * k[i];
+    }
+  }
+  int64_t panels() const { return first.back(); }
+  size_t part_of(int64_t p) const { return std::upper_bound(first.begin(), first.end(), p) - first.begin() - 1; }
+  // the summed cost of panels 0 .. p-1
+  int64_t cost_before(int64_t p) const {
+    if (p >= panels()) return k_before.back();
+    const size_t i = part_of(p);
+    return k_before[i] + (p - first[i]) * k[i];
+  }
+};
+
+// Calls body(begin, end) once per thread, on contiguous stretches of items [0, count) of about equal cost;
+// cost_before(i) is the summed cost of items 0 .. i-1. Splitting by cost rather than count matters when parts
+// differ in K: gate at rank 128 beside up at rank 256 gave one thread a third of the work, the other two.
+template <typename CostBefore, typename Body>
+void split_by_cost(int64_t count, const CostBefore& cost_before, const Body& body) {
+  if (count <= 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count), total = cost_before(count);
+  const auto start = [&](int64_t t) {  // the first item whose preceding cost reaches t / threads of the total
+    int64_t lo = 0, hi = count;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (cost_before(mid) * threads >= t * total) hi = mid; else lo = mid + 1;
+    }
+    return lo;
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t lo = start(t), hi = start(t + 1);
+      if (lo < hi) body(lo, hi);
+    }
+  });
+}
+
+// Calls tile(panel, first row, rows) over an [M, K] x panels GEMM. Work items are (panel, row block) pairs,
+// panel-major, cut into one contiguous stretch of equal cost per thread: at decode sizes (one row block) each
+// thread streams its own part of the weight once; at prefill sizes a matrix with few panels still spreads
+// over every thread. A row block is cut into register tiles of up to kMaxRows rows.
+template <typename Tile>
+void for_each_tile(int64_t M, const PanelList& list, const Tile& tile) {
+  const int64_t row_blocks = (M + kRowsPerItem - 1) / kRowsPerItem;
+  const auto cost_before = [&](int64_t item) {  // row blocks of a panel cost alike
+    const int64_t p = item / row_blocks, rb = item % row_blocks;
+    return list.cost_before(p) * row_blocks + (rb == 0 ? 0 : rb * (list.cost_before(p + 1) - list.cost_before(p)));
+  };
+  split_by_cost(list.panels() * row_blocks, cost_before, [&](int64_t b, int64_t e) {
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t p = item / row_blocks, m_end = std::min(M, (item % row_blocks + 1) * kRowsPerItem);
+      for (int64_t m = (item % row_blocks) * kRowsPerItem; m < m_end; m += kMaxRows)
+        tile(p, m, std::min(kMaxRows, m_end - m));
+    }
+  });
 }
 
 // All parts' panels as one work list in one parallel region; `rows` computes one register tile:
 // rows(x, ldx, panel, y, ldy, valid_columns, K, num_rows).
 template <typename X, typename T, typename Rows>
 void gemm_parts(const std::vector<Part<X, T>>& parts, int64_t M, const Rows& rows) {
-  const std::vector<int64_t> first = part_offsets(parts);
-  for_each_tile(M, first.back(), [&](int64_t p, int64_t m, int64_t n) {
-    const size_t i = std::upper_bound(first.begin(), first.end(), p) - first.begin() - 1;
+  const PanelList list(parts);
+  for_each_tile(M, list, [&](int64_t p, int64_t m, int64_t n) {
+    const size_t i = list.part_of(p);
     const Part<X, T>& q = parts[i];
-    const int64_t lp = p - first[i];
+    const int64_t lp = p - list.first[i];
     rows(q.x + m * q.ldx, q.ldx, q.panels + lp * q.K * 32, q.y + m * q.ldy + lp * 32, q.ldy, q.N - lp * 32, q.K, n);
   });
 }
@@ -231,21 +275,22 @@ std::atomic<int64_t> g_fma_min_rows{0};
 // threads cost ~25 µs a call at K = 1536: the other thread then read every line of x from the core that
 // wrote it.
 void fma_one_row_block(const std::vector<Part<at::BFloat16, at::BFloat16>>& parts, int64_t M) {
-  const std::vector<int64_t> first = part_offsets(parts);
-  const int64_t panels = first.back(), threads = at::get_num_threads();
-  at::parallel_for(0, panels, (panels + threads - 1) / threads, [&](int64_t b, int64_t e) {
+  const PanelList list(parts);
+  split_by_cost(list.panels(), [&](int64_t p) { return list.cost_before(p); }, [&](int64_t b, int64_t e) {
     thread_local std::vector<float> wide;
-    size_t i = std::upper_bound(first.begin(), first.end(), b) - first.begin() - 1;
-    size_t widened = parts.size();  // the part whose x `wide` holds (none yet)
+    size_t i = list.part_of(b);
+    const at::BFloat16* widened = nullptr;  // the x that `wide` holds (parts of one call may share it)
+    int64_t widened_k = 0;
     for (int64_t p = b; p < e; ++p) {
-      while (p >= first[i + 1]) ++i;
+      while (p >= list.first[i + 1]) ++i;
       const auto& q = parts[i];
-      if (widened != i) {
+      if (widened != q.x || widened_k != q.K) {
         wide.resize(M * q.K);
         for (int64_t m = 0; m < M; ++m) widen(q.x + m * q.ldx, wide.data() + m * q.K, q.K);
-        widened = i;
+        widened = q.x;
+        widened_k = q.K;
       }
-      const int64_t lp = p - first[i];
+      const int64_t lp = p - list.first[i];
       for (int64_t m = 0; m < M; m += kMaxRows)
         bf16_fma_rows(wide.data() + m * q.K, q.K, q.panels + lp * q.K * 32, q.y + m * q.ldy + lp * 32, q.ldy,
                       q.N - lp * 32, q.K, std::min(kMaxRows, M - m));
@@ -402,20 +447,32 @@ at::Tensor factored_impl(const at::Tensor& x, const at::Tensor& first, const std
     out_width += outs[i];
   }
   check(first, K, width, "factored_linear (first)");
-  const at::Tensor t = linear_of<T>(x, first, width, run);
+  const auto xc = x.contiguous();
+  auto t = at::empty({M, width}, x.options());
   auto y = at::empty({M, out_width}, x.options());
-  std::vector<Part<T, T>> parts;
+  T* const tp = t.data_ptr<T>();
+  T* const yp = y.data_ptr<T>();
+  // The first GEMM as one part per split when every split starts on a panel (32 columns): a part without B
+  // then writes its slice of y itself. Otherwise one part writes all of t, and those slices are copied.
+  bool aligned = true;
+  for (size_t i = 0, col = 0; i + 1 < splits.size(); ++i) aligned = aligned && (col += splits[i]) % 32 == 0;
+  std::vector<Part<T, T>> firsts, parts;
+  if (!aligned) firsts.push_back({xc.data_ptr<T>(), K, first.data_ptr<T>(), K, width, tp, width});
   int64_t col = 0, out_col = 0;
   for (size_t i = 0; i < splits.size(); ++i) {
-    T* dst = y.data_ptr<T>() + out_col;
-    const T* src = t.data_ptr<T>() + col;
-    if (seconds[i].has_value()) {
-      parts.push_back({src, width, seconds[i]->data_ptr<T>(), splits[i], outs[i], dst, out_width});
-    } else {
-      for (int64_t m = 0; m < M; ++m) std::memcpy(dst + m * out_width, src + m * width, splits[i] * sizeof(T));
-    }
+    const bool through = !seconds[i].has_value();
+    if (aligned)
+      firsts.push_back({xc.data_ptr<T>(), K, first.data_ptr<T>() + col / 32 * K * 32, K, splits[i],
+                        through ? yp + out_col : tp + col, through ? out_width : width});
+    if (!through) parts.push_back({tp + col, width, seconds[i]->data_ptr<T>(), splits[i], outs[i], yp + out_col, out_width});
     col += splits[i];
     out_col += outs[i];
+  }
+  run(firsts, M);
+  if (!aligned) {
+    for (size_t i = 0, c = 0, oc = 0; i < splits.size(); c += splits[i], oc += outs[i], ++i)
+      if (!seconds[i].has_value())
+        for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * out_width + oc, tp + m * width + c, splits[i] * sizeof(T));
   }
   if (!parts.empty()) run(parts, M);
   return y;
