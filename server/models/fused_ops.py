@@ -157,4 +157,6 @@ def kernels_for(device: torch.device) -> Kernels:
     if device.type != "cpu" or not load():
         return REFERENCE_KERNELS
     ops = torch.ops.neuronmm
-    return Kernels(ops.rms_norm, ops.add_rms_norm, ops.silu_mul, ops.attention, sdpa_min_chunk=None)
+    # the overloads, resolved once (calling the packet resolves one per call, ~1 µs)
+    return Kernels(ops.rms_norm.default, ops.add_rms_norm.default, ops.silu_mul.default, ops.attention.default,
+                   sdpa_min_chunk=None)

@@ -18,7 +18,7 @@ from torch import nn
 from server.models import fused_ops
 from server.models.gemm_tuning import tune_bf16_fma_rows
 from server.models.hugepages import into_huge_pages
-from server.models.llama import StackedPair
+from server.models.llama import LlamaModel, StackedPair
 from server.models.lowrank import LowRankLinear
 
 log = logging.getLogger(__name__)
@@ -205,6 +205,8 @@ def pack_linears(model: nn.Module, use_panels: bool = False) -> int:
     use_panels: panels for our GEMMs (see panels_available; factored modules become one call), else oneDNN's layout.
     """
     count = _replace(model, use_panels)
+    for llama in (m for m in model.modules() if isinstance(m, LlamaModel)):
+        llama.unbind()  # its bound layer calls name the modules just replaced
     panel_layers = [m for m in model.modules() if isinstance(m, (PanelLinear, FactoredPanelLinear))]
     if panel_layers:  # one huge-page mapping for all panels: a step streams every one of them
         panels = [m.panel_tensors() for m in panel_layers]

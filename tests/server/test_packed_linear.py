@@ -194,6 +194,23 @@ def test_runner_panel_and_onednn_paths_agree(tiny_model_dir):
     assert torch.allclose(outs[0], outs[1], rtol=0.05, atol=0.05)
 
 
+@pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.float32), reason="no oneDNN here")
+def test_packing_after_a_forward_rebinds_the_layer_calls(tiny_model_dir):
+    """The model binds its layers' projections at the first forward; packing afterwards must be seen by the next
+    one (the packed modules run, and give the same logits)."""
+    runner = TorchRunner(tiny_model_dir, 64, "float32", pack_weights=False)
+    runner.load()
+    runner.allocate_kv(1)
+    chunk = [SeqChunk(slot=0, token_ids=[1, 5, 9, 3], start_pos=0)]
+    before = runner.execute(chunk)
+    unpacked = runner.model.layer_calls()[0].o
+    pack_linears(runner.model)
+    calls = runner.model.layer_calls()[0]
+    assert calls.o is not unpacked and isinstance(calls.o.__self__, PackedLinear)
+    runner.release_slot(0)
+    torch.testing.assert_close(runner.execute(chunk), before, rtol=1e-4, atol=1e-4)
+
+
 @needs_panels
 @pytest.mark.parametrize("fma_from", [0, 1, 6])
 @pytest.mark.parametrize("rows", [1, 5, 12, 16, 49])
