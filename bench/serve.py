@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import torch
 
 from bench.engine_step import BENCH_FLAGS
 from bench.harness import NEURONMM, REPO, free_port, run_logged, save_report, wait_healthy
+from bench.read_bandwidth import read_bandwidth_gbs
 from server.config import load_config
 from server.models.cpu_features import cpu_flags
 from server.models.source import resolve_model_dir
@@ -201,33 +201,20 @@ def engine_steps(config: str, compressed: str | None, batch_sizes: list[int]) ->
     return rows
 
 
-def engine_workloads(config: str, compressed: str | None, fp32: bool, levels: list[int], input_len: int,
-                     output_len: int) -> list[dict]:
-    """bench.engine_workload (the same workload, in-process) in a child process for each neuronmm model."""
-    models = [("neuronmm", [])]
-    if compressed:
-        models.append(("neuronmm compressed", ["--compressed", compressed]))
-    if fp32:
-        models.append(("neuronmm fp32", ["--dtype", "float32"]))
-    rows = []
-    for name, extra in models:
-        out = RESULTS / f"engine_workload-{name.replace(' ', '-')}.json"
-        cmd = [*NEURONMM[:2], "bench.engine_workload", "--config", config, "--concurrency", *map(str, levels),
-               "--input-len", str(input_len), "--output-len", str(output_len), "--out", str(out), *extra]
-        run_logged(cmd, RESULTS / "engine_workload.log")
-        rows += [{"system": name, **r} for r in json.loads(out.read_text())["rows"]]
-    return rows
+def workload_args(system: str, compressed: str | None) -> list[str] | None:
+    """bench.engine_workload's model arguments for a served neuronmm system (None: it has no engine-only twin)."""
+    return {"neuronmm": [], "neuronmm compressed": ["--compressed", compressed] if compressed else None,
+            "neuronmm fp32": ["--dtype", "float32"]}.get(system)
 
 
-def memory_bandwidth_gbs() -> float:
-    """Read bandwidth with all threads: the best of five sums over a 512 MiB tensor, GB/s."""
-    data = torch.ones(2**27, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return data.numel() * 4 / best / 1e9
+def engine_workload(system: str, extra: list[str], config: str, levels: list[int], input_len: int,
+                    output_len: int) -> list[dict]:
+    """bench.engine_workload (the same workload, in-process) in a child process for one neuronmm model."""
+    out = RESULTS / f"engine_workload-{system.replace(' ', '-')}.json"
+    cmd = [*NEURONMM[:2], "bench.engine_workload", "--config", config, "--concurrency", *map(str, levels),
+           "--input-len", str(input_len), "--output-len", str(output_len), "--out", str(out), *extra]
+    run_logged(cmd, RESULTS / "engine_workload.log")
+    return [{"system": system, **r} for r in json.loads(out.read_text())["rows"]]
 
 
 def markdown(report: dict) -> str:
@@ -292,15 +279,17 @@ def main(argv: list[str] | None = None) -> int:
               "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "config": args.config, "compressed": args.compressed,
               "input_len": args.input_len, "output_len": args.output_len, "peer_note": peer_note,
               "commands": {s.name: shlex.join(s.command) for s in systems + peers},
-              "memory_bandwidth_gbs": memory_bandwidth_gbs(), "serve": [], "engine_step": [], "engine_workload": []}
+              "memory_bandwidth_gbs": read_bandwidth_gbs(2**29), "serve": [], "engine_step": [], "engine_workload": []}
     for i, system in enumerate(systems + peers):
         prompts = make_prompts(vocab, num_prompts, args.input_len, args.seed + i)
         report["serve"] += measure_system(system, port, cfg.model.name, prompts, args.concurrency, args.output_len,
                                           RESULTS / f"serve-{system.name.replace(' ', '-')}.log")
+        extra = workload_args(system.name, args.compressed)
+        if extra is not None:  # right after the served run: this shared CPU's speed drifts over minutes
+            report["engine_workload"] += engine_workload(system.name, extra, args.config, args.concurrency,
+                                                         args.input_len, args.output_len)
     if systems:
         report["engine_step"] = engine_steps(args.config, args.compressed, args.step_batch_sizes)
-        report["engine_workload"] = engine_workloads(args.config, args.compressed, args.fp32, args.concurrency,
-                                                     args.input_len, args.output_len)
     out = save_report(Path(args.out), report, markdown(report))
     print(markdown(report))
     print(f"saved {out}")
