@@ -275,8 +275,8 @@ class DecoderLayer(nn.Module):
 class LayerCalls:
     """One decoder layer as the step calls it: its projections as bound callables and its norm weights.
 
-    Looked up once (LlamaModel.layer_calls) rather than per step: through nn.Module attribute lookups and method
-    calls the 30 layers of the default model cost ~0.75 ms a batch-1 decode step (12.4 -> 11.7 ms without).
+    Looked up once (LlamaModel.layer_calls) rather than per step: through nn.Module attribute lookups and two
+    methods a layer, the default model's batch-1 decode step spent 1.1 ms in Python between its ops (0.6 ms now).
     """
 
     qkv: Callable[[torch.Tensor], torch.Tensor]

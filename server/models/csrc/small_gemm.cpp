@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -59,6 +60,7 @@ struct PanelList {
   }
   int64_t panels() const { return first.back(); }
   size_t part_of(int64_t p) const { return std::upper_bound(first.begin(), first.end(), p) - first.begin() - 1; }
+  int64_t cost_of(int64_t p) const { return k[part_of(p)]; }
   // the summed cost of panels 0 .. p-1
   int64_t cost_before(int64_t p) const {
     if (p >= panels()) return k_before.back();
@@ -99,7 +101,7 @@ void for_each_tile(int64_t M, const PanelList& list, const Tile& tile) {
   const int64_t row_blocks = (M + kRowsPerItem - 1) / kRowsPerItem;
   const auto cost_before = [&](int64_t item) {  // row blocks of a panel cost alike
     const int64_t p = item / row_blocks, rb = item % row_blocks;
-    return list.cost_before(p) * row_blocks + (rb == 0 ? 0 : rb * (list.cost_before(p + 1) - list.cost_before(p)));
+    return list.cost_before(p) * row_blocks + (rb == 0 ? 0 : rb * list.cost_of(p));
   };
   split_by_cost(list.panels() * row_blocks, cost_before, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
@@ -453,10 +455,14 @@ at::Tensor factored_impl(const at::Tensor& x, const at::Tensor& first, const std
   T* const tp = t.data_ptr<T>();
   T* const yp = y.data_ptr<T>();
   // The first GEMM as one part per split when every split starts on a panel (32 columns): a part without B
-  // then writes its slice of y itself. Otherwise one part writes all of t, and those slices are copied.
+  // then writes its slice of y itself. Otherwise one part writes all of t, and those slices are copied after.
   bool aligned = true;
-  for (size_t i = 0, col = 0; i + 1 < splits.size(); ++i) aligned = aligned && (col += splits[i]) % 32 == 0;
+  for (size_t i = 0, col = 0; i + 1 < splits.size(); ++i) {
+    col += splits[i];
+    aligned = aligned && col % 32 == 0;
+  }
   std::vector<Part<T, T>> firsts, parts;
+  std::vector<std::array<int64_t, 3>> copies;  // (column of t, column of y, width) of each slice to copy
   if (!aligned) firsts.push_back({xc.data_ptr<T>(), K, first.data_ptr<T>(), K, width, tp, width});
   int64_t col = 0, out_col = 0;
   for (size_t i = 0; i < splits.size(); ++i) {
@@ -464,16 +470,15 @@ at::Tensor factored_impl(const at::Tensor& x, const at::Tensor& first, const std
     if (aligned)
       firsts.push_back({xc.data_ptr<T>(), K, first.data_ptr<T>() + col / 32 * K * 32, K, splits[i],
                         through ? yp + out_col : tp + col, through ? out_width : width});
+    else if (through)
+      copies.push_back({col, out_col, splits[i]});
     if (!through) parts.push_back({tp + col, width, seconds[i]->data_ptr<T>(), splits[i], outs[i], yp + out_col, out_width});
     col += splits[i];
     out_col += outs[i];
   }
   run(firsts, M);
-  if (!aligned) {
-    for (size_t i = 0, c = 0, oc = 0; i < splits.size(); c += splits[i], oc += outs[i], ++i)
-      if (!seconds[i].has_value())
-        for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * out_width + oc, tp + m * width + c, splits[i] * sizeof(T));
-  }
+  for (const auto& [from, to, n] : copies)
+    for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * out_width + to, tp + m * width + from, n * sizeof(T));
   if (!parts.empty()) run(parts, M);
   return y;
 }
