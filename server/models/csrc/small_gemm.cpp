@@ -305,18 +305,24 @@ void run_bf16(const std::vector<Part<at::BFloat16, at::BFloat16>>& parts, int64_
   if (fma_from == 0 || M < fma_from) return gemm_parts(parts, M, bf16_rows);
   if (M <= kRowsPerItem) return fma_one_row_block(parts, M);
   // Larger M: widen each part's x to fp32 once ([M, K] contiguous), shared by the threads (its cost is spread
-  // over many more products); the tiles then broadcast it with plain loads.
+  // over many more products); the tiles then broadcast it with plain loads. Parts reading the same x (the splits
+  // of a factored call's first GEMM) share one copy.
   int64_t total = 0;
   for (const auto& q : parts) total += M * q.K;
   std::unique_ptr<float[]> wide(new float[total]);  // no zero fill: every element is written below
   std::vector<Part<float, at::BFloat16>> fparts;
   float* dst = wide.get();
-  for (const auto& q : parts) {
-    at::parallel_for(0, M, 64, [&](int64_t b, int64_t e) {
-      for (int64_t m = b; m < e; ++m) widen(q.x + m * q.ldx, dst + m * q.K, q.K);
-    });
-    fparts.push_back({dst, q.K, q.panels, q.K, q.N, q.y, q.ldy});
-    dst += M * q.K;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const auto& q = parts[i];
+    const bool same_x = i > 0 && q.x == parts[i - 1].x && q.ldx == parts[i - 1].ldx && q.K == parts[i - 1].K;
+    if (!same_x) {
+      float* to = dst;
+      at::parallel_for(0, M, 64, [&](int64_t b, int64_t e) {
+        for (int64_t m = b; m < e; ++m) widen(q.x + m * q.ldx, to + m * q.K, q.K);
+      });
+      dst += M * q.K;
+    }
+    fparts.push_back({dst - M * q.K, q.K, q.panels, q.K, q.N, q.y, q.ldy});
   }
   gemm_parts(fparts, M, bf16_fma_rows);
 }
