@@ -71,12 +71,12 @@ class AppState:
         runtime.engine.observers.append(self.metrics.observe_step)
         self._serve_with(engine, runtime.tokenizer)
 
-    def start_engine_process(self) -> None:
-        """Serve from an engine core in its own process; blocks until its model is loaded and warm."""
+    def start_engine_process(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve from an engine core in its own process, read by `loop`; blocks until its model is loaded and warm."""
         tokenizer = load_tokenizer(resolve_model_dir(self.cfg.model, self.cfg.cache_path))
         engine = EngineCoreClient(self.cfg, on_abort=lambda: self.metrics.finished("abort"),
                                   on_step=self.metrics.observe_step)
-        engine.start()
+        engine.start(loop)
         self._serve_with(engine, tokenizer)
 
     def _serve_with(self, engine, tokenizer) -> None:
@@ -342,7 +342,7 @@ def create_app(cfg: Config, loader: Callable[[Config], Runtime] | None = None) -
     async def load() -> None:
         try:
             if loader is None and cfg.server.engine_process:
-                await asyncio.to_thread(state.start_engine_process)
+                await asyncio.to_thread(state.start_engine_process, asyncio.get_running_loop())
             else:
                 state.start(await asyncio.to_thread(loader or load_runtime, cfg))
             log.info("ready: serving %s on the %s backend", cfg.model.name, cfg.backend)

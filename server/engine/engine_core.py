@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -103,28 +102,35 @@ def _add(engine, conn, add: _Add) -> None:
 
 
 class EngineCoreClient:
-    """API-process side: spawns the engine core, routes its outputs to per-request asyncio queues."""
+    """API-process side: spawns the engine core, routes its outputs to per-request asyncio queues.
+
+    Everything but `start` runs in the event loop's thread, which also reads the core's reports.
+    """
 
     def __init__(self, cfg: Config, on_abort=None, on_step=None):
         self.cfg = cfg
         self.max_queue = cfg.engine.max_queue
         self.on_abort = on_abort  # called (in the event loop) when a client abandons a request
-        self.on_step = on_step  # called (reader thread) with each step's StepStats
-        self._lock = threading.Lock()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.on_step = on_step  # called (in the event loop) with each step's StepStats
+        self._queues: dict[str, asyncio.Queue] = {}
         self._num_sent_since_report = 0
         self._proc = None
         self._conn = None
-        self._reader: threading.Thread | None = None
-        self._send_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None  # reads the core's reports (from start on)
+        self._reading = False  # until the core's pipe closes
         self._stopping = False
         self.num_waiting = 0
         self.num_running = 0
         self.num_waiting_requests = 0
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def start(self, timeout_s: float | None = None) -> None:
-        """Spawn the core and block until its model is loaded and warm (RuntimeError if it fails)."""
+    def start(self, loop: asyncio.AbstractEventLoop, timeout_s: float | None = None) -> None:
+        """Spawn the core and block until its model is loaded and warm (RuntimeError if it fails).
+
+        Its reports are then read by `loop` itself, when the pipe is readable: a reader thread would wake
+        once per step and hand each step to the loop through its self-pipe, two more wake-ups per token,
+        each of which preempts an engine thread on a machine whose cores the engine keeps busy.
+        """
         ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited OpenMP pool or event loop
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_core_main, args=(self.cfg, child), name="neuronmm-engine-core", daemon=True)
@@ -139,13 +145,17 @@ class EngineCoreClient:
         kind, payload = self._conn.recv()
         if kind != "ready":
             raise RuntimeError(payload)
-        self._reader = threading.Thread(target=self._read_loop, name="neuronmm-engine-reader", daemon=True)
-        self._reader.start()
+        self._loop = loop
+        self._reading = True
+        loop.call_soon_threadsafe(loop.add_reader, self._conn.fileno(), self._on_readable)
 
     def stop(self, timeout: float = 5.0) -> None:
         if self._proc is None:
             return
         self._stopping = True
+        if self._reading:
+            self._loop.remove_reader(self._conn.fileno())
+            self._reading = False
         try:
             self._send(("stop", None))
         except EngineDeadError:
@@ -157,7 +167,7 @@ class EngineCoreClient:
 
     @property
     def is_alive(self) -> bool:
-        return bool(self._proc and self._proc.is_alive() and self._reader and self._reader.is_alive())
+        return bool(self._proc and self._proc.is_alive() and self._reading)
 
     @property
     def num_in_flight(self) -> int:
@@ -171,18 +181,16 @@ class EngineCoreClient:
             raise EngineDeadError("engine is not running")
         request_id = request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            if self.num_waiting_requests + self._num_sent_since_report >= self.max_queue:
-                raise QueueFullError(f"queue full ({self.max_queue} waiting requests)")
-            self._queues[request_id] = (asyncio.get_running_loop(), queue)
-            self._num_sent_since_report += 1
+        if self.num_waiting_requests + self._num_sent_since_report >= self.max_queue:
+            raise QueueFullError(f"queue full ({self.max_queue} waiting requests)")
+        self._queues[request_id] = queue
+        self._num_sent_since_report += 1
         self._send(("add", _Add(request_id, prompt_ids, params, n)))
         return RequestStream(self, request_id, queue, n)
 
     def release(self, request_id: str, abort: bool) -> None:
         """Stop routing outputs to a request; abort it in the engine if it has not finished."""
-        with self._lock:
-            self._queues.pop(request_id, None)
+        self._queues.pop(request_id, None)
         if abort:
             try:
                 self._send(("abort", request_id))
@@ -193,46 +201,35 @@ class EngineCoreClient:
 
     def _send(self, message) -> None:
         try:
-            with self._send_lock:
-                self._conn.send(message)
+            self._conn.send(message)
         except (OSError, ValueError) as exc:
             raise EngineDeadError(f"engine core is gone: {exc}") from exc
 
-    # ---- reader thread ---------------------------------------------------------------------
-    def _read_loop(self) -> None:
+    # ---- reading the core's reports (in the event loop) --------------------------------------
+    def _on_readable(self) -> None:
         try:
-            while True:
+            while self._conn.poll():
                 kind, report = self._conn.recv()
                 if kind == "step":
                     self._deliver(report)
         except (EOFError, OSError):
+            self._loop.remove_reader(self._conn.fileno())
+            self._reading = False
             if not self._stopping:
                 log.error("engine core exited (code %s); failing in-flight requests", self._proc.exitcode)
-        self._fail_all("engine error: the engine process exited")
+            self._fail_all("engine error: the engine process exited")
 
     def _deliver(self, report: _StepReport) -> None:
-        with self._lock:
-            self.num_waiting, self.num_running = report.num_waiting, report.num_running
-            self.num_waiting_requests = report.num_waiting_requests
-            self._num_sent_since_report = 0
-            targets = [(self._queues.get(o.request_id), o) for o in report.outputs]
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for target, out in targets:
-            if target is not None:
-                by_loop.setdefault(target[0], []).append((target[1], out))
-        for loop, items in by_loop.items():  # one wake-up of the event loop per step, not per output
-            loop.call_soon_threadsafe(_put_all, items)
+        self.num_waiting, self.num_running = report.num_waiting, report.num_running
+        self.num_waiting_requests = report.num_waiting_requests
+        self._num_sent_since_report = 0
+        for out in report.outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
         if report.stats is not None and self.on_step:
             self.on_step(report.stats)
 
     def _fail_all(self, message: str) -> None:
-        with self._lock:
-            queues = list(self._queues.items())
-        for rid, (loop, queue) in queues:
-            err = SeqOutput(rid, 0, "", [], None, "error", 0, 0, message)
-            loop.call_soon_threadsafe(queue.put_nowait, err)
-
-
-def _put_all(items: list[tuple[asyncio.Queue, SeqOutput]]) -> None:
-    for queue, out in items:
-        queue.put_nowait(out)
+        for rid, queue in list(self._queues.items()):
+            queue.put_nowait(SeqOutput(rid, 0, "", [], None, "error", 0, 0, message))
