@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.harness import REPO, ServerProcess, make_tiny_model, write_config
+from bench.harness import REPO, ServerProcess, make_tiny_model, run_client, write_config
 from server.config import DEFAULT_CONFIG, load_config
 from server.models.source import resolve_model_dir
 
@@ -148,7 +148,7 @@ def server_finish_counts(server: ServerProcess) -> dict:
 def one_run(server: ServerProcess, args, seed: int) -> dict:
     """One load run plus the server-side reconciliation and the idle/RSS readings after it."""
     before = server_finish_counts(server)
-    result = asyncio.run(run_load(server.url, args.model_name, args.requests, args.concurrency,
+    result = run_client(run_load(server.url, args.model_name, args.requests, args.concurrency,
                                   args.disconnect_fraction, args.request_timeout, seed, server.headers))
     result["idle_after_s"] = round(server.wait_idle(), 3)
     after = server_finish_counts(server)
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
             server.wait_ready()
             rss_before = server.rss_mb()
             if args.warmup:  # first-use allocations (caches, arenas) are not growth
-                asyncio.run(run_load(server.url, args.model_name, args.warmup, args.concurrency,
+                run_client(run_load(server.url, args.model_name, args.warmup, args.concurrency,
                                      args.disconnect_fraction, args.request_timeout, args.seed + 1000,
                                      server.headers))
                 server.wait_idle()

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from bench.engine_step import BENCH_FLAGS
-from bench.harness import ServerProcess, write_config
+from bench.harness import ServerProcess, run_client, write_config
 from server.config import DEFAULT_CONFIG, load_config
 from server.models.cpu_features import cpu_flags
 
@@ -92,7 +92,7 @@ def run_server(config: Path, model: str, turns: int, long_prompt_words: int, see
         repeat = [streamed_ttft(client, server.url, "/v1/completions",
                                 {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0})[0]
                   for _ in range(2)]
-        shared_tok_s = asyncio.run(shared_prefix_throughput(server.url, model, rng))
+        shared_tok_s = run_client(shared_prefix_throughput(server.url, model, rng))
         hits = server.metric("neuronmm_prefix_cache_hits_total")
         queries = server.metric("neuronmm_prefix_cache_queries_total")
     return {"turn_ttft_ms": [1e3 * t for t in turn_ttfts], "turn_prompt_tokens": prompt_tokens,

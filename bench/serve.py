@@ -5,8 +5,8 @@ token prompts (no request shares a prefix, so no prompt cache helps), EOS ignore
 makes exactly --output-len tokens, at each concurrency level. Reports output tok/s, TTFT, TPOT and ITL
 p50/p99, then the engine-only decode step of the neuronmm models (`bench.engine_step`), the machine's
 memory bandwidth and, per step, the bytes the weights alone take at that bandwidth (the physical floor),
-and the same workload run through the engine in-process (`bench.engine_workload`): served ITL over its
-decode step is what the serving side adds.
+and the same workload run through the engine in-process (`bench.engine_workload`, right before and right
+after the served run): served ITL over its decode step is what the serving side adds.
 
 Systems: neuronmm dense (the config as it is), neuronmm with --compressed, greedy and sampled; and
 llama-server at bf16 and f32 when `../shared/peers/llama-server.sh` has built it (otherwise the
@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from bench.engine_step import BENCH_FLAGS
-from bench.harness import NEURONMM, REPO, free_port, run_logged, save_report, wait_healthy
+from bench.harness import NEURONMM, REPO, free_port, run_client, run_logged, save_report, wait_healthy
 from bench.read_bandwidth import read_bandwidth_gbs
 from server.config import load_config
 from server.models.cpu_features import cpu_flags
@@ -165,16 +165,18 @@ def peer_systems(model_dir: Path, port: int, parallel: int) -> list[System]:
 
 def measure_system(system: System, port: int, model: str, prompts: list[list[int]], levels: list[int], output_len: int,
                    log_path: Path) -> list[dict]:
-    """Start the system, run every level on fresh prompts, stop it."""
+    """Start the system, warm it with one request, run every level on fresh prompts, stop it."""
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(system.command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_healthy(url, 600, lambda: None if proc.poll() is None else f"{system.name} exited: see {log_path}")
-            rows, offset = [], 0
+            # one request first, not recorded (as vllm bench serve does): the first after start-up runs cold
+            run_client(run_level(url, model, prompts[:1], 1, output_len, system.sampled))
+            rows, offset = [], 1
             for c in levels:
                 n = max(4, 2 * c)
-                row = asyncio.run(run_level(url, model, prompts[offset:offset + n], c, output_len, system.sampled))
+                row = run_client(run_level(url, model, prompts[offset:offset + n], c, output_len, system.sampled))
                 offset += n  # never the same prompt twice: llama-server would serve it from its prompt cache
                 rows.append({"system": system.name, **row})
                 print(f"{system.name:>22} c={c:<3} {row['output_tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:5.0f} ms"
@@ -217,6 +219,17 @@ def engine_workload(system: str, extra: list[str], config: str, levels: list[int
     return [{"system": system, **r} for r in json.loads(out.read_text())["rows"]]
 
 
+def bracket(before: list[dict], after: list[dict]) -> list[dict]:
+    """Engine-only rows run before and after a served run, as one row per level: their mean step, and each."""
+    rows = []
+    for b, a in zip(before, after, strict=True):
+        row = {**b, "decode_step_ms_p50": (b["decode_step_ms_p50"] + a["decode_step_ms_p50"]) / 2,
+               "output_tok_s": (b["output_tok_s"] + a["output_tok_s"]) / 2,
+               "decode_step_ms_p50_before": b["decode_step_ms_p50"], "decode_step_ms_p50_after": a["decode_step_ms_p50"]}
+        rows.append(row)
+    return rows
+
+
 def markdown(report: dict) -> str:
     """The report as markdown tables."""
     lines = ["| system | c | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms |",
@@ -233,13 +246,15 @@ def markdown(report: dict) -> str:
                      f"{r['step_ms_min']:.1f} | {r['weight_bytes'] / 1e6:.0f} | {r['weight_bytes'] / bw / 1e6:.1f} |")
     served = {(r["system"], r["concurrency"]): r for r in report["serve"]}
     if report.get("engine_workload"):
-        lines += ["", "The same workload through the engine in-process (bench.engine_workload: no HTTP, no client); "
-                  "served / engine = what the serving side adds to a decode step:", "",
-                  "| model | c | engine tok/s | decode step p50 ms | served ITL p50 ms | served / engine |",
+        lines += ["", "The same workload through the engine in-process (bench.engine_workload: no HTTP, no client), run right "
+                  "before and right after the served run; served / engine = what the serving side adds to a decode step, "
+                  "against the mean of the two:", "",
+                  "| model | c | engine tok/s | decode step p50 ms, before / after | served ITL p50 ms | served / engine |",
                   "|---|---:|---:|---:|---:|---:|"]
         for r in report["engine_workload"]:
             itl = served.get((r["system"], r["concurrency"]), {}).get("itl_ms_p50", float("nan"))
-            lines.append(f"| {r['system']} | {r['concurrency']} | {r['output_tok_s']:.1f} | {r['decode_step_ms_p50']:.1f} | "
+            steps = f"{r['decode_step_ms_p50_before']:.1f} / {r['decode_step_ms_p50_after']:.1f}"
+            lines.append(f"| {r['system']} | {r['concurrency']} | {r['output_tok_s']:.1f} | {steps} | "
                          f"{itl:.1f} | {itl / r['decode_step_ms_p50']:.2f} |")
     if report["peer_note"]:
         lines += ["", report["peer_note"]]
@@ -273,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     peers = peer_systems(model_dir, port, max(args.concurrency)) if "llama-server" in args.systems else []
     peer_note = "" if peers or "llama-server" not in args.systems else (
         f"llama-server not found in {PEERS}: run ../shared/peers/llama-server.sh to compare (ours ran alone).")
-    num_prompts = sum(max(4, 2 * c) for c in args.concurrency)
+    num_prompts = 1 + sum(max(4, 2 * c) for c in args.concurrency)  # the first warms the server
     RESULTS.mkdir(parents=True, exist_ok=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
               "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "config": args.config, "compressed": args.compressed,
@@ -282,12 +297,15 @@ def main(argv: list[str] | None = None) -> int:
               "memory_bandwidth_gbs": read_bandwidth_gbs(2**29), "serve": [], "engine_step": [], "engine_workload": []}
     for i, system in enumerate(systems + peers):
         prompts = make_prompts(vocab, num_prompts, args.input_len, args.seed + i)
+        extra = workload_args(system.name, args.compressed)
+        twin = (system.name, extra, args.config, args.concurrency, args.input_len, args.output_len)
+        # The engine-only twin runs right before and right after the served run: this shared CPU's speed
+        # drifts over minutes, and the mean of the two brackets the served run's machine state.
+        before = engine_workload(*twin) if extra is not None else None
         report["serve"] += measure_system(system, port, cfg.model.name, prompts, args.concurrency, args.output_len,
                                           RESULTS / f"serve-{system.name.replace(' ', '-')}.log")
-        extra = workload_args(system.name, args.compressed)
-        if extra is not None:  # right after the served run: this shared CPU's speed drifts over minutes
-            report["engine_workload"] += engine_workload(system.name, extra, args.config, args.concurrency,
-                                                         args.input_len, args.output_len)
+        if before is not None:
+            report["engine_workload"] += bracket(before, engine_workload(*twin))
     if systems:
         report["engine_step"] = engine_steps(args.config, args.compressed, args.step_batch_sizes)
     out = save_report(Path(args.out), report, markdown(report))

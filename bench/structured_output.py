@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from bench.engine_step import BENCH_FLAGS
-from bench.harness import ServerProcess, save_report, write_config
+from bench.harness import ServerProcess, run_client, save_report, write_config
 from bench.serve import percentile
 from server.config import load_config
 from server.models.cpu_features import cpu_flags
@@ -126,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         with ServerProcess(config, RESULTS / "structured_output-server.log", port=args.port) as server:
             server.wait_ready()
             for c in args.concurrency:
-                asyncio.run(run_level(server.url, model, c, c, 8, schema=True))  # warm-up (grammar caches too)
+                run_client(run_level(server.url, model, c, c, 8, schema=True))  # warm-up (grammar caches too)
                 for _ in range(args.rounds):
                     for schema in (False, True):
-                        row = asyncio.run(run_level(server.url, model, c, c * args.requests_per_slot,
+                        row = run_client(run_level(server.url, model, c, c * args.requests_per_slot,
                                                     args.output_len, schema))
                         print(json.dumps(row), flush=True)
                         rows.append(row)

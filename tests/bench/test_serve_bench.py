@@ -1,8 +1,15 @@
-"""bench.serve pairs each served neuronmm model with its engine-only twin (run right after it)."""
+"""bench.serve: each served neuronmm model beside its engine-only twin (run before and after it); a warm-up first."""
 
 from __future__ import annotations
 
-from bench.serve import workload_args
+import asyncio
+import importlib.util
+import sys
+
+import pytest
+
+from bench.harness import free_port, run_client
+from bench.serve import System, bracket, markdown, measure_system, workload_args
 
 
 def test_each_served_model_has_its_engine_only_twin():
@@ -15,3 +22,65 @@ def test_sampled_and_peer_systems_have_none():
     assert workload_args("neuronmm sampled", None) is None  # the same model as "neuronmm"
     assert workload_args("llama-server bf16", None) is None
     assert workload_args("neuronmm compressed", None) is None  # no artifact given
+
+
+def test_the_engine_only_twin_is_the_mean_of_its_runs_before_and_after():
+    before = [{"concurrency": 1, "decode_step_ms_p50": 10.0, "output_tok_s": 90.0}]
+    after = [{"concurrency": 1, "decode_step_ms_p50": 12.0, "output_tok_s": 80.0}]
+    (row,) = bracket(before, after)
+    assert row["decode_step_ms_p50"] == 11.0 and row["output_tok_s"] == 85.0
+    assert (row["decode_step_ms_p50_before"], row["decode_step_ms_p50_after"]) == (10.0, 12.0)
+    with pytest.raises(ValueError):  # the two runs cover the same levels
+        bracket(before, before + after)
+
+
+def test_served_over_engine_is_against_the_bracketing_mean():
+    twin = bracket([{"system": "neuronmm", "concurrency": 1, "decode_step_ms_p50": 10.0, "output_tok_s": 90.0}],
+                   [{"system": "neuronmm", "concurrency": 1, "decode_step_ms_p50": 12.0, "output_tok_s": 80.0}])
+    report = {"serve": [{"system": "neuronmm", "concurrency": 1, "output_tok_s": 70.0, "ttft_ms_p50": 100, "ttft_ms_p99": 120,
+                         "tpot_ms_p50": 12.0, "tpot_ms_p99": 13.0, "itl_ms_p50": 12.1, "itl_ms_p99": 14.0}],
+              "memory_bandwidth_gbs": 25.0, "engine_step": [], "engine_workload": twin, "peer_note": ""}
+    row = next(line for line in markdown(report).splitlines() if line.startswith("| neuronmm | 1 | 85.0"))
+    assert row.split("|")[4:7] == [" 10.0 / 12.0 ", " 12.1 ", " 1.10 "]
+
+
+# A stand-in server: answers /health, streams three text chunks per completion, logs each prompt's first token.
+FAKE_SERVER = '''
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+log = open(sys.argv[2], "a")
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def do_GET(self):
+        self.send_response(200); self.send_header("content-length", "0"); self.end_headers()
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        log.write(f"{body['prompt'][0]}\\n"); log.flush()
+        self.send_response(200); self.send_header("content-type", "text/event-stream"); self.end_headers()
+        for text in ("a", "b", "c"):
+            self.wfile.write(f"data: {json.dumps({'choices': [{'text': text}]})}\\n\\n".encode())
+        self.wfile.write(b"data: [DONE]\\n\\n")
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+'''
+
+
+def test_each_system_is_warmed_by_one_unrecorded_request(tmp_path):
+    script, log = tmp_path / "fake_server.py", tmp_path / "prompts.log"
+    script.write_text(FAKE_SERVER)
+    port = free_port()
+    prompts = [[1000 + i] for i in range(1 + 4 + 4)]  # the warm-up, then two levels of four
+    system = System("fake", [sys.executable, str(script), str(port), str(log)])
+    rows = measure_system(system, port, "m", prompts, [1, 2], 3, tmp_path / "fake.log")
+    seen = [int(line) for line in log.read_text().split()]
+    assert seen[0] == 1000 and sorted(seen[1:]) == list(range(1001, 1009))  # every prompt once, the warm-up first
+    assert [(r["concurrency"], r["num_prompts"], r["completed"], r["output_tokens"]) for r in rows] == [(1, 4, 4, 12),
+                                                                                                      (2, 4, 4, 12)]
+
+
+def test_the_client_runs_on_uvloop_where_installed():
+    async def loop_module() -> str:
+        await asyncio.sleep(0)
+        return type(asyncio.get_running_loop()).__module__
+
+    expected = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    assert run_client(loop_module()).split(".")[0] == expected
