@@ -89,6 +89,7 @@ def _load_runner(model_dir: Path, cfg, args, compressed: str | None) -> TorchRun
                          Path(compressed) if compressed else None, num_threads=args.num_threads,
                          panel_gemm=not args.no_panel_gemm)
     runner.load()
+    runner.model.use_decoder_plan = not args.python_layers
     max_len = args.context + args.steps + 6
     runner.allocate_kv_blocks(max(args.batch_sizes) * -(-max_len // cfg.engine.block_size), cfg.engine.block_size)
     return runner
@@ -122,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compressed", help="a compressed artifact folder to apply (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-panel-gemm", action="store_true", help="oneDNN's packed GEMM even where the panel GEMM applies")
+    p.add_argument("--python-layers", action="store_true",
+                   help="run the layers through the Python loop even where the C++ layer loop (csrc/decoder.cpp) applies")
     p.add_argument("--ab-rounds", type=int, default=0,
                    help="with --compressed: time dense and compressed in this many alternating rounds (one process)")
     p.add_argument("--out", default=str(RESULTS / "engine_step.json"))
@@ -157,6 +160,7 @@ def _facts(args, runner: TorchRunner, compressed: str | None, block_size: int) -
             "cpus": os.cpu_count(), "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS),
             "torch_threads": torch.get_num_threads(), "config": args.config, "compressed": compressed,
             "panel_gemm": not args.no_panel_gemm, "bf16_fma_rows": bf16_fma_rows(),
+            "decoder_plan": runner.model.use_decoder_plan and runner.model.decoder_plan() is not None,
             "dtype": str(runner.dtype).removeprefix("torch."),
             "context": args.context, "block_size": block_size, "steps_per_round": args.steps}
 

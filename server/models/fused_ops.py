@@ -27,7 +27,7 @@ from server.models.cpu_features import cpu_flags
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "fused_ops.cpp", CSRC / "small_gemm.cpp")
+SOURCES = (CSRC / "fused_ops.cpp", CSRC / "small_gemm.cpp", CSRC / "decoder.cpp")
 # No FMA contraction: the reference rounds each product, and rotary must match it bit for bit.
 CXXFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 _loaded: bool | None = None
@@ -147,6 +147,7 @@ class Kernels:
     # 165 -> 139 ms, a 2,000-token prompt 1.70 -> 1.42 s): SDPA's flash kernel costs ~290 us a layer for a
     # 128-token chunk, and it needs the chunk's keys gathered out of the paged cache first.
     sdpa_min_chunk: int | None = 32
+    fused: bool = False  # the C++ ops of csrc/ (a model whose projections are panel GEMMs then runs its layers in C++)
 
 
 REFERENCE_KERNELS = Kernels(rms_norm_ref, add_rms_norm_ref, silu_mul_ref, attention_ref)
@@ -159,4 +160,4 @@ def kernels_for(device: torch.device) -> Kernels:
     ops = torch.ops.neuronmm
     # the overloads, resolved once (calling the packet resolves one per call, ~1 µs)
     return Kernels(ops.rms_norm.default, ops.add_rms_norm.default, ops.silu_mul.default, ops.attention.default,
-                   sdpa_min_chunk=None)
+                   sdpa_min_chunk=None, fused=True)

@@ -109,6 +109,10 @@ class PanelLinear(_PrepackedLinear):
     def panel_tensors(self) -> list[torch.Tensor]:
         return [self.panels]
 
+    def factored_args(self) -> tuple[torch.Tensor, list[int], list[torch.Tensor | None], list[int]]:
+        """This GEMM as factored_linear's arguments (one split passing its output through), for the C++ layer loop."""
+        return self.panels, [self.out_features], [None], [self.out_features]
+
     def set_panel_tensors(self, tensors: list[torch.Tensor]) -> None:
         (self.panels,) = tensors
 
@@ -141,6 +145,10 @@ class FactoredPanelLinear(nn.Module):
 
     def panel_tensors(self) -> list[torch.Tensor]:
         return [self.first] + [b for b in self.seconds if b is not None]
+
+    def factored_args(self) -> tuple[torch.Tensor, list[int], list[torch.Tensor | None], list[int]]:
+        """factored_linear's arguments, for the C++ layer loop."""
+        return self.first, self.splits, self.seconds, self.outs
 
     def set_panel_tensors(self, tensors: list[torch.Tensor]) -> None:
         it = iter(tensors)

@@ -489,11 +489,13 @@ at::Tensor factored_impl(const at::Tensor& x, const at::Tensor& first, const std
   return y;
 }
 
+// (Tensor?[] as the dispatcher's own type for it, so csrc/decoder.cpp can call this op unboxed.)
 at::Tensor factored_linear(const at::Tensor& x, const at::Tensor& first, at::IntArrayRef splits,
-                           at::ArrayRef<std::optional<at::Tensor>> seconds, at::IntArrayRef outs) {
+                           const c10::List<std::optional<at::Tensor>>& seconds, at::IntArrayRef outs) {
   TORCH_CHECK(x.dim() == 2, "factored_linear: x [M, K] expected");
   const std::vector<int64_t> sp(splits.begin(), splits.end()), os(outs.begin(), outs.end());
-  const std::vector<std::optional<at::Tensor>> sec(seconds.begin(), seconds.end());
+  std::vector<std::optional<at::Tensor>> sec;
+  for (size_t i = 0; i < seconds.size(); ++i) sec.push_back(seconds.get(i));
   if (x.scalar_type() == at::kFloat) return factored_impl<float>(x, first, sp, sec, os, run_f32, check_panels_f32);
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16) {
