@@ -147,7 +147,9 @@ class Kernels:
     # 165 -> 139 ms, a 2,000-token prompt 1.70 -> 1.42 s): SDPA's flash kernel costs ~290 us a layer for a
     # 128-token chunk, and it needs the chunk's keys gathered out of the paged cache first.
     sdpa_min_chunk: int | None = 32
-    fused: bool = False  # the C++ ops of csrc/ (a model whose projections are panel GEMMs then runs its layers in C++)
+    # All layers of a step in one call (csrc/decoder.cpp), for a model whose projections are all panel GEMMs;
+    # None: the layers run through the ops above, from Python.
+    decode_layers: Callable | None = None
 
 
 REFERENCE_KERNELS = Kernels(rms_norm_ref, add_rms_norm_ref, silu_mul_ref, attention_ref)
@@ -160,4 +162,4 @@ def kernels_for(device: torch.device) -> Kernels:
     ops = torch.ops.neuronmm
     # the overloads, resolved once (calling the packet resolves one per call, ~1 µs)
     return Kernels(ops.rms_norm.default, ops.add_rms_norm.default, ops.silu_mul.default, ops.attention.default,
-                   sdpa_min_chunk=None, fused=True)
+                   sdpa_min_chunk=None, decode_layers=ops.decode_layers.default)

@@ -338,7 +338,7 @@ class LlamaModel(nn.Module):
         return self._decoder_plan
 
     def _build_decoder_plan(self) -> torch.ScriptObject | None:
-        if not self.kernels.fused or not hasattr(torch.ops.neuronmm, "decode_layers"):
+        if self.kernels.decode_layers is None:
             return None
         projections = []
         for layer in self.layers:
@@ -383,8 +383,7 @@ class LlamaModel(nn.Module):
         tables, slots, seq_index, lens = batch.block_tables, batch.slot_mapping, batch.seq_index, batch.context_lens
         plan = self.decoder_plan() if self.use_decoder_plan and not batch.sdpa_chunks else None
         if plan is not None:  # the same ops in the same order, in one call (csrc/decoder.cpp)
-            h = torch.ops.neuronmm.decode_layers.default(plan, x, h, cos, sin, cache.k, cache.v, slots, tables,
-                                                         seq_index, lens)
+            h = kernels.decode_layers(plan, x, h, cos, sin, cache.k, cache.v, slots, tables, seq_index, lens)
             return self.lm_head(h[batch.logits_index]).float()
         for layer, k_cache, v_cache in zip(self.layer_calls(), cache.k, cache.v):
             attn = layer.attention
