@@ -152,7 +152,7 @@ class ServerMetrics:
         self.waiting.set_function(waiting)
 
     def observe_step(self, stats: StepStats) -> None:
-        """Engine hook (its thread, or the event loop reading the engine process): one forward's tokens and latencies."""
+        """Engine hook (its thread, or the event loop reading the engine process): a forward's tokens, latencies."""
         self.batch_size.observe(stats.batch_size)
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_generation_tokens)
