@@ -33,7 +33,7 @@ from server.backends.base import SeqChunk
 from server.backends.torch_runner import TorchRunner
 from server.config import load_config
 from server.models.cpu_features import cpu_flags
-from server.models.gemm_tuning import bf16_fma_rows
+from server.models.gemm_tuning import bf16_kernels
 from server.models.source import resolve_model_dir
 
 RESULTS = Path(__file__).parent / "results"
@@ -155,11 +155,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _kernels() -> dict | None:
+    """The bf16 panel GEMM's row thresholds this process tuned (None where no bf16 panels were packed)."""
+    chosen = bf16_kernels()
+    return None if chosen is None else {"fma_rows": chosen.fma_rows, "amx_rows": chosen.amx_rows}
+
+
 def _facts(args, runner: TorchRunner, compressed: str | None, block_size: int) -> dict:
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
             "cpus": os.cpu_count(), "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS),
             "torch_threads": torch.get_num_threads(), "config": args.config, "compressed": compressed,
-            "panel_gemm": not args.no_panel_gemm, "bf16_fma_rows": bf16_fma_rows(),
+            "panel_gemm": not args.no_panel_gemm, "bf16_kernels": _kernels(),
             "decoder_plan": runner.model.use_decoder_plan and runner.model.decoder_plan() is not None,
             "dtype": str(runner.dtype).removeprefix("torch."),
             "context": args.context, "block_size": block_size, "steps_per_round": args.steps}

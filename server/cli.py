@@ -117,7 +117,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     from server.api.serving import load_chat_template
     from server.api.tool_parsers import get_tool_parser
     from server.config import load_config
-    from server.models.gemm_tuning import fma_rows_from_env
+    from server.models.gemm_tuning import check_env as check_gemm_env
 
     cfg = load_config(*serve_overrides(args))
     try:
@@ -126,7 +126,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"server.tool_call_parser: {exc}") from None
     load_chat_template(cfg.server.chat_template)
     try:  # read again by the engine process when it packs the weights; checked here so a typo stops the start
-        fma_rows_from_env()
+        check_gemm_env()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     _check_port_free(cfg.server.host, cfg.server.port)

@@ -1,11 +1,13 @@
-"""Which instruction the bf16 panel GEMMs multiply with on this CPU: chosen once a process by timing both.
+"""Which instructions the bf16 panel GEMMs multiply with on this CPU: chosen once a process by timing them.
 
-csrc/small_gemm.cpp multiplies bf16 panels either with VDPBF16PS (two products per lane and instruction) or,
-widening them in registers, with fp32 FMAs. At one or two rows of x both stream the weight at memory bandwidth;
-with more rows the GEMM is compute-bound and which one is faster depends on the core: on the Emerald Rapids
-Xeons we measured, the FMA path runs ~1.6 x faster from 4 rows (docs/BENCHMARKS.md). Rather than guess from the
-CPU model, `tune_bf16_fma_rows` times both on a decode-sized weight at start-up (~30 ms) and sets the row count
-from which the FMA path is used. `NEURONMM_BF16_FMA_ROWS` fixes it instead (0: never), for A/B runs.
+csrc/small_gemm.cpp multiplies bf16 panels with VDPBF16PS (two products per lane and instruction), with fp32
+FMAs after widening them in registers, or, where the CPU has AMX, with tile products (TDPBF16PS). At one or two
+rows of x every path streams the weight at memory bandwidth; with more rows the vector paths are compute-bound
+and which one is faster depends on the core: on the Emerald Rapids Xeons we measured the FMA path runs ~1.6 x
+faster than VDPBF16PS from 4 rows, and on a Xeon with AMX the tiles run 5-6 x faster than either from 16 rows
+(docs/BENCHMARKS.md). Rather than guess from the CPU model, `tune_bf16_kernels` times each on a decode-sized
+weight at start-up (~50 ms) and sets the row counts from which the FMA and the AMX paths are used.
+`NEURONMM_BF16_FMA_ROWS` and `NEURONMM_BF16_AMX_ROWS` fix them instead (0: never), for A/B runs.
 """
 
 from __future__ import annotations
@@ -14,15 +16,34 @@ import logging
 import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
 log = logging.getLogger(__name__)
 
 CANDIDATE_ROWS = (2, 4, 8, 16)
-MIN_GAIN = 0.95  # the FMA path must take under 95 % of the dot path's time to be chosen at a row count
-_ENV = "NEURONMM_BF16_FMA_ROWS"
-_chosen: int | None = None
+MIN_GAIN = 0.95  # a path must take under 95 % of the time of the one it replaces to be chosen at a row count
+FMA_ENV = "NEURONMM_BF16_FMA_ROWS"
+AMX_ENV = "NEURONMM_BF16_AMX_ROWS"
+
+
+@dataclass(frozen=True)
+class Bf16Kernels:
+    """From how many rows of x the bf16 panel GEMMs use fp32 FMAs and AMX tiles (0: never); VDPBF16PS below."""
+
+    fma_rows: int
+    amx_rows: int
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        parts = [f"AMX tiles from {self.amx_rows} rows"] if self.amx_rows else []
+        if self.fma_rows and (not self.amx_rows or self.fma_rows < self.amx_rows):
+            parts.append(f"fp32 FMAs from {self.fma_rows} rows")
+        return ", ".join(parts + ["VDPBF16PS below"]) if parts else "VDPBF16PS at every row count"
+
+
+_chosen: Bf16Kernels | None = None
 
 
 def _median_us(fn, reps: int = 30, warmup: int = 5) -> float:
@@ -37,68 +58,91 @@ def _median_us(fn, reps: int = 30, warmup: int = 5) -> float:
 
 
 def threshold_from(timings: dict[int, tuple[float, float]]) -> int:
-    """The smallest row count from which the FMA path wins at every larger one (0: none); timings map a row
-    count to its (dot µs, FMA µs). A win must clear MIN_GAIN, so noise between equals keeps the dot path."""
+    """The smallest row count from which a new path wins at it and every larger one (0: none); timings map a row
+    count to its (current µs, new µs). A win must clear MIN_GAIN, so noise between equals keeps the current path."""
     chosen = 0
     for rows in sorted(timings, reverse=True):
-        dot_us, fma_us = timings[rows]
-        if fma_us >= MIN_GAIN * dot_us:
+        current_us, new_us = timings[rows]
+        if new_us >= MIN_GAIN * current_us:
             break
         chosen = rows
     return chosen
 
 
-def _timings() -> dict[int, tuple[float, float]]:
-    """(dot µs, FMA µs) of each candidate row count on a decode-sized weight."""
+def amx_available() -> bool:
+    """Whether this build of the panel GEMMs has AMX and the kernel lets this process use it."""
+    return bool(torch.ops.neuronmm.bf16_amx_available())
+
+
+def _timings(amx: bool) -> dict[str, dict[int, float]]:
+    """µs per path and candidate row count on a decode-sized weight (paths: dot, fma and, where usable, amx)."""
     op = torch.ops.neuronmm
     gen = torch.Generator().manual_seed(0)
     panels = op.pack_panels(torch.randn(1536, 576, generator=gen).to(torch.bfloat16))  # a small model's MLP shape
-    timings = {}
+    modes = {"dot": (0, 0), "fma": (1, 0)} | ({"amx": (0, 1)} if amx else {})  # (fma_from, amx_from)
+    timings: dict[str, dict[int, float]] = {mode: {} for mode in modes}
     for rows in CANDIDATE_ROWS:
         x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
-        per_mode = []
-        for fma_from in (0, rows):  # 0: the dot path at this row count; rows: the FMA path
+        for mode, (fma_from, amx_from) in modes.items():
             op.set_bf16_fma_rows(fma_from)
-            per_mode.append(_median_us(lambda: op.panel_linear(x, panels, 1536)))
-        timings[rows] = (per_mode[0], per_mode[1])
+            op.set_bf16_amx_rows(amx_from)
+            timings[mode][rows] = _median_us(lambda: op.panel_linear(x, panels, 1536))
     return timings
 
 
-def fma_rows_from_env() -> int | None:
-    """The threshold NEURONMM_BF16_FMA_ROWS fixes (None when unset); ValueError for anything but a count >= 0."""
-    value = os.environ.get(_ENV, "").strip()
+def kernels_from(timings: dict[str, dict[int, float]]) -> Bf16Kernels:
+    """The thresholds the timings call for: FMA against VDPBF16PS, then AMX against whichever of those runs."""
+    dot, fma = timings["dot"], timings["fma"]
+    fma_rows = threshold_from({r: (dot[r], fma[r]) for r in dot})
+    if "amx" not in timings:
+        return Bf16Kernels(fma_rows, 0)
+    vector = {r: fma[r] if fma_rows and r >= fma_rows else dot[r] for r in dot}
+    return Bf16Kernels(fma_rows, threshold_from({r: (vector[r], timings["amx"][r]) for r in dot}))
+
+
+def rows_from_env(name: str) -> int | None:
+    """The threshold the variable `name` fixes (None when unset); ValueError for anything but a count >= 0."""
+    value = os.environ.get(name, "").strip()
     if not value:
         return None
     if not value.isdigit():
-        raise ValueError(f"{_ENV} must be a row count >= 0 (0: never use the FMA path), got {value!r}")
+        raise ValueError(f"{name} must be a row count >= 0 (0: never use that path), got {value!r}")
     return int(value)
 
 
-def _describe(fma_from: int) -> str:
-    return f"fp32 FMAs from {fma_from} rows, VDPBF16PS below" if fma_from else "VDPBF16PS at every row count"
+def check_env() -> None:
+    """Raise ValueError for a bad NEURONMM_BF16_FMA_ROWS / NEURONMM_BF16_AMX_ROWS (`serve` checks before loading)."""
+    rows_from_env(FMA_ENV)
+    rows_from_env(AMX_ENV)
 
 
-def tune_bf16_fma_rows() -> int:
-    """Set (once a process) and return the row count from which bf16 panel GEMMs use fp32 FMAs (0: never)."""
+def tune_bf16_kernels() -> Bf16Kernels:
+    """Set (once a process) and return the row counts from which bf16 panel GEMMs use fp32 FMAs and AMX."""
     global _chosen
     if _chosen is not None:
         return _chosen
     op = torch.ops.neuronmm
-    fixed = fma_rows_from_env()
-    if fixed is not None:
-        _chosen = fixed
-        op.set_bf16_fma_rows(_chosen)
-        log.info("bf16 panel GEMM: %s (%s)", _describe(_chosen), _ENV)
-        return _chosen
-    with torch.inference_mode():
-        timings = _timings()
-    _chosen = threshold_from(timings)
-    op.set_bf16_fma_rows(_chosen)
-    detail = ", ".join(f"{r} rows {d:.0f}/{f:.0f} µs" for r, (d, f) in timings.items())
-    log.info("bf16 panel GEMM: %s (VDPBF16PS/FMA on 1536x576: %s)", _describe(_chosen), detail)
+    fixed_fma, fixed_amx = rows_from_env(FMA_ENV), rows_from_env(AMX_ENV)
+    amx = amx_available()
+    if fixed_amx and not amx:
+        raise ValueError(f"{AMX_ENV}={fixed_amx}, but this CPU (or this build) has no usable AMX")
+    detail = f"{FMA_ENV}/{AMX_ENV}"
+    if fixed_fma is None or (fixed_amx is None and amx):
+        with torch.inference_mode():
+            timings = _timings(amx)
+        tuned = kernels_from(timings)
+        fixed_fma = tuned.fma_rows if fixed_fma is None else fixed_fma
+        fixed_amx = tuned.amx_rows if fixed_amx is None else fixed_amx
+        detail = "µs on 1536x576 by rows, " + "; ".join(
+            f"{mode} " + "/".join(f"{us:.0f}" for us in by_rows.values()) for mode, by_rows in timings.items())
+        detail += " at " + "/".join(map(str, CANDIDATE_ROWS))
+    _chosen = Bf16Kernels(fixed_fma, fixed_amx or 0)
+    op.set_bf16_fma_rows(_chosen.fma_rows)
+    op.set_bf16_amx_rows(_chosen.amx_rows)
+    log.info("bf16 panel GEMM: %s (%s)", _chosen.describe(), detail)
     return _chosen
 
 
-def bf16_fma_rows() -> int | None:
-    """The row count tune_bf16_fma_rows set in this process (None before it ran)."""
+def bf16_kernels() -> Bf16Kernels | None:
+    """The thresholds tune_bf16_kernels set in this process (None before it ran)."""
     return _chosen

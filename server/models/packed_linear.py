@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from server.models import fused_ops
-from server.models.gemm_tuning import tune_bf16_fma_rows
+from server.models.gemm_tuning import tune_bf16_kernels
 from server.models.hugepages import into_huge_pages
 from server.models.llama import LlamaModel, StackedPair
 from server.models.lowrank import LowRankLinear
@@ -222,6 +222,6 @@ def pack_linears(model: nn.Module, use_panels: bool = False) -> int:
         for layer, group in zip(panel_layers, panels):
             layer.set_panel_tensors([next(placed) for _ in group])
         if any(t.dtype == torch.bfloat16 for group in panels for t in group):
-            tune_bf16_fma_rows()
+            tune_bf16_kernels()
     log.info("packed %d linear layers (%s)", count, "panels" if use_panels else "oneDNN")
     return count

@@ -121,9 +121,10 @@ def test_unknown_tool_parser_and_template_are_one_line_errors(capsys):
     assert "hermes_tools" in capsys.readouterr().err
 
 
-def test_bad_bf16_fma_rows_stops_the_start_with_one_line(capsys, monkeypatch):
-    """The engine process reads NEURONMM_BF16_FMA_ROWS when it packs the weights; serve checks it before loading."""
-    monkeypatch.setenv("NEURONMM_BF16_FMA_ROWS", "-1")
+@pytest.mark.parametrize("var", ["NEURONMM_BF16_FMA_ROWS", "NEURONMM_BF16_AMX_ROWS"])
+def test_bad_bf16_thresholds_stop_the_start_with_one_line(capsys, monkeypatch, var):
+    """The engine process reads the bf16 GEMM thresholds when it packs the weights; serve checks them before loading."""
+    monkeypatch.setenv(var, "-1")
     assert main(["serve", "--port", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "NEURONMM_BF16_FMA_ROWS must be a row count >= 0" in err[0]
+    assert len(err) == 1 and f"{var} must be a row count >= 0" in err[0]

@@ -20,15 +20,25 @@ needs_panels = pytest.mark.skipif(not panels_available(torch.device("cpu"), torc
                                   reason="the panel GEMM is built only on CPUs with AVX512-BF16")
 
 
+needs_amx = pytest.mark.skipif(not (panels_available(torch.device("cpu"), torch.bfloat16) and gemm_tuning.amx_available()),
+                               reason="the AMX path runs only on CPUs with AMX (Sapphire Rapids and later)")
+
+
 @pytest.fixture
-def bf16_fma_rows():
-    """Sets the bf16 GEMMs' FMA threshold for one test; restores what this process had tuned (or the dot path) after."""
+def bf16_paths():
+    """Sets the bf16 GEMMs' (FMA, AMX) row thresholds for one test; restores what this process had tuned after."""
     if not panels_available(torch.device("cpu"), torch.bfloat16):
         yield None
         return
-    before = gemm_tuning.bf16_fma_rows()
-    yield torch.ops.neuronmm.set_bf16_fma_rows
-    torch.ops.neuronmm.set_bf16_fma_rows(before or 0)
+    op = torch.ops.neuronmm
+
+    def use(fma_from: int, amx_from: int = 0) -> None:
+        op.set_bf16_fma_rows(fma_from)
+        op.set_bf16_amx_rows(amx_from)
+
+    before = gemm_tuning.bf16_kernels() or gemm_tuning.Bf16Kernels(0, 0)
+    yield use
+    use(before.fma_rows, before.amx_rows)
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -87,16 +97,25 @@ def test_pack_linears_packs_every_layer_and_keeps_the_output(dtype):
     torch.testing.assert_close(model(x).float(), want, **tol)
 
 
-@pytest.mark.parametrize("dtype,fma_from",
-                         [(d, f) for d in _panel_dtypes() for f in ([0, 1] if d == torch.bfloat16 else [0])])
+def _bf16_paths() -> list[tuple[int, int]]:
+    """(FMA, AMX) thresholds that make every row count take one bf16 path: VDPBF16PS, FMAs, AMX where usable."""
+    if not panels_available(torch.device("cpu"), torch.bfloat16):
+        return []
+    return [(0, 0), (1, 0)] + ([(0, 1)] if gemm_tuning.amx_available() else [])
+
+
+@pytest.mark.parametrize("dtype,paths",
+                         [(torch.float32, (0, 0))] * (torch.float32 in _panel_dtypes())
+                         + [(torch.bfloat16, paths) for paths in _bf16_paths()])
 @pytest.mark.parametrize("rows", [1, 5, 16, 49])
 @pytest.mark.parametrize("rank", [32, 34])
-def test_factored_linear_equals_its_two_gemms(bf16_fma_rows, dtype, fma_from, rows, rank):
+def test_factored_linear_equals_its_two_gemms(bf16_paths, dtype, paths, rows, rank):
     """Gate/up sharing a first GEMM (a low-rank part with ragged N, a dense part passed through: written by the
     first GEMM when it starts on a 32-column panel, copied out of it when not) and a lone low-rank linear: each
-    equals x·Fᵀ rounded to the dtype, then each part's second GEMM (bf16: by either kernel)."""
+    equals x·Fᵀ rounded to the dtype, then each part's second GEMM (bf16: by each path; rank 34 is no whole AMX
+    tile step, so that second GEMM takes a vector path)."""
     if dtype == torch.bfloat16:
-        bf16_fma_rows(fma_from)
+        bf16_paths(*paths)
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=g).to(dtype)
     a0, a1 = (torch.randn(n, 96, generator=g).div(10).to(dtype) for n in (rank, 70))
@@ -211,23 +230,52 @@ def test_packing_after_a_forward_rebinds_the_layer_calls(tiny_model_dir):
     torch.testing.assert_close(runner.execute(chunk), before, rtol=1e-4, atol=1e-4)
 
 
-@needs_panels
-@pytest.mark.parametrize("fma_from", [0, 1, 6])
-@pytest.mark.parametrize("rows", [1, 5, 12, 16, 49])
-def test_bf16_kernels_equal_the_fp32_reference(bf16_fma_rows, fma_from, rows):
-    """VDPBF16PS (0), fp32 FMAs at every row count (1) and the switch between them inside one call's row range (6):
-    each one bf16 rounding from the fp32 reference, on a dense and on a factored call with strided parts."""
-    bf16_fma_rows(fma_from)
+def _check_bf16_kernels(rows: int, in_features: int = 130, rank: int = 24) -> None:
+    """A dense and a factored call with strided parts, each one bf16 rounding from the fp32 reference."""
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(70, 130, generator=g).bfloat16()
-    x = torch.randn(rows, 130, generator=g).bfloat16()
+    w = torch.randn(70, in_features, generator=g).bfloat16()
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
     got = PanelLinear(w)(x)
     want = _reference(x, w)
     assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=1e-3), (got - want).abs().max()
-    a, b = torch.randn(24, 130, generator=g).bfloat16(), torch.randn(40, 24, generator=g).bfloat16()
+    a, b = torch.randn(rank, in_features, generator=g).bfloat16(), torch.randn(40, rank, generator=g).bfloat16()
     t = _reference(x, a)  # the factored call rounds its intermediate to bf16 as well
-    torch.testing.assert_close(FactoredPanelLinear(a, [24], [b])(x).float(), _reference(t, b).float(),
+    torch.testing.assert_close(FactoredPanelLinear(a, [rank], [b])(x).float(), _reference(t, b).float(),
                                rtol=2 ** -7, atol=1e-2)
+
+
+@needs_panels
+@pytest.mark.parametrize("fma_from", [0, 1, 6])
+@pytest.mark.parametrize("rows", [1, 5, 12, 16, 49])
+def test_bf16_kernels_equal_the_fp32_reference(bf16_paths, fma_from, rows):
+    """VDPBF16PS (0), fp32 FMAs at every row count (1) and the switch between them inside one call's row range (6)."""
+    bf16_paths(fma_from)
+    _check_bf16_kernels(rows)
+
+
+@needs_amx
+@pytest.mark.parametrize("amx_from", [1, 6])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 49, 100])
+def test_amx_tiles_equal_the_fp32_reference(bf16_paths, amx_from, rows):
+    """AMX from every row count (1) or from 6 (the vector paths below): one and two A tiles (16 / 32 rows), ragged
+    row tails, K in whole tile steps (160) and, where it is not (130), the vector paths instead."""
+    bf16_paths(4, amx_from)
+    _check_bf16_kernels(rows, in_features=160, rank=64)
+    _check_bf16_kernels(rows, in_features=130, rank=24)
+
+
+@needs_amx
+def test_amx_tiles_run_between_onednn_amx_calls(bf16_paths):
+    """oneDNN configures AMX tiles on the same threads: our tiles are configured per call, not assumed."""
+    bf16_paths(0, 1)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 256, generator=g).bfloat16()
+    x = torch.randn(20, 256, generator=g).bfloat16()
+    ours, onednn = PanelLinear(w), PackedLinear(w)
+    want = _reference(x, w).float()
+    for _ in range(3):
+        assert torch.allclose(onednn(x).float(), want, rtol=2 ** -7, atol=1e-3)
+        assert torch.allclose(ours(x).float(), want, rtol=2 ** -7, atol=1e-3)
 
 
 def test_fma_threshold_is_the_smallest_row_count_it_wins_from():
@@ -238,12 +286,37 @@ def test_fma_threshold_is_the_smallest_row_count_it_wins_from():
     assert threshold_from({2: (30, 10), 4: (46, 12)}) == 2
 
 
-def test_fma_threshold_from_the_environment(monkeypatch, bf16_fma_rows):
-    """NEURONMM_BF16_FMA_ROWS fixes the threshold without timing; anything but a count >= 0 is refused."""
+def test_amx_threshold_is_set_against_the_vector_path_in_use():
+    """AMX must beat, by >= 5 %, whichever of VDPBF16PS and the FMAs would run at a row count, at it and above."""
+    timings = {"dot": {2: 30, 4: 46, 8: 86, 16: 170}, "fma": {2: 31, 4: 32, 8: 55, 16: 106},
+               "amx": {2: 29, 4: 40, 8: 23, 16: 23}}
+    assert gemm_tuning.kernels_from(timings) == gemm_tuning.Bf16Kernels(fma_rows=4, amx_rows=8)  # 40 vs FMA's 32
+    assert gemm_tuning.kernels_from({k: v for k, v in timings.items() if k != "amx"}).amx_rows == 0
+    timings["amx"] = {2: 20, 4: 20, 8: 23, 16: 23}
+    assert gemm_tuning.kernels_from(timings) == gemm_tuning.Bf16Kernels(fma_rows=4, amx_rows=2)
+    assert "AMX tiles from 2 rows, VDPBF16PS below" == gemm_tuning.Bf16Kernels(4, 2).describe()
+    assert "AMX tiles from 8 rows, fp32 FMAs from 4 rows, VDPBF16PS below" == gemm_tuning.Bf16Kernels(4, 8).describe()
+
+
+def test_thresholds_from_the_environment(monkeypatch, bf16_paths):
+    """NEURONMM_BF16_FMA_ROWS / _AMX_ROWS fix the thresholds without timing; anything but a count >= 0 is refused,
+    and so is AMX on a CPU without it."""
     monkeypatch.setattr(gemm_tuning, "_chosen", None)
     monkeypatch.setenv("NEURONMM_BF16_FMA_ROWS", "two")
     with pytest.raises(ValueError, match="NEURONMM_BF16_FMA_ROWS must be a row count"):
-        gemm_tuning.tune_bf16_fma_rows()
-    if panels_available(torch.device("cpu"), torch.bfloat16):
-        monkeypatch.setenv("NEURONMM_BF16_FMA_ROWS", "8")
-        assert gemm_tuning.tune_bf16_fma_rows() == 8 and gemm_tuning.bf16_fma_rows() == 8
+        gemm_tuning.tune_bf16_kernels()
+    monkeypatch.setenv("NEURONMM_BF16_FMA_ROWS", "8")
+    monkeypatch.setenv("NEURONMM_BF16_AMX_ROWS", "-2")
+    with pytest.raises(ValueError, match="NEURONMM_BF16_AMX_ROWS must be a row count"):
+        gemm_tuning.check_env()
+    if not panels_available(torch.device("cpu"), torch.bfloat16):
+        return
+    monkeypatch.setenv("NEURONMM_BF16_AMX_ROWS", "4")
+    if gemm_tuning.amx_available():
+        assert gemm_tuning.tune_bf16_kernels() == gemm_tuning.Bf16Kernels(8, 4) == gemm_tuning.bf16_kernels()
+    else:
+        with pytest.raises(ValueError, match="no usable AMX"):
+            gemm_tuning.tune_bf16_kernels()
+    monkeypatch.setattr(gemm_tuning, "_chosen", None)
+    monkeypatch.setenv("NEURONMM_BF16_AMX_ROWS", "0")
+    assert gemm_tuning.tune_bf16_kernels() == gemm_tuning.Bf16Kernels(8, 0)

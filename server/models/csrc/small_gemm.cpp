@@ -92,32 +92,38 @@ void split_by_cost(int64_t count, const CostBefore& cost_before, const Body& bod
   });
 }
 
+// Nothing to set up or tear down around a thread's share of a GEMM (the vector kernels need nothing).
+struct NoScope {};
+
 // Calls tile(panel, first row, rows) over an [M, K] x panels GEMM. Work items are (panel, row block) pairs,
 // panel-major, cut into one contiguous stretch of equal cost per thread: at decode sizes (one row block) each
 // thread streams its own part of the weight once; at prefill sizes a matrix with few panels still spreads
-// over every thread. A row block is cut into register tiles of up to kMaxRows rows.
-template <typename Tile>
+// over every thread. A row block (ItemRows) is cut into tiles of up to TileRows rows; a Scope lives across each
+// thread's stretch (AMX configures its tiles there).
+template <int64_t ItemRows = kRowsPerItem, int64_t TileRows = kMaxRows, typename Scope = NoScope, typename Tile>
 void for_each_tile(int64_t M, const PanelList& list, const Tile& tile) {
-  const int64_t row_blocks = (M + kRowsPerItem - 1) / kRowsPerItem;
+  const int64_t row_blocks = (M + ItemRows - 1) / ItemRows;
   const auto cost_before = [&](int64_t item) {  // row blocks of a panel cost alike
     const int64_t p = item / row_blocks, rb = item % row_blocks;
     return list.cost_before(p) * row_blocks + (rb == 0 ? 0 : rb * list.cost_of(p));
   };
   split_by_cost(list.panels() * row_blocks, cost_before, [&](int64_t b, int64_t e) {
+    [[maybe_unused]] const Scope scope;
     for (int64_t item = b; item < e; ++item) {
-      const int64_t p = item / row_blocks, m_end = std::min(M, (item % row_blocks + 1) * kRowsPerItem);
-      for (int64_t m = (item % row_blocks) * kRowsPerItem; m < m_end; m += kMaxRows)
-        tile(p, m, std::min(kMaxRows, m_end - m));
+      const int64_t p = item / row_blocks, m_end = std::min(M, (item % row_blocks + 1) * ItemRows);
+      for (int64_t m = (item % row_blocks) * ItemRows; m < m_end; m += TileRows)
+        tile(p, m, std::min(TileRows, m_end - m));
     }
   });
 }
 
-// All parts' panels as one work list in one parallel region; `rows` computes one register tile:
+// All parts' panels as one work list in one parallel region; `rows` computes one tile:
 // rows(x, ldx, panel, y, ldy, valid_columns, K, num_rows).
-template <typename X, typename T, typename Rows>
+template <int64_t ItemRows = kRowsPerItem, int64_t TileRows = kMaxRows, typename Scope = NoScope, typename X,
+          typename T, typename Rows>
 void gemm_parts(const std::vector<Part<X, T>>& parts, int64_t M, const Rows& rows) {
   const PanelList list(parts);
-  for_each_tile(M, list, [&](int64_t p, int64_t m, int64_t n) {
+  for_each_tile<ItemRows, TileRows, Scope>(M, list, [&](int64_t p, int64_t m, int64_t n) {
     const size_t i = list.part_of(p);
     const Part<X, T>& q = parts[i];
     const int64_t lp = p - list.first[i];
@@ -266,6 +272,121 @@ inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = float(src[i]);
 }
 
+// ---- AMX (Sapphire Rapids and later) -----------------------------------------------------------------
+// The panel layout is already AMX's B-tile format: with a 128-byte row stride, rows kp .. kp+15 of a panel's
+// first (or second) 64 bytes per pair are one tile of 16 input pairs x 16 columns. TDPBF16PS multiplies a tile
+// of up to 16 rows x 32 inputs of x by such a tile into 16 x 16 fp32 sums: 16 x the products of one VDPBF16PS,
+// so from a few rows on the GEMM streams the weight at memory speed where the vector paths are compute-bound.
+// Sums are fp32 and each output is rounded once to bf16, as in the other paths (the pair products are added in
+// another order than VDPBF16PS adds them, so results differ from it in rounding only).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define NEURONMM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+constexpr int64_t kTileK = 32;        // inputs per tile step (16 pairs: a 64-byte tile row)
+constexpr int64_t kAmxTileRows = 32;  // rows of x per call of the tile kernel: two A tiles share each B tile
+constexpr int64_t kAmxAhead = 2;      // tile steps of the panel prefetched ahead
+
+// Linux hands out AMX's 8 KB of tile state only on request, once per process.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+// LDTILECFG's 64-byte operand (palette 1).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0-1 sums of x rows 0-15 (columns 0-15, 16-31), 2-3 the same for rows 16-31, 4-5 those rows of x,
+// 6-7 the panel's two column halves. The shapes depend on the row count alone, so a thread configures them
+// when it changes; AmxScope releases them at the end of the thread's stretch (other code, oneDNN's AMX GEMMs,
+// configures tiles on the same threads, so nothing is assumed across calls).
+thread_local int64_t t_configured_rows = 0;
+
+void configure_tiles(int64_t rows) {
+  if (rows == t_configured_rows) return;
+  TileConfig cfg;
+  const int64_t upper = std::min<int64_t>(rows, 16), lower = rows - upper;
+  for (int t : {0, 1, 4}) cfg.rows[t] = uint8_t(upper), cfg.colsb[t] = 64;
+  if (lower > 0)
+    for (int t : {2, 3, 5}) cfg.rows[t] = uint8_t(lower), cfg.colsb[t] = 64;
+  for (int t : {6, 7}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+  t_configured_rows = rows;
+}
+
+struct AmxScope {
+  AmxScope() { t_configured_rows = 0; }
+  ~AmxScope() {
+    if (t_configured_rows) _tile_release();
+    t_configured_rows = 0;
+  }
+};
+
+// Up to 32 rows of x (row stride ldx) against one panel, K a multiple of 32; writes `valid` of 32 columns of y.
+template <bool TwoRowTiles>
+inline void tile_amx(const at::BFloat16* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
+                     int64_t valid, int64_t K, int64_t rows) {
+  alignas(64) float sums[32 * 32];
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (TwoRowTiles) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t x_stride = ldx * int64_t(sizeof(at::BFloat16));
+  for (int64_t k = 0; k < K; k += kTileK) {
+    const at::BFloat16* w = panel + k * kPanel;  // k / 2 pairs of 64 values
+    // The panel two steps ahead (2 KB a step), as the vector paths prefetch theirs.
+    for (int line = 0; line < 32; ++line)
+      _mm_prefetch(reinterpret_cast<const char*>(w + kAmxAhead * kTileK * kPanel + line * 32), _MM_HINT_T0);
+    _tile_loadd(6, w, 2 * kPanel * sizeof(at::BFloat16));
+    _tile_loadd(7, w + kPanel, 2 * kPanel * sizeof(at::BFloat16));
+    _tile_loadd(4, x + k, x_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (TwoRowTiles) {
+      _tile_loadd(5, x + 16 * ldx + k, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums, 32 * sizeof(float));
+  _tile_stored(1, sums + 16, 32 * sizeof(float));
+  if constexpr (TwoRowTiles) {
+    _tile_stored(2, sums + 16 * 32, 32 * sizeof(float));
+    _tile_stored(3, sums + 16 * 32 + 16, 32 * sizeof(float));
+  }
+  for (int64_t j = 0; j < rows; ++j)
+    store_row(y + j * ldy, _mm512_load_ps(sums + j * 32), _mm512_load_ps(sums + j * 32 + 16), valid);
+}
+
+const auto amx_rows = [](const at::BFloat16* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
+                         int64_t valid, int64_t K, int64_t rows) {
+  configure_tiles(rows);
+  if (rows > 16) return tile_amx<true>(x, ldx, panel, y, ldy, valid, K, rows);
+  tile_amx<false>(x, ldx, panel, y, ldy, valid, K, rows);
+};
+
+// Whether every part's K is whole tile steps (the ranks and widths of this project's models are multiples of 32).
+bool amx_fits(const std::vector<Part<at::BFloat16, at::BFloat16>>& parts) {
+  return std::all_of(parts.begin(), parts.end(), [](const auto& q) { return q.K % kTileK == 0; });
+}
+#endif  // __AMX_TILE__ && __AMX_BF16__
+
+// From how many rows of x the bf16 panel GEMMs use AMX (0: never). Set once by the loader, which times it
+// against the vector paths on this CPU (gemm_tuning.py); only settable where AMX is built in and permitted.
+std::atomic<int64_t> g_amx_min_rows{0};
+
 // From how many rows of x the bf16 panel GEMMs multiply with fp32 FMAs instead of VDPBF16PS (0: never). Set
 // once by the loader, which times both on this CPU: at one or two rows both stream the weight at memory
 // bandwidth and the dot product's fewer instructions win; with more rows the GEMM is compute-bound and the
@@ -301,6 +422,11 @@ void fma_one_row_block(const std::vector<Part<at::BFloat16, at::BFloat16>>& part
 }
 
 void run_bf16(const std::vector<Part<at::BFloat16, at::BFloat16>>& parts, int64_t M) {
+#ifdef NEURONMM_AMX
+  const int64_t amx_from = g_amx_min_rows.load(std::memory_order_relaxed);
+  if (amx_from > 0 && M >= amx_from && amx_fits(parts))
+    return gemm_parts<kAmxTileRows, kAmxTileRows, AmxScope>(parts, M, amx_rows);
+#endif
   const int64_t fma_from = g_fma_min_rows.load(std::memory_order_relaxed);
   if (fma_from == 0 || M < fma_from) return gemm_parts(parts, M, bf16_rows);
   if (M <= kRowsPerItem) return fma_one_row_block(parts, M);
@@ -332,6 +458,20 @@ void set_bf16_fma_rows(int64_t min_rows) {
   g_fma_min_rows.store(min_rows);
 }
 
+bool bf16_amx_available() {
+#ifdef NEURONMM_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+void set_bf16_amx_rows(int64_t min_rows) {
+  TORCH_CHECK(min_rows >= 0, "set_bf16_amx_rows: a row count >= 0 expected (0: never use AMX)");
+  TORCH_CHECK(min_rows == 0 || bf16_amx_available(), "set_bf16_amx_rows: this CPU (or build) has no usable AMX");
+  g_amx_min_rows.store(min_rows);
+}
+
 void check_panels_bf16(const at::Tensor& panels, int64_t K, int64_t N, const char* op) {
   TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 && panels.size(2) == kPanel &&
                   panels.size(1) * 2 == K && panels.size(0) * kPanel >= N && panels.is_contiguous(),
@@ -350,6 +490,8 @@ TORCH_LIBRARY_FRAGMENT(neuronmm, m) {
   m.def("pack_panels(Tensor weight) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, int out_features) -> Tensor");
   m.def("set_bf16_fma_rows(int min_rows) -> ()", &set_bf16_fma_rows);  // no tensors: a catch-all kernel
+  m.def("set_bf16_amx_rows(int min_rows) -> ()", &set_bf16_amx_rows);
+  m.def("bf16_amx_available() -> bool", &bf16_amx_available);
 }
 
 TORCH_LIBRARY_IMPL(neuronmm, CPU, m) {
