@@ -11,8 +11,9 @@
 // to a multiple of 32 with zero columns. One 64-byte load then gives 16 columns x 2 inputs, which
 // VDPBF16PS multiplies by a broadcast pair of x and adds into 16 fp32 sums: no horizontal reductions,
 // and a panel is read front to back, a single stream for the hardware prefetcher. With more rows of x than
-// the loader's threshold (set_bf16_fma_rows), the same panels go through fp32 FMAs instead (tile_fma).
-// Register tile: up to 12 rows of x x one panel (24 accumulators).
+// the loader's thresholds (gemm_tuning.py), the same panels go through fp32 FMAs instead (tile_fma) or, on
+// CPUs with AMX, through tile products (tile_amx): the layout is already AMX's B-tile format.
+// Register tile: up to 12 rows of x x one panel (24 accumulators); AMX: up to 32 rows x one panel.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
