@@ -95,3 +95,32 @@ def test_fused_temperature_sampling_draws_the_softmax_distribution():
                                                   uniform)
     got = torch.bincount(tokens, minlength=VOCAB).float() / draws
     assert (got - torch.softmax(scaled * 2.0, -1)).abs().max() < 0.03
+
+
+@needs_fused_ops
+@pytest.mark.parametrize("vocab", [1, 15, 16, 37, 49152])
+def test_fused_argmax_is_torchs_argmax(vocab):
+    """Greedy's fused argmax: torch.argmax's index for random rows, ties (the first wins, inside a vector's lanes,
+    across lanes and in the scalar tail), and rows masked to -inf (0, or the one unmasked token)."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=g)
+    top = logits.max() + 1
+    logits[1, vocab // 2:] = top  # a tie over the second half of the row
+    logits[2, [vocab - 1, vocab // 3]] = top  # the earlier of two
+    logits[3] = float("-inf")
+    logits[4] = float("-inf")
+    logits[4, vocab - 1] = 0.0
+    got = torch.ops.neuronmm.argmax_rows(logits)
+    assert got.dtype == torch.long and torch.equal(got, logits.argmax(dim=-1))
+
+
+@needs_fused_ops
+def test_greedy_rows_take_the_fused_argmax(monkeypatch):
+    """sample() sends the greedy rows of CPU fp32 logits through the fused op, and other logits to torch."""
+    calls = []
+    fused = torch.ops.neuronmm.argmax_rows
+    monkeypatch.setattr(torch.ops.neuronmm, "argmax_rows", lambda logits: calls.append(logits.shape) or fused(logits))
+    seqs = [Sequence(f"r{i}", 0, [1, 2], SamplingParams(temperature=0.0), detok=None) for i in range(3)]
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
+    assert sample(logits, seqs)[0] == logits.argmax(dim=-1).tolist() and calls == [(3, 50)]
+    assert sample(logits.double(), seqs)[0] == logits.argmax(dim=-1).tolist() and len(calls) == 1

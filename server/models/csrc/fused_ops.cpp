@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -507,23 +508,65 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& qkv, const at::Te
 // never chosen (the pick moves back to the last positive column of its block).
 constexpr int64_t kCdfBlock = 256;
 
-int64_t sample_row(const float* logits, float* probs, double* block_sums, int64_t vocab, float inv_t, double u) {
+#if defined(__AVX512F__)
+// fast_exp on 16 lanes, the same operations in the same order (no FMA contraction), so the same bits.
+inline __m512 fast_exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187e-06f)));
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_add_ps(_mm512_set1_ps(c), _mm512_mul_ps(r, p));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+// The largest logit of a row (-inf for an empty or fully masked row).
+inline float row_max(const float* x, int64_t n) {
   float max_x = -INFINITY;
-#pragma omp simd reduction(max : max_x)
-  for (int64_t i = 0; i < vocab; ++i) max_x = std::max(max_x, logits[i]);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
+  max_x = _mm512_reduce_max_ps(m);
+#endif
+  for (; i < n; ++i) max_x = std::max(max_x, x[i]);
+  return max_x;
+}
+
+// probs[lo, hi) = exp((logits - max_x) * inv_t), a masked (-inf) logit 0 exactly (fast_exp clamps its input,
+// so it would give 1e-38); returns their sum.
+inline float exp_block(const float* logits, float* probs, int64_t lo, int64_t hi, float max_x, float inv_t) {
+  float sum = 0.f;
+  int64_t i = lo;
+#if defined(__AVX512F__)
+  const __m512 vmax = _mm512_set1_ps(max_x), vt = _mm512_set1_ps(inv_t), ninf = _mm512_set1_ps(-INFINITY);
+  __m512 vsum = _mm512_setzero_ps();
+  for (; i + 16 <= hi; i += 16) {
+    const __m512 x = _mm512_loadu_ps(logits + i);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(live, fast_exp16(_mm512_mul_ps(_mm512_sub_ps(x, vmax), vt)));
+    _mm512_storeu_ps(probs + i, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+#endif
+  for (; i < hi; ++i) {
+    probs[i] = logits[i] == -INFINITY ? 0.f : fast_exp((logits[i] - max_x) * inv_t);
+    sum += probs[i];
+  }
+  return sum;
+}
+
+int64_t sample_row(const float* logits, float* probs, double* block_sums, int64_t vocab, float inv_t, double u) {
+  const float max_x = row_max(logits, vocab);
   const int64_t num_blocks = (vocab + kCdfBlock - 1) / kCdfBlock;
   double total = 0.0;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t lo = b * kCdfBlock, hi = std::min(vocab, lo + kCdfBlock);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = lo; i < hi; ++i) {
-      // a masked (-inf) logit has probability 0 exactly (fast_exp clamps its input, so it would give 1e-38)
-      probs[i] = logits[i] == -INFINITY ? 0.f : fast_exp((logits[i] - max_x) * inv_t);
-      sum += probs[i];
-    }
-    block_sums[b] = sum;
-    total += sum;
+    block_sums[b] = exp_block(logits, probs, lo, hi, max_x, inv_t);
+    total += block_sums[b];
   }
   double target = u * total, before = 0.0;
   int64_t b = 0;
@@ -562,6 +605,53 @@ at::Tensor sample_temperature(const at::Tensor& logits, const at::Tensor& inv_te
   return tokens;
 }
 
+// ---- argmax_rows -----------------------------------------------------------------------------------
+// Greedy decoding's argmax of each row of fp32 logits [rows, vocab]: the first index of the row's largest
+// value, as torch.argmax gives it (a row of -inf gives 0; NaN is never chosen, where torch would pick it). torch's CPU argmax runs one row on one thread at
+// ~0.6 ns a value: 0.5 ms of a batch-16 step over a 49k vocabulary; 16 lanes a compare, rows over the threads.
+int64_t argmax_row(const float* x, int64_t n) {
+  float best = -INFINITY;
+  int64_t at = 0, i = 0;
+#if defined(__AVX512F__)
+  // per lane: the largest value seen and the block it came first in (strictly greater replaces)
+  __m512 vbest = _mm512_set1_ps(-INFINITY);
+  __m512i vblock = _mm512_setzero_si512(), block = _mm512_setzero_si512();
+  const __m512i one = _mm512_set1_epi32(1);
+  for (; i + 16 <= n; i += 16, block = _mm512_add_epi32(block, one)) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __mmask16 greater = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);
+    vbest = _mm512_mask_mov_ps(vbest, greater, v);
+    vblock = _mm512_mask_mov_epi32(vblock, greater, block);
+  }
+  if (i > 0) {
+    best = _mm512_reduce_max_ps(vbest);
+    alignas(64) float values[16];
+    alignas(64) int32_t blocks[16];
+    _mm512_store_ps(values, vbest);
+    _mm512_store_si512(blocks, vblock);
+    at = std::numeric_limits<int64_t>::max();
+    for (int lane = 0; lane < 16; ++lane)
+      if (values[lane] == best) at = std::min<int64_t>(at, int64_t(blocks[lane]) * 16 + lane);
+  }
+#endif
+  for (; i < n; ++i)
+    if (x[i] > best) best = x[i], at = i;
+  return at;
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "argmax_rows: contiguous fp32 logits [rows, vocab] expected");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  auto tokens = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* lp = logits.data_ptr<float>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) out[r] = argmax_row(lp + r * vocab, vocab);
+  });
+  return tokens;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(neuronmm, m) {
@@ -569,6 +659,7 @@ TORCH_LIBRARY(neuronmm, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor y, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("sample_temperature(Tensor logits, Tensor inv_temps, Tensor uniforms) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def(
       "attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_index, Tensor context_lens, int num_heads, int num_kv_heads, float scale) "
@@ -580,5 +671,6 @@ TORCH_LIBRARY_IMPL(neuronmm, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("sample_temperature", &sample_temperature);
+  m.impl("argmax_rows", &argmax_rows);
   m.impl("attention", &attention);
 }
