@@ -28,14 +28,21 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "fused_ops.cpp", CSRC / "small_gemm.cpp", CSRC / "decoder.cpp")
-# No FMA contraction: the reference rounds each product, and rotary must match it bit for bit.
-CXXFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+ARCH_ENV = "NEURONMM_CPU_ARCH"
 _loaded: bool | None = None
 
 
+def cxxflags() -> list[str]:
+    """The compiler flags: for this CPU, or for the -march that $NEURONMM_CPU_ARCH names (x86-64-v3 builds the
+    AVX2 code paths, as a CPU without AVX-512 runs them). No FMA contraction: the reference rounds each product,
+    and rotary must match it bit for bit."""
+    arch = os.environ.get(ARCH_ENV, "").strip() or "native"
+    return ["-O3", f"-march={arch}", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+
+
 def _build_dir(cache_dir: Path) -> Path:
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + torch.__version__.encode() + " ".join(CXXFLAGS).encode()
-                         + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + torch.__version__.encode()
+                         + " ".join(cxxflags()).encode() + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
     return cache_dir / "ext" / f"fused_ops-{key}"
 
 
@@ -50,7 +57,7 @@ def _compile(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [cxx, *CXXFLAGS, abi, *includes, *map(str, SOURCES), "-o", str(out), *libs]
+        cmd = [cxx, *cxxflags(), abi, *includes, *map(str, SOURCES), "-o", str(out), *libs]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"compiling {', '.join(s.name for s in SOURCES)} failed: {result.stderr.strip()[-2000:]}")
@@ -66,7 +73,7 @@ def load(cache_dir: Path | None = None) -> bool:
     target = _build_dir(cache_dir) / "fused_ops.so"
     try:
         if not target.is_file():
-            log.info("building the fused CPU ops (once per machine, ~30 s)")
+            log.info("building the fused CPU ops for -march=%s (once per machine, ~30 s)", cxxflags()[1].split("=")[1])
             _compile(target)
         torch.ops.load_library(str(target))
         _loaded = True

@@ -118,3 +118,14 @@ def test_attention_rejects_mismatched_widths():
     case["qkv"] = case["qkv"][:, :-2].contiguous()
     with pytest.raises(RuntimeError, match="qkv width"):
         torch.ops.neuronmm.attention(*case.values())
+
+
+def test_build_targets_this_cpu_or_the_named_arch(monkeypatch, tmp_path):
+    """-march=native by default; NEURONMM_CPU_ARCH names another target (x86-64-v3: the AVX2 code paths), and a
+    different target is a different build in the cache."""
+    monkeypatch.delenv("NEURONMM_CPU_ARCH", raising=False)
+    assert "-march=native" in fused_ops.cxxflags() and "-ffp-contract=off" in fused_ops.cxxflags()
+    native = fused_ops._build_dir(tmp_path)
+    monkeypatch.setenv("NEURONMM_CPU_ARCH", "x86-64-v3")
+    assert "-march=x86-64-v3" in fused_ops.cxxflags() and "-march=native" not in fused_ops.cxxflags()
+    assert fused_ops._build_dir(tmp_path) != native
