@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -320,3 +326,30 @@ def test_thresholds_from_the_environment(monkeypatch, bf16_paths):
     monkeypatch.setattr(gemm_tuning, "_chosen", None)
     monkeypatch.setenv("NEURONMM_BF16_AMX_ROWS", "0")
     assert gemm_tuning.tune_bf16_kernels() == gemm_tuning.Bf16Kernels(8, 0)
+
+
+_AVX2_CHECK = """
+import torch
+from server.models import fused_ops
+from server.models.packed_linear import FactoredPanelLinear, PanelLinear, panels_available
+assert fused_ops.load(), "the x86-64-v3 build failed"
+assert panels_available(torch.device("cpu"), torch.float32) and not panels_available(torch.device("cpu"), torch.bfloat16)
+g = torch.Generator().manual_seed(0)
+for rows in (1, 2, 3, 4, 16, 49):
+    for n, k in ((70, 130), (33, 2), (96, 64)):
+        w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+        torch.testing.assert_close(PanelLinear(w)(x), x @ w.T, rtol=1e-5, atol=1e-4)
+    a, b = torch.randn(24, 64, generator=g), torch.randn(40, 24, generator=g)
+    torch.testing.assert_close(FactoredPanelLinear(a, [24], [b])(x), (x @ a.T) @ b.T, rtol=1e-5, atol=1e-4)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which(os.environ.get("CXX", "g++")) is None,
+                    reason="builds the fused ops for x86-64-v3 with the system compiler")
+def test_avx2_build_serves_fp32_panels(tmp_path):
+    """A CPU without AVX-512 gets the fp32 panel GEMM in 8-wide FMAs and no bf16 panels: the ops built for
+    x86-64-v3 (what such a CPU runs), in a fresh process, equal the fp32 products (register tiles of 3 rows)."""
+    env = {**os.environ, "NEURONMM_CPU_ARCH": "x86-64-v3", "NEURONMM_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", _AVX2_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

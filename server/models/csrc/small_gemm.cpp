@@ -506,8 +506,9 @@ TORCH_LIBRARY_IMPL(neuronmm, CPU, m) {
 // The same idea for fp32 weights (CPUs without native bf16 serve in fp32): panels of 32 output columns,
 // [ceil(N/32)][K][32] fp32, so two 64-byte loads are 32 columns at one input position, multiplied by a
 // broadcast x value into 32 fp32 sums (FMA). Register tile: up to 12 rows of x x one panel (24 sums);
-// two loads of W per 24 FMAs leave the load ports room at prefill sizes.
-#if defined(__AVX512F__)
+// two loads of W per 24 FMAs leave the load ports room at prefill sizes. On AVX2 (no AVX-512) the same
+// panels go through 8-wide FMAs: four vectors of sums a row, so a register tile is 3 rows.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
 namespace {
@@ -531,6 +532,9 @@ at::Tensor pack_panels_f32(const at::Tensor& weight) {
   return out;
 }
 
+#if defined(__AVX512F__)
+constexpr int64_t kMaxRowsF = kMaxRows;  // rows of x per register tile
+
 template <int MT>
 inline void tile_f32(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid, int64_t K) {
   __m512 lo[MT], hi[MT];
@@ -552,6 +556,37 @@ inline void tile_f32(const float* x, int64_t ldx, const float* panel, float* y, 
   }
 }
 
+#else
+constexpr int64_t kMaxRowsF = 3;  // 12 ymm of sums, a weight vector and the broadcasts fill the 16 registers
+
+// The AVX2 tile: each sum is the same chain of FMAs over k as in the AVX-512 tile, so the same bits.
+template <int MT>
+inline void tile_f32(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid, int64_t K) {
+  __m256 acc[MT][4];
+  for (int j = 0; j < MT; ++j)
+    for (int c = 0; c < 4; ++c) acc[j][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAheadF) * kPanelF), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAheadF) * kPanelF + 16), _MM_HINT_T0);
+    __m256 xv[MT];
+    for (int j = 0; j < MT; ++j) xv[j] = _mm256_broadcast_ss(x + j * ldx + k);
+    for (int c = 0; c < 4; ++c) {
+      const __m256 w = _mm256_loadu_ps(panel + k * kPanelF + 8 * c);
+      for (int j = 0; j < MT; ++j) acc[j][c] = _mm256_fmadd_ps(xv[j], w, acc[j][c]);
+    }
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int j = 0; j < MT; ++j)
+    for (int c = 0; c < 4; ++c) {
+      float* dst = y + j * ldy + 8 * c;
+      if (valid >= 8 * (c + 1))
+        _mm256_storeu_ps(dst, acc[j][c]);
+      else if (valid > 8 * c)
+        _mm256_maskstore_ps(dst, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(valid - 8 * c)), lane), acc[j][c]);
+    }
+}
+#endif
+
 template <int MT>
 void rows_of_f32(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid, int64_t K,
                  int64_t rows) {
@@ -562,9 +597,11 @@ void rows_of_f32(const float* x, int64_t ldx, const float* panel, float* y, int6
 }
 
 const auto f32_rows = [](const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid,
-                         int64_t K, int64_t rows) { rows_of_f32<kMaxRows>(x, ldx, panel, y, ldy, valid, K, rows); };
+                         int64_t K, int64_t rows) { rows_of_f32<kMaxRowsF>(x, ldx, panel, y, ldy, valid, K, rows); };
 
-void run_f32(const std::vector<Part<float, float>>& parts, int64_t M) { gemm_parts(parts, M, f32_rows); }
+void run_f32(const std::vector<Part<float, float>>& parts, int64_t M) {
+  gemm_parts<kRowsPerItem, kMaxRowsF>(parts, M, f32_rows);
+}
 
 void check_panels_f32(const at::Tensor& panels, int64_t K, int64_t N, const char* op) {
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.size(2) == kPanelF &&
@@ -663,4 +700,4 @@ TORCH_LIBRARY_IMPL(neuronmm, CPU, m) {
   m.impl("factored_linear", &factored_linear);
 }
 
-#endif  // __AVX512F__
+#endif  // __AVX512F__ || (__AVX2__ && __FMA__)
