@@ -390,6 +390,11 @@ class ChatStreamChoice(BaseModel):
     logprobs: dict[str, Any] | None = None
 
 
+# What str.splitlines (and clients that split a stream like it, httpx's aiter_lines among them) takes for a line end
+# but JSON leaves raw inside a string; escaped, an SSE event stays one line for such clients too.
+_RAW_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 class StreamChunk(BaseModel):
     """One SSE event of a streamed completion or chat completion (`usage` only when the client asked)."""
 
@@ -402,7 +407,8 @@ class StreamChunk(BaseModel):
 
     def sse(self, include_usage: bool) -> str:
         """The chunk as an SSE `data:` line."""
-        return f"data: {self.model_dump_json(exclude=None if include_usage else {'usage'})}\n\n"
+        data = self.model_dump_json(exclude=None if include_usage else {"usage"})
+        return f"data: {data if data.isascii() else data.translate(_RAW_LINE_BREAKS)}\n\n"
 
 
 class HealthStatus(BaseModel):

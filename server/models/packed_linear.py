@@ -1,12 +1,13 @@
 """CPU fast path: Linear layers with weights pre-packed, for our panel GEMMs or for oneDNN.
 
 `PanelLinear`: our own GEMM (csrc/small_gemm.cpp) over a panel layout made once at load, in bf16 on CPUs
-with AVX512-BF16 and in fp32 on CPUs with AVX512F. At decode sizes it streams each weight at close to
-memory bandwidth where oneDNN spends ~20 µs a call on dispatch (as long as reading a 0.6 MB matrix), and
-it is level with oneDNN at prefill sizes (measured in docs/BENCHMARKS.md). Elsewhere (AVX2-only CPUs, or
-bf16 via AMX only): `PackedLinear`, oneDNN's packed GEMM, about 2x faster than the default call for the
-skinny shapes of decoding (fp32 LM head [16, 576] x [576, 49152]: 8.7 ms vs 19.5 ms). Results equal
-F.linear up to summation order."""
+with AVX512-BF16 (AMX tiles from a few rows where the CPU has AMX) and in fp32 on CPUs with AVX512F or AVX2.
+At decode sizes it streams each weight at close to memory bandwidth where oneDNN spends ~20 µs a call on
+dispatch (as long as reading a 0.6 MB matrix); at prefill sizes it is level with oneDNN on AVX-512 and AMX
+and about 2x slower on AVX2, where decode is what it is kept for (measured in docs/BENCHMARKS.md).
+Elsewhere (bf16 without AVX512-BF16, a K the bf16 panels cannot pair): `PackedLinear`, oneDNN's packed GEMM,
+about 2x faster than the default call for the skinny shapes of decoding (fp32 LM head [16, 576] x [576, 49152]:
+8.7 ms vs 19.5 ms). Results equal F.linear up to summation order."""
 
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ _PANEL_OPS = {torch.bfloat16: ("pack_panels", "panel_linear"), torch.float32: ("
 
 
 def panels_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """The panel GEMM for `dtype` is in this CPU's fused-ops build (bf16 with AVX512-BF16, fp32 with AVX512F)."""
+    """The panel GEMM for `dtype` is in this CPU's fused-ops build (bf16 with AVX512-BF16, fp32 with AVX512F or AVX2)."""
     return (device.type == "cpu" and dtype in _PANEL_OPS and fused_ops.load()
             and hasattr(torch.ops.neuronmm, _PANEL_OPS[dtype][1]))
 

@@ -249,3 +249,17 @@ def test_engine_fault_fails_request_and_server_keeps_serving(tiny_model_dir):
         assert json.loads(events[0])["choices"][0]["text"] is not None  # tokens came before the error
         ok = httpx.post(f"{live.url}/v1/completions", json={**body, "prompt": [8, 9]})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 20
+
+
+def test_stream_events_stay_one_line_for_splitlines_clients():
+    """Sampled text can hold U+2028, U+2029 or U+0085: JSON leaves them raw, and str.splitlines (so httpx's
+    aiter_lines) ends a line there. The event escapes them: one line, decoding to the same text."""
+    from server.api.protocol import CompletionChoice, StreamChunk
+
+    text = "a\u2028b\u2029c\x85d é"
+    chunk = StreamChunk(id="x", object="text_completion", created=0, model="m",
+                        choices=[CompletionChoice(index=0, text=text)])
+    lines = [line for line in chunk.sse(include_usage=False).splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("data: ")
+    assert json.loads(lines[0][6:])["choices"][0]["text"] == text
+    assert "é" in lines[0]  # other non-ASCII stays raw UTF-8
