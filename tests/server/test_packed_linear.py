@@ -335,12 +335,17 @@ from server.models.packed_linear import FactoredPanelLinear, PanelLinear, panels
 assert fused_ops.load(), "the x86-64-v3 build failed"
 assert panels_available(torch.device("cpu"), torch.float32) and not panels_available(torch.device("cpu"), torch.bfloat16)
 g = torch.Generator().manual_seed(0)
-for rows in (1, 2, 3, 4, 16, 49):
-    for n, k in ((70, 130), (33, 2), (96, 64)):
-        w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
-        torch.testing.assert_close(PanelLinear(w)(x), x @ w.T, rtol=1e-5, atol=1e-4)
-    a, b = torch.randn(24, 64, generator=g), torch.randn(40, 24, generator=g)
-    torch.testing.assert_close(FactoredPanelLinear(a, [24], [b])(x), (x @ a.T) @ b.T, rtol=1e-5, atol=1e-4)
+for bmm_from in (0, 3):  # the panel tile at every row count; torch's batched sgemm from 3 rows
+    torch.ops.neuronmm.set_f32_bmm_rows(bmm_from)
+    for rows in (1, 2, 3, 4, 16, 49):
+        for n, k in ((70, 130), (33, 2), (96, 64)):
+            w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+            torch.testing.assert_close(PanelLinear(w)(x), x @ w.T, rtol=1e-5, atol=1e-4)
+        a, b = torch.randn(24, 64, generator=g), torch.randn(40, 24, generator=g)
+        torch.testing.assert_close(FactoredPanelLinear(a, [24], [b])(x), (x @ a.T) @ b.T, rtol=1e-5, atol=1e-4)
+        a0, a1, b0 = torch.randn(32, 64, generator=g), torch.randn(70, 64, generator=g), torch.randn(50, 32, generator=g)
+        pair = FactoredPanelLinear(torch.cat([a0, a1]), [32, 70], [b0, None])(x)  # the dense part writes into y
+        torch.testing.assert_close(pair, torch.cat([(x @ a0.T) @ b0.T, x @ a1.T], dim=1), rtol=1e-5, atol=1e-4)
 print("ok")
 """
 
@@ -348,8 +353,9 @@ print("ok")
 @pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which(os.environ.get("CXX", "g++")) is None,
                     reason="builds the fused ops for x86-64-v3 with the system compiler")
 def test_avx2_build_serves_fp32_panels(tmp_path):
-    """A CPU without AVX-512 gets the fp32 panel GEMM in 8-wide FMAs and no bf16 panels: the ops built for
-    x86-64-v3 (what such a CPU runs), in a fresh process, equal the fp32 products (register tiles of 3 rows)."""
+    """A CPU without AVX-512 gets the fp32 panel GEMM in 8-wide FMAs (and torch's batched sgemm over the same panels
+    from a row count on) and no bf16 panels: the ops built for x86-64-v3 (what such a CPU runs), in a fresh
+    process, equal the fp32 products on both paths (register tiles of 3 rows; strided column slices of y)."""
     env = {**os.environ, "NEURONMM_CPU_ARCH": "x86-64-v3", "NEURONMM_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", _AVX2_CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

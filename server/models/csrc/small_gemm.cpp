@@ -599,9 +599,35 @@ void rows_of_f32(const float* x, int64_t ldx, const float* panel, float* y, int6
 const auto f32_rows = [](const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid,
                          int64_t K, int64_t rows) { rows_of_f32<kMaxRowsF>(x, ldx, panel, y, ldy, valid, K, rows); };
 
+#if defined(__AVX512F__)
 void run_f32(const std::vector<Part<float, float>>& parts, int64_t M) {
   gemm_parts<kRowsPerItem, kMaxRowsF>(parts, M, f32_rows);
 }
+#else
+// From how many rows of x the AVX2 fp32 GEMMs hand the panels to torch's batched sgemm instead (0: never). With
+// 16 ymm registers the tile above reaches about half of the FMA rate that oneDNN's AVX2 kernels reach, so at
+// prefill and large-batch sizes the same panels go through at::matmul: panel p of W is a contiguous [K, 32]
+// matrix, so y's columns 32p .. 32p+31 are x · panel_p, one batched GEMM over all panels (1536 x 576 at 128
+// rows: 0.76 ms against 2.3 ms). Set once by the loader, which times both (gemm_tuning.py).
+std::atomic<int64_t> g_f32_bmm_min_rows{0};
+
+void run_f32(const std::vector<Part<float, float>>& parts, int64_t M) {
+  const int64_t bmm_from = g_f32_bmm_min_rows.load(std::memory_order_relaxed);
+  if (bmm_from == 0 || M < bmm_from) return gemm_parts<kRowsPerItem, kMaxRowsF>(parts, M, f32_rows);
+  for (const auto& q : parts) {
+    const int64_t panels = (q.N + kPanelF - 1) / kPanelF;
+    const auto x = at::from_blob(const_cast<float*>(q.x), {M, q.K}, {q.ldx, 1}, at::kFloat);
+    const auto w = at::from_blob(const_cast<float*>(q.panels), {panels, q.K, kPanelF}, at::kFloat);
+    auto y = at::from_blob(q.y, {M, q.N}, {q.ldy, 1}, at::kFloat);
+    y.copy_(at::matmul(x, w).permute({1, 0, 2}).reshape({M, panels * kPanelF}).narrow(1, 0, q.N));
+  }
+}
+
+void set_f32_bmm_rows(int64_t min_rows) {
+  TORCH_CHECK(min_rows >= 0, "set_f32_bmm_rows: a row count >= 0 expected (0: never use the batched sgemm)");
+  g_f32_bmm_min_rows.store(min_rows);
+}
+#endif
 
 void check_panels_f32(const at::Tensor& panels, int64_t K, int64_t N, const char* op) {
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.size(2) == kPanelF &&
@@ -689,6 +715,9 @@ at::Tensor factored_linear(const at::Tensor& x, const at::Tensor& first, at::Int
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(neuronmm, m) {
+#if !defined(__AVX512F__)
+  m.def("set_f32_bmm_rows(int min_rows) -> ()", &set_f32_bmm_rows);  // the AVX2 build's fp32 path only
+#endif
   m.def("pack_panels_f32(Tensor weight) -> Tensor");
   m.def("panel_linear_f32(Tensor x, Tensor panels, int out_features) -> Tensor");
   m.def("factored_linear(Tensor x, Tensor first, int[] splits, Tensor?[] seconds, int[] out_features) -> Tensor");
