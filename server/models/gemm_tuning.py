@@ -1,4 +1,4 @@
-"""Which instructions the bf16 panel GEMMs multiply with on this CPU: chosen once a process by timing them.
+"""Which instructions the panel GEMMs multiply with on this CPU: chosen once a process by timing them.
 
 csrc/small_gemm.cpp multiplies bf16 panels with VDPBF16PS (two products per lane and instruction), with fp32
 FMAs after widening them in registers, or, where the CPU has AMX, with tile products (TDPBF16PS). At one or two

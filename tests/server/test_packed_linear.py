@@ -359,3 +359,15 @@ def test_avx2_build_serves_fp32_panels(tmp_path):
     env = {**os.environ, "NEURONMM_CPU_ARCH": "x86-64-v3", "NEURONMM_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", _AVX2_CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_f32_batched_sgemm_threshold(monkeypatch):
+    """NEURONMM_F32_BMM_ROWS fixes the AVX2 build's threshold; builds with AVX-512 have no such path (always 0)."""
+    if not panels_available(torch.device("cpu"), torch.float32):
+        pytest.skip("no fp32 panel GEMM in this build")
+    monkeypatch.setattr(gemm_tuning, "_f32_bmm_chosen", None)
+    monkeypatch.setenv("NEURONMM_F32_BMM_ROWS", "5")
+    want = 5 if gemm_tuning.f32_bmm_available() else 0
+    assert gemm_tuning.tune_f32_bmm_rows() == want == gemm_tuning.f32_bmm_rows()
+    if gemm_tuning.f32_bmm_available():
+        torch.ops.neuronmm.set_f32_bmm_rows(0)
