@@ -6,6 +6,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported (it reads this once)
 
+import platform  # noqa: E402
+import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -47,3 +49,12 @@ def _restore_torch_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def avx2_ops_env(tmp_path_factory) -> dict[str, str]:
+    """The environment of a process whose fused ops are built for x86-64-v3 (the AVX2 code paths a CPU without
+    AVX-512 runs), into a cache of this session's own: the tests that use it share one build (~45 s)."""
+    if platform.machine() != "x86_64" or shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("builds the fused ops for x86-64-v3 with the system compiler")
+    return {**os.environ, "NEURONMM_CPU_ARCH": "x86-64-v3", "NEURONMM_CACHE_DIR": str(tmp_path_factory.mktemp("avx2"))}

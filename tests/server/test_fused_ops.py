@@ -1,6 +1,9 @@
 """The fused CPU ops equal their torch references (bit for bit where the maths is elementwise)."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -144,3 +147,14 @@ def test_build_targets_this_cpu_or_the_named_arch(monkeypatch, tmp_path):
     monkeypatch.setenv("NEURONMM_CPU_ARCH", "x86-64-v3")
     assert "-march=x86-64-v3" in fused_ops.cxxflags() and "-march=native" not in fused_ops.cxxflags()
     assert fused_ops._build_dir(tmp_path) != native
+
+
+
+@pytest.mark.skipif(os.environ.get("NEURONMM_CPU_ARCH") == "x86-64-v3", reason="this run is the x86-64-v3 build")
+def test_the_avx2_build_passes_these_tests(avx2_ops_env):
+    """Every test above again, in a process whose fused ops are built for x86-64-v3: the AVX2 code paths (8-wide
+    attention dot products and value sums, the scalar loops where the AVX-512 code has vectors) a CPU without
+    AVX-512 runs, which this machine's own build never does."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          env=avx2_ops_env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]

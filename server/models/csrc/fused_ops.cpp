@@ -13,7 +13,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -195,6 +195,38 @@ inline void pv_group(const float* p, int64_t stride, const T* v, int64_t len, fl
       default: pv_heads<T, D16, 4>(ph, stride, v, len, ah, h0 == 0 ? ahead : nullptr); break;
     }
   }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 (no AVX-512): an fp32 cache's dot products and value sums 8 lanes at a time. The compiler keeps the scalar
+// loops scalar (reordering a float sum needs -ffast-math), and they were a quarter of a batch-16 decode step.
+inline float hsum8(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+template <>
+inline float dot_head(const float* q, const float* k, int64_t d) {
+  if (d % 16 != 0) {
+    float dot = 0.f;
+    for (int64_t i = 0; i < d; ++i) dot += q[i] * k[i];
+    return dot;
+  }
+  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();  // two chains: the FMA latency, not the ports, binds
+  for (int64_t i = 0; i < d; i += 16) {
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
+    b = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(k + i + 8), b);
+  }
+  return hsum8(_mm256_add_ps(a, b));
+}
+template <>
+inline void axpy_head(float p, const float* v, float* acc, int64_t d) {
+  if (d % 8 != 0) {
+    for (int64_t i = 0; i < d; ++i) acc[i] += p * v[i];
+    return;
+  }
+  const __m256 pv = _mm256_set1_ps(p);
+  for (int64_t i = 0; i < d; i += 8)
+    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
 }
 #endif
 
