@@ -39,9 +39,11 @@ def test_silu_mul_matches_reference(dtype):
 
 
 
-def test_silu_mul_vector_and_scalar_loops_agree_bit_for_bit():
-    """bf16 silu·up runs 16 lanes at a time where the CPU has AVX512-BF16 and a scalar loop for the rest of a row:
-    the same value in a lane (column r) and in the tail (column 16) gives the same bits, edge values included."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_vector_and_scalar_loops_agree_bit_for_bit(dtype):
+    """silu·up runs 8 or 16 lanes at a time (fp32 with AVX2 or AVX-512, bf16 with AVX512-BF16) and a scalar loop
+    for the rest of a row: the same value in a lane (column r) and in the tail (column 16) gives the same bits,
+    edge values included."""
     values = torch.tensor([0.0, -0.0, 1e-3, -1e-3, 3.5, -3.5, 20.0, -20.0, 90.0, -90.0, 100.0, -100.0, 0.5, -0.5,
                            7.25, -7.25])
     gate = torch.randn(16, 17, generator=torch.Generator().manual_seed(5))
@@ -49,7 +51,7 @@ def test_silu_mul_vector_and_scalar_loops_agree_bit_for_bit():
     gate[:, 16] = values
     up = torch.randn(16, 17, generator=torch.Generator().manual_seed(6))
     up[:, 16] = up[torch.arange(16), torch.arange(16)]
-    out = torch.ops.neuronmm.silu_mul(torch.cat([gate, up], dim=1).bfloat16())
+    out = torch.ops.neuronmm.silu_mul(torch.cat([gate, up], dim=1).to(dtype))
     assert torch.equal(out[torch.arange(16), torch.arange(16)], out[:, 16])
 
 

@@ -255,6 +255,18 @@ inline __m512 fast_exp16(__m512 x) {
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
+#elif defined(__AVX2__)
+// fast_exp on 8 lanes (AVX2), likewise the same bits.
+inline __m256 fast_exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(1.428606765330187e-06f)));
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_add_ps(_mm256_set1_ps(c), _mm256_mul_ps(r, p));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
 #endif
 
 // Round a float to T and back: the value the reference holds after an op in dtype T.
@@ -324,6 +336,30 @@ at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& y, const at::Tensor& we
 // The vector part of a run [i0, i1) of silu_mul; returns where the scalar loop takes over (here: i0, none).
 template <typename T>
 inline int64_t silu_mul_vector(const T*, const T*, T*, int64_t i0, int64_t) { return i0; }
+// fp32 silu(gate) * up a vector at a time, the same operations as the scalar loop (the same bits).
+#if defined(__AVX512F__)
+inline int64_t silu_mul_vector(const float* gate, const float* up, float* dst, int64_t i0, int64_t i1) {
+  const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f);
+  int64_t i = i0;
+  for (; i + 16 <= i1; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + i);
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, fast_exp16(_mm512_xor_ps(g, sign))));
+    _mm512_storeu_ps(dst + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
+  }
+  return i;
+}
+#elif defined(__AVX2__)
+inline int64_t silu_mul_vector(const float* gate, const float* up, float* dst, int64_t i0, int64_t i1) {
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  int64_t i = i0;
+  for (; i + 8 <= i1; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, fast_exp8(_mm256_xor_ps(g, sign))));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+  }
+  return i;
+}
+#endif
 #if defined(__AVX512BF16__)
 // bf16 silu(gate) * up 16 at a time, each step rounded as the scalar loop rounds it (the same bits: the compiler
 // left that loop scalar, ~1 ns a value).
