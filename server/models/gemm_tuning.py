@@ -20,6 +20,7 @@ import logging
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,20 +81,34 @@ def amx_available() -> bool:
     return bool(torch.ops.neuronmm.bf16_amx_available())
 
 
-def _timings(amx: bool) -> dict[str, dict[int, float]]:
-    """µs per path and candidate row count on a decode-sized weight (paths: dot, fma and, where usable, amx)."""
+def _time_paths(dtype: torch.dtype, paths: dict[str, Callable[[], None]]) -> dict[str, dict[int, float]]:
+    """µs of a decode-sized panel GEMM (a small model's 1536 x 576 MLP matrix) in `dtype`, per path and candidate
+    row count; each path is the call that makes every row count take it."""
     op = torch.ops.neuronmm
     gen = torch.Generator().manual_seed(0)
-    panels = op.pack_panels(torch.randn(1536, 576, generator=gen).to(torch.bfloat16))  # a small model's MLP shape
-    modes = {"dot": (0, 0), "fma": (1, 0)} | ({"amx": (0, 1)} if amx else {})  # (fma_from, amx_from)
-    timings: dict[str, dict[int, float]] = {mode: {} for mode in modes}
-    for rows in CANDIDATE_ROWS:
-        x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
-        for mode, (fma_from, amx_from) in modes.items():
-            op.set_bf16_fma_rows(fma_from)
-            op.set_bf16_amx_rows(amx_from)
-            timings[mode][rows] = _median_us(lambda: op.panel_linear(x, panels, 1536))
+    weight = torch.randn(1536, 576, generator=gen).to(dtype)
+    bf16 = dtype == torch.bfloat16
+    pack, gemm = (op.pack_panels, op.panel_linear) if bf16 else (op.pack_panels_f32, op.panel_linear_f32)
+    panels = pack(weight)
+    timings: dict[str, dict[int, float]] = {path: {} for path in paths}
+    with torch.inference_mode():
+        for rows in CANDIDATE_ROWS:
+            x = torch.randn(rows, 576, generator=gen).to(dtype)
+            for path, use in paths.items():
+                use()
+                timings[path][rows] = _median_us(lambda: gemm(x, panels, 1536))
     return timings
+
+
+def _timings(amx: bool) -> dict[str, dict[int, float]]:
+    """µs per bf16 path (dot, fma and, where usable, amx) and candidate row count."""
+    op = torch.ops.neuronmm
+
+    def use(fma_from: int, amx_from: int) -> Callable[[], None]:
+        return lambda: (op.set_bf16_fma_rows(fma_from), op.set_bf16_amx_rows(amx_from))
+
+    paths = {"dot": use(0, 0), "fma": use(1, 0)} | ({"amx": use(0, 1)} if amx else {})
+    return _time_paths(torch.bfloat16, paths)
 
 
 def kernels_from(timings: dict[str, dict[int, float]]) -> Bf16Kernels:
@@ -134,8 +149,7 @@ def tune_bf16_kernels() -> Bf16Kernels:
         raise ValueError(f"{AMX_ENV}={fixed_amx}, but this CPU (or this build) has no usable AMX")
     detail = f"{FMA_ENV}/{AMX_ENV}"
     if fixed_fma is None or (fixed_amx is None and amx):
-        with torch.inference_mode():
-            timings = _timings(amx)
+        timings = _timings(amx)
         tuned = kernels_from(timings)
         fixed_fma = tuned.fma_rows if fixed_fma is None else fixed_fma
         fixed_amx = tuned.amx_rows if fixed_amx is None else fixed_amx
@@ -173,17 +187,9 @@ def tune_f32_bmm_rows() -> int:
     if fixed is not None:
         _f32_bmm_chosen, detail = fixed, F32_BMM_ENV
     else:
-        gen = torch.Generator().manual_seed(0)
-        panels = op.pack_panels_f32(torch.randn(1536, 576, generator=gen))
-        timings = {}
-        with torch.inference_mode():
-            for rows in CANDIDATE_ROWS:
-                x = torch.randn(rows, 576, generator=gen)
-                per_mode = []
-                for bmm_from in (0, rows):
-                    op.set_f32_bmm_rows(bmm_from)
-                    per_mode.append(_median_us(lambda: op.panel_linear_f32(x, panels, 1536)))
-                timings[rows] = (per_mode[0], per_mode[1])
+        paths = _time_paths(torch.float32, {"tile": lambda: op.set_f32_bmm_rows(0),
+                                            "bmm": lambda: op.set_f32_bmm_rows(1)})
+        timings = {r: (paths["tile"][r], paths["bmm"][r]) for r in CANDIDATE_ROWS}
         _f32_bmm_chosen = threshold_from(timings)
         detail = "panel tile/batched sgemm on 1536x576: " + ", ".join(
             f"{r} rows {t:.0f}/{b:.0f} µs" for r, (t, b) in timings.items())
