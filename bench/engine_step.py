@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench.cpu_caps import caps_in_force
 from server.backends.base import SeqChunk
 from server.backends.torch_runner import TorchRunner
 from server.config import load_config
@@ -163,7 +164,7 @@ def _kernels() -> dict | None:
 
 def _facts(args, runner: TorchRunner, compressed: str | None, block_size: int) -> dict:
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
-            "cpus": os.cpu_count(), "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS),
+            "cpus": os.cpu_count(), "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "caps_in_force": caps_in_force(),
             "torch_threads": torch.get_num_threads(), "config": args.config, "compressed": compressed,
             "panel_gemm": not args.no_panel_gemm, "bf16_kernels": _kernels(), "f32_bmm_rows": f32_bmm_rows(),
             "decoder_plan": runner.model.use_decoder_plan and runner.model.decoder_plan() is not None,

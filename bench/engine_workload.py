@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.cpu_caps import caps_in_force
 from bench.engine_step import BENCH_FLAGS
 from bench.harness import save_report
 from server.config import load_config
@@ -87,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         run_level(engine, prompts[: min(c, 4)], c, 8, args.sampled)  # warm this batch size's shapes
         rows.append(run_level(engine, prompts, c, args.output_len, args.sampled))
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-              "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "config": args.config, "compressed": args.compressed,
+              "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "caps_in_force": caps_in_force(),
+              "config": args.config, "compressed": args.compressed,
               "dtype": str(engine.runner.dtype).removeprefix("torch."), "input_len": args.input_len,
               "output_len": args.output_len, "rows": rows}
     lines = ["| c | output tok/s | decode step p50 ms | decode steps | other steps (s) |", "|---:|---:|---:|---:|---:|"]

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.cpu_caps import caps_in_force
 from bench.engine_step import BENCH_FLAGS
 from bench.harness import NEURONMM, REPO, free_port, run_client, run_logged, save_report, wait_healthy
 from bench.read_bandwidth import read_bandwidth_gbs
@@ -291,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     num_prompts = 1 + sum(max(4, 2 * c) for c in args.concurrency)  # the first warms the server
     RESULTS.mkdir(parents=True, exist_ok=True)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-              "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "config": args.config, "compressed": args.compressed,
+              "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "caps_in_force": caps_in_force(),
+              "config": args.config, "compressed": args.compressed,
               "input_len": args.input_len, "output_len": args.output_len, "peer_note": peer_note,
               "commands": {s.name: shlex.join(s.command) for s in systems + peers},
               "memory_bandwidth_gbs": read_bandwidth_gbs(2**29), "serve": [], "engine_step": [], "engine_workload": []}

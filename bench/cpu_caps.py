@@ -1,0 +1,45 @@
+"""Run a command with every library capped at an older instruction set: another CPU class's code paths, here.
+
+No session has had an AVX2-only CPU, so its code paths are measured on an AVX-512 machine with each library told
+to stop at AVX2. Every library must be told: a library left uncapped runs its AVX-512 kernels and flatters the
+result (MKL, which serves torch's fp32 matmul and bmm, ran at AVX-512 rates when only oneDNN was capped).
+
+    python -m bench.cpu_caps avx2 python -m bench.serve --systems neuronmm ...
+
+The memory system stays this machine's, so the numbers are a proxy for such a CPU, not a measurement of one.
+Benchmarks record the caps in force (`caps_in_force`) beside the CPU flags.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# What each cap sets: our fused ops' -march, ATen's kernels, oneDNN's and MKL's dispatch.
+CAPS = {
+    "avx2": {
+        "NEURONMM_CPU_ARCH": "x86-64-v3",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    },
+}
+CAP_VARIABLES = sorted({name for env in CAPS.values() for name in env})
+
+
+def caps_in_force() -> dict[str, str]:
+    """The instruction-set caps this process runs under (empty: every library at the CPU's best)."""
+    return {name: os.environ[name] for name in CAP_VARIABLES if name in os.environ}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: `cpu_caps CAP COMMAND...` replaces this process with COMMAND under CAP's environment."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 2 or argv[0] not in CAPS:
+        print(f"usage: python -m bench.cpu_caps {{{','.join(CAPS)}}} COMMAND [ARG...]", file=sys.stderr)
+        return 2
+    os.execvpe(argv[1], argv[1:], {**os.environ, **CAPS[argv[0]]})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
