@@ -34,7 +34,7 @@ from server.backends.base import SeqChunk
 from server.backends.torch_runner import TorchRunner
 from server.config import load_config
 from server.models.cpu_features import cpu_flags
-from server.models.gemm_tuning import bf16_kernels, f32_bmm_rows
+from server.models.gemm_tuning import bf16_kernels
 from server.models.source import resolve_model_dir
 
 RESULTS = Path(__file__).parent / "results"
@@ -166,7 +166,7 @@ def _facts(args, runner: TorchRunner, compressed: str | None, block_size: int) -
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
             "cpus": os.cpu_count(), "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "caps_in_force": caps_in_force(),
             "torch_threads": torch.get_num_threads(), "config": args.config, "compressed": compressed,
-            "panel_gemm": not args.no_panel_gemm, "bf16_kernels": _kernels(), "f32_bmm_rows": f32_bmm_rows(),
+            "panel_gemm": not args.no_panel_gemm, "bf16_kernels": _kernels(),
             "decoder_plan": runner.model.use_decoder_plan and runner.model.decoder_plan() is not None,
             "dtype": str(runner.dtype).removeprefix("torch."),
             "context": args.context, "block_size": block_size, "steps_per_round": args.steps}

@@ -8,10 +8,6 @@ faster than VDPBF16PS from 4 rows, and on a Xeon with AMX the tiles run 5-6 x fa
 (docs/BENCHMARKS.md). Rather than guess from the CPU model, `tune_bf16_kernels` times each on a decode-sized
 weight at start-up (~50 ms) and sets the row counts from which the FMA and the AMX paths are used.
 `NEURONMM_BF16_FMA_ROWS` and `NEURONMM_BF16_AMX_ROWS` fix them instead (0: never), for A/B runs.
-
-fp32 panels on a CPU without AVX-512 (AVX2): the panel tile streams a weight at memory speed at decode sizes, but
-from a few rows on torch's batched sgemm over the same panels is faster; `tune_f32_bmm_rows` times both and sets
-the row count from which it is used (`NEURONMM_F32_BMM_ROWS` fixes it).
 """
 
 from __future__ import annotations
@@ -31,7 +27,6 @@ CANDIDATE_ROWS = (2, 4, 8, 16)
 MIN_GAIN = 0.95  # a path must take under 95 % of the time of the one it replaces to be chosen at a row count
 FMA_ENV = "NEURONMM_BF16_FMA_ROWS"
 AMX_ENV = "NEURONMM_BF16_AMX_ROWS"
-F32_BMM_ENV = "NEURONMM_F32_BMM_ROWS"
 
 
 @dataclass(frozen=True)
@@ -50,7 +45,6 @@ class Bf16Kernels:
 
 
 _chosen: Bf16Kernels | None = None
-_f32_bmm_chosen: int | None = None
 
 
 def _median_us(fn, reps: int = 30, warmup: int = 5) -> float:
@@ -132,8 +126,8 @@ def rows_from_env(name: str) -> int | None:
 
 
 def check_env() -> None:
-    """Raise ValueError for a bad NEURONMM_BF16_FMA_ROWS / _AMX_ROWS / NEURONMM_F32_BMM_ROWS (`serve` checks early)."""
-    for name in (FMA_ENV, AMX_ENV, F32_BMM_ENV):
+    """Raise ValueError for a bad NEURONMM_BF16_FMA_ROWS / NEURONMM_BF16_AMX_ROWS (`serve` checks early)."""
+    for name in (FMA_ENV, AMX_ENV):
         rows_from_env(name)
 
 
@@ -167,38 +161,3 @@ def bf16_kernels() -> Bf16Kernels | None:
     """The thresholds tune_bf16_kernels set in this process (None before it ran)."""
     return _chosen
 
-
-def f32_bmm_available() -> bool:
-    """Whether this build's fp32 panel GEMM can hand large row counts to torch's batched sgemm (AVX2 builds)."""
-    return hasattr(torch.ops.neuronmm, "set_f32_bmm_rows")
-
-
-def tune_f32_bmm_rows() -> int:
-    """Set (once a process) and return the row count from which fp32 panel GEMMs use torch's batched sgemm
-    (0: never, and always 0 on builds with AVX-512, whose panel tile is level with oneDNN)."""
-    global _f32_bmm_chosen
-    if _f32_bmm_chosen is not None:
-        return _f32_bmm_chosen
-    fixed = rows_from_env(F32_BMM_ENV)
-    if not f32_bmm_available():
-        _f32_bmm_chosen = 0
-        return 0
-    op = torch.ops.neuronmm
-    if fixed is not None:
-        _f32_bmm_chosen, detail = fixed, F32_BMM_ENV
-    else:
-        paths = _time_paths(torch.float32, {"tile": lambda: op.set_f32_bmm_rows(0),
-                                            "bmm": lambda: op.set_f32_bmm_rows(1)})
-        timings = {r: (paths["tile"][r], paths["bmm"][r]) for r in CANDIDATE_ROWS}
-        _f32_bmm_chosen = threshold_from(timings)
-        detail = "panel tile/batched sgemm on 1536x576: " + ", ".join(
-            f"{r} rows {t:.0f}/{b:.0f} µs" for r, (t, b) in timings.items())
-    op.set_f32_bmm_rows(_f32_bmm_chosen)
-    log.info("fp32 panel GEMM: %s (%s)", f"batched sgemm from {_f32_bmm_chosen} rows, panel tile below"
-             if _f32_bmm_chosen else "panel tile at every row count", detail)
-    return _f32_bmm_chosen
-
-
-def f32_bmm_rows() -> int | None:
-    """The threshold tune_f32_bmm_rows set in this process (None before it ran)."""
-    return _f32_bmm_chosen

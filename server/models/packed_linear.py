@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from server.models import fused_ops
-from server.models.gemm_tuning import tune_bf16_kernels, tune_f32_bmm_rows
+from server.models.gemm_tuning import tune_bf16_kernels
 from server.models.hugepages import into_huge_pages
 from server.models.llama import LlamaModel, StackedPair
 from server.models.lowrank import LowRankLinear
@@ -224,7 +224,5 @@ def pack_linears(model: nn.Module, use_panels: bool = False) -> int:
             layer.set_panel_tensors([next(placed) for _ in group])
         if any(t.dtype == torch.bfloat16 for group in panels for t in group):
             tune_bf16_kernels()
-        if any(t.dtype == torch.float32 for group in panels for t in group):
-            tune_f32_bmm_rows()
     log.info("packed %d linear layers (%s)", count, "panels" if use_panels else "oneDNN")
     return count

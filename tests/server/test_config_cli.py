@@ -121,7 +121,7 @@ def test_unknown_tool_parser_and_template_are_one_line_errors(capsys):
     assert "hermes_tools" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("var", ["NEURONMM_BF16_FMA_ROWS", "NEURONMM_BF16_AMX_ROWS", "NEURONMM_F32_BMM_ROWS"])
+@pytest.mark.parametrize("var", ["NEURONMM_BF16_FMA_ROWS", "NEURONMM_BF16_AMX_ROWS"])
 def test_bad_gemm_thresholds_stop_the_start_with_one_line(capsys, monkeypatch, var):
     """The engine process reads the GEMM thresholds when it packs the weights; serve checks them before loading."""
     monkeypatch.setenv(var, "-1")

@@ -332,37 +332,24 @@ from server.models.packed_linear import FactoredPanelLinear, PanelLinear, panels
 assert fused_ops.load(), "the x86-64-v3 build failed"
 assert panels_available(torch.device("cpu"), torch.float32) and not panels_available(torch.device("cpu"), torch.bfloat16)
 g = torch.Generator().manual_seed(0)
-for bmm_from in (0, 3):  # the panel tile at every row count; torch's batched sgemm from 3 rows
-    torch.ops.neuronmm.set_f32_bmm_rows(bmm_from)
-    for rows in (1, 2, 3, 4, 16, 49):
-        for n, k in ((70, 130), (33, 2), (96, 64)):
-            w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
-            torch.testing.assert_close(PanelLinear(w)(x), x @ w.T, rtol=1e-5, atol=1e-4)
-        a, b = torch.randn(24, 64, generator=g), torch.randn(40, 24, generator=g)
-        torch.testing.assert_close(FactoredPanelLinear(a, [24], [b])(x), (x @ a.T) @ b.T, rtol=1e-5, atol=1e-4)
-        a0, a1, b0 = torch.randn(32, 64, generator=g), torch.randn(70, 64, generator=g), torch.randn(50, 32, generator=g)
-        pair = FactoredPanelLinear(torch.cat([a0, a1]), [32, 70], [b0, None])(x)  # the dense part writes into y
-        torch.testing.assert_close(pair, torch.cat([(x @ a0.T) @ b0.T, x @ a1.T], dim=1), rtol=1e-5, atol=1e-4)
+for rows in (1, 2, 3, 4, 7, 16, 49):  # whole-panel tiles to 3 rows, half-panel tiles of 6 and their tails
+    for n, k in ((70, 130), (56, 40), (33, 2), (96, 64)):  # the last panel's second half: none, part, none, all
+        w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+        torch.testing.assert_close(PanelLinear(w)(x), x @ w.T, rtol=1e-5, atol=1e-4)
+    a, b = torch.randn(24, 64, generator=g), torch.randn(40, 24, generator=g)
+    torch.testing.assert_close(FactoredPanelLinear(a, [24], [b])(x), (x @ a.T) @ b.T, rtol=1e-5, atol=1e-4)
+    a0, a1, b0 = torch.randn(32, 64, generator=g), torch.randn(70, 64, generator=g), torch.randn(50, 32, generator=g)
+    pair = FactoredPanelLinear(torch.cat([a0, a1]), [32, 70], [b0, None])(x)  # the dense part writes into y
+    torch.testing.assert_close(pair, torch.cat([(x @ a0.T) @ b0.T, x @ a1.T], dim=1), rtol=1e-5, atol=1e-4)
 print("ok")
 """
 
 
 def test_avx2_build_serves_fp32_panels(avx2_ops_env):
-    """A CPU without AVX-512 gets the fp32 panel GEMM in 8-wide FMAs (and torch's batched sgemm over the same panels
-    from a row count on) and no bf16 panels: the ops built for x86-64-v3 (what such a CPU runs), in a fresh
-    process, equal the fp32 products on both paths (register tiles of 3 rows; strided column slices of y)."""
+    """A CPU without AVX-512 gets the fp32 panel GEMM in 8-wide FMAs and no bf16 panels: the ops built for
+    x86-64-v3 (what such a CPU runs), in a fresh process, equal the fp32 products (register tiles of a whole
+    panel to 3 rows, of half a panel beyond; strided column slices of y)."""
     done = subprocess.run([sys.executable, "-c", _AVX2_CHECK], env=avx2_ops_env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
-
-def test_f32_batched_sgemm_threshold(monkeypatch):
-    """NEURONMM_F32_BMM_ROWS fixes the AVX2 build's threshold; builds with AVX-512 have no such path (always 0)."""
-    if not panels_available(torch.device("cpu"), torch.float32):
-        pytest.skip("no fp32 panel GEMM in this build")
-    monkeypatch.setattr(gemm_tuning, "_f32_bmm_chosen", None)
-    monkeypatch.setenv("NEURONMM_F32_BMM_ROWS", "5")
-    want = 5 if gemm_tuning.f32_bmm_available() else 0
-    assert gemm_tuning.tune_f32_bmm_rows() == want == gemm_tuning.f32_bmm_rows()
-    if gemm_tuning.f32_bmm_available():
-        torch.ops.neuronmm.set_f32_bmm_rows(0)

@@ -507,7 +507,7 @@ TORCH_LIBRARY_IMPL(neuronmm, CPU, m) {
 // [ceil(N/32)][K][32] fp32, so two 64-byte loads are 32 columns at one input position, multiplied by a
 // broadcast x value into 32 fp32 sums (FMA). Register tile: up to 12 rows of x x one panel (24 sums);
 // two loads of W per 24 FMAs leave the load ports room at prefill sizes. On AVX2 (no AVX-512) the same
-// panels go through 8-wide FMAs: four vectors of sums a row, so a register tile is 3 rows.
+// panels go through 8-wide FMAs, a whole panel (3 rows) or half a panel (6 rows) a register tile.
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
@@ -557,36 +557,82 @@ inline void tile_f32(const float* x, int64_t ldx, const float* panel, float* y, 
 }
 
 #else
-constexpr int64_t kMaxRowsF = 3;  // 12 ymm of sums, a weight vector and the broadcasts fill the 16 registers
+constexpr int64_t kMaxRowsF = 6;  // rows of a half-panel tile: 12 ymm of sums, two weight vectors, a broadcast
+constexpr int64_t kWholePanelRows = 3;  // up to this many rows, one pass over the whole panel (3 x 4 ymm of sums)
 
-// The AVX2 tile: each sum is the same chain of FMAs over k as in the AVX-512 tile, so the same bits.
-template <int MT>
-inline void tile_f32(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid, int64_t K) {
-  __m256 acc[MT][4];
+// Stores 8 sums, or the first `valid` of them.
+inline void store8(float* dst, __m256 v, int64_t valid) {
+  if (valid >= 8)
+    _mm256_storeu_ps(dst, v);
+  else if (valid > 0)
+    _mm256_maskstore_ps(dst, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(valid)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                        v);
+}
+
+// The AVX2 tile: MT rows x NV * 8 columns of a panel (w: its first column at input 0; rows of the panel are
+// kPanelF apart). Each sum is the same chain of FMAs over k as in the AVX-512 tile, so the same bits.
+//   NV = 4, MT <= 3: the whole panel in one pass, for the memory-bound few-row calls (a panel read once).
+//   NV = 2, MT <= 6: half a panel, for more rows: two loads of W per 12 FMAs instead of four per 12, and a half
+//   panel (K x 64 B: 36 KB at K = 576) stays in L1 across a call's row tiles.
+// The epilogue's loops are unrolled on purpose: with a loop index into acc left in them, GCC keeps acc in memory
+// too and stores every sum to the stack on every k, which halved the FMA rate.
+template <int MT, int NV>
+inline void tile_f32(const float* x, int64_t ldx, const float* w, float* y, int64_t ldy, int64_t valid, int64_t K,
+                     const float* next = nullptr, int64_t next_lines = 0) {
+  __m256 acc[MT][NV];
+#pragma GCC unroll 8
   for (int j = 0; j < MT; ++j)
-    for (int c = 0; c < 4; ++c) acc[j][c] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) acc[j][c] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAheadF) * kPanelF), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAheadF) * kPanelF + 16), _MM_HINT_T0);
-    __m256 xv[MT];
-    for (int j = 0; j < MT; ++j) xv[j] = _mm256_broadcast_ss(x + j * ldx + k);
-    for (int c = 0; c < 4; ++c) {
-      const __m256 w = _mm256_loadu_ps(panel + k * kPanelF + 8 * c);
-      for (int j = 0; j < MT; ++j) acc[j][c] = _mm256_fmadd_ps(xv[j], w, acc[j][c]);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAheadF) * kPanelF), _MM_HINT_T0);
+    if constexpr (NV == 4) _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAheadF) * kPanelF + 16), _MM_HINT_T0);
+    if (k < next_lines) _mm_prefetch(reinterpret_cast<const char*>(next + k * 16), _MM_HINT_T1);
+    __m256 wv[NV];
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) wv[c] = _mm256_loadu_ps(w + k * kPanelF + 8 * c);
+#pragma GCC unroll 8
+    for (int j = 0; j < MT; ++j) {
+      const __m256 xv = _mm256_broadcast_ss(x + j * ldx + k);
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) acc[j][c] = _mm256_fmadd_ps(xv, wv[c], acc[j][c]);
     }
   }
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+#pragma GCC unroll 8
   for (int j = 0; j < MT; ++j)
-    for (int c = 0; c < 4; ++c) {
-      float* dst = y + j * ldy + 8 * c;
-      if (valid >= 8 * (c + 1))
-        _mm256_storeu_ps(dst, acc[j][c]);
-      else if (valid > 8 * c)
-        _mm256_maskstore_ps(dst, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(valid - 8 * c)), lane), acc[j][c]);
-    }
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) store8(y + j * ldy + 8 * c, acc[j][c], valid - 8 * c);
 }
+
+template <int MT, int NV>
+void rows_of_f32(const float* x, int64_t ldx, const float* w, float* y, int64_t ldy, int64_t valid, int64_t K,
+                 int64_t rows, const float* next = nullptr, int64_t next_lines = 0) {
+  if constexpr (MT > 0) {
+    if (rows == MT) return tile_f32<MT, NV>(x, ldx, w, y, ldy, valid, K, next, next_lines);
+    rows_of_f32<MT - 1, NV>(x, ldx, w, y, ldy, valid, K, rows, next, next_lines);
+  }
+}
+
+// A row block against one panel: a few rows in one pass over the panel (memory-bound: the stream is the work);
+// more, each half panel in turn against every row tile of the block. Then the first tile of a half reads it
+// from DRAM and the others from L1, and the stream would stop while they compute: so every tile also prefetches
+// its share of the part's next panel (2K lines of 64 B) into L2, and DRAM keeps streaming throughout.
+const auto f32_rows = [](const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid,
+                         int64_t K, int64_t rows) {
+  if (rows <= kWholePanelRows) return rows_of_f32<kWholePanelRows, 4>(x, ldx, panel, y, ldy, valid, K, rows);
+  const int64_t halves = valid > 16 ? 2 : 1, tiles = (rows + kMaxRowsF - 1) / kMaxRowsF;
+  const float* next = valid > kPanelF ? panel + K * kPanelF : nullptr;  // the part's next panel, if any
+  const int64_t share = next ? (2 * K + halves * tiles - 1) / (halves * tiles) : 0;  // lines per tile
+  for (int64_t h = 0, pass = 0; h < halves; ++h)
+    for (int64_t m = 0; m < rows; m += kMaxRowsF, ++pass)
+      rows_of_f32<kMaxRowsF, 2>(x + m * ldx, ldx, panel + 16 * h, y + m * ldy + 16 * h, ldy, valid - 16 * h, K,
+                                std::min(kMaxRowsF, rows - m), next ? next + pass * share * 16 : nullptr,
+                                std::max<int64_t>(0, std::min(share, 2 * K - pass * share)));
+};
+constexpr int64_t kTileRowsF = kRowsPerItem;  // f32_rows takes a whole row block and tiles it itself
 #endif
 
+#if defined(__AVX512F__)
 template <int MT>
 void rows_of_f32(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid, int64_t K,
                  int64_t rows) {
@@ -598,36 +644,14 @@ void rows_of_f32(const float* x, int64_t ldx, const float* panel, float* y, int6
 
 const auto f32_rows = [](const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid,
                          int64_t K, int64_t rows) { rows_of_f32<kMaxRowsF>(x, ldx, panel, y, ldy, valid, K, rows); };
-
-#if defined(__AVX512F__)
-void run_f32(const std::vector<Part<float, float>>& parts, int64_t M) {
-  gemm_parts<kRowsPerItem, kMaxRowsF>(parts, M, f32_rows);
-}
-#else
-// From how many rows of x the AVX2 fp32 GEMMs hand the panels to torch's batched sgemm instead (0: never). With
-// 16 ymm registers the tile above reaches about half of the FMA rate that oneDNN's AVX2 kernels reach, so at
-// prefill and large-batch sizes the same panels go through at::matmul: panel p of W is a contiguous [K, 32]
-// matrix, so y's columns 32p .. 32p+31 are x · panel_p, one batched GEMM over all panels (1536 x 576 at 128
-// rows: 0.76 ms against 2.3 ms). Set once by the loader, which times both (gemm_tuning.py).
-std::atomic<int64_t> g_f32_bmm_min_rows{0};
-
-void run_f32(const std::vector<Part<float, float>>& parts, int64_t M) {
-  const int64_t bmm_from = g_f32_bmm_min_rows.load(std::memory_order_relaxed);
-  if (bmm_from == 0 || M < bmm_from) return gemm_parts<kRowsPerItem, kMaxRowsF>(parts, M, f32_rows);
-  for (const auto& q : parts) {
-    const int64_t panels = (q.N + kPanelF - 1) / kPanelF;
-    const auto x = at::from_blob(const_cast<float*>(q.x), {M, q.K}, {q.ldx, 1}, at::kFloat);
-    const auto w = at::from_blob(const_cast<float*>(q.panels), {panels, q.K, kPanelF}, at::kFloat);
-    auto y = at::from_blob(q.y, {M, q.N}, {q.ldy, 1}, at::kFloat);
-    y.copy_(at::matmul(x, w).permute({1, 0, 2}).reshape({M, panels * kPanelF}).narrow(1, 0, q.N));
-  }
-}
-
-void set_f32_bmm_rows(int64_t min_rows) {
-  TORCH_CHECK(min_rows >= 0, "set_f32_bmm_rows: a row count >= 0 expected (0: never use the batched sgemm)");
-  g_f32_bmm_min_rows.store(min_rows);
-}
+constexpr int64_t kTileRowsF = kMaxRowsF;
 #endif
+
+// The AVX-512 and the AVX2 tile alike at every row count: at 512 rows the AVX2 tile runs at 89 % of the FMA peak,
+// above torch's (MKL's) AVX2 sgemm on the same panels, which an earlier AVX2 build used from a few rows on.
+void run_f32(const std::vector<Part<float, float>>& parts, int64_t M) {
+  gemm_parts<kRowsPerItem, kTileRowsF>(parts, M, f32_rows);
+}
 
 void check_panels_f32(const at::Tensor& panels, int64_t K, int64_t N, const char* op) {
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.size(2) == kPanelF &&
@@ -716,7 +740,6 @@ at::Tensor factored_linear(const at::Tensor& x, const at::Tensor& first, at::Int
 
 TORCH_LIBRARY_FRAGMENT(neuronmm, m) {
 #if !defined(__AVX512F__)
-  m.def("set_f32_bmm_rows(int min_rows) -> ()", &set_f32_bmm_rows);  // the AVX2 build's fp32 path only
 #endif
   m.def("pack_panels_f32(Tensor weight) -> Tensor");
   m.def("panel_linear_f32(Tensor x, Tensor panels, int out_features) -> Tensor");
