@@ -136,7 +136,6 @@ void gemm_parts(const std::vector<Part<X, T>>& parts, int64_t M, const Rows& row
 template <typename T>
 using Runner = void (*)(const std::vector<Part<T, T>>& parts, int64_t M);
 
-// y [M, N] = x · Wᵀ for one panel-packed weight (dtype and panel layout checked by the caller).
 // A panel that takes several register-tile passes is read from DRAM by the first and from L1/L2 by the others,
 // and DRAM would idle while those compute. So each pass also prefetches its share of the part's next panel into
 // L2, one 64-byte line per k step of the tile loop (`per_pass` at most), and the stream goes on under the
@@ -156,13 +155,15 @@ class NextPanel {
   int64_t lines_, share_;
 };
 
-// Ahead: whether the tile loop prefetches at all (a compile-time choice: the test in the loop cost batch 1 ~3 %).
+// Ahead: whether a tile loop prefetches the next panel at all; a compile-time choice, so single-pass calls (the
+// memory-bound decode sizes) run the loop they ran before.
 template <bool Ahead>
 inline void prefetch_l2(const char* next, int64_t step, int64_t lines) {
   if constexpr (Ahead)
     if (step < lines) __builtin_prefetch(next + step * 64, 0, 2);  // locality 2: into L2 (prefetcht1)
 }
 
+// y [M, N] = x · Wᵀ for one panel-packed weight (dtype and panel layout checked by the caller).
 template <typename T>
 at::Tensor linear_of(const at::Tensor& x, const at::Tensor& panels, int64_t N, Runner<T> run) {
   const auto xc = x.contiguous();
@@ -217,7 +218,7 @@ inline void store_row(at::BFloat16* y, __m512 lo, __m512 hi, int64_t valid) {
 // MT rows of x (row stride ldx, even) against one panel; writes the first `valid` of its 32 columns of y.
 template <int MT, bool Ahead>
 inline void tile(const at::BFloat16* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
-                 int64_t valid, int64_t K, const char* next = nullptr, int64_t next_lines = 0) {
+                 int64_t valid, int64_t K, const char* next, int64_t next_lines) {
   __m512 lo[MT], hi[MT];
   for (int j = 0; j < MT; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
   const int32_t* xp = reinterpret_cast<const int32_t*>(x);  // a (k, k+1) pair of x is one int32
@@ -258,8 +259,8 @@ const auto bf16_rows = [](const at::BFloat16* x, int64_t ldx, const at::BFloat16
   if (rows <= kMaxRows) return rows_of<kMaxRows, false>(x, ldx, panel, y, ldy, valid, K, rows, nullptr, 0);
   const NextPanel next = next_bf16_panel(panel, valid, K, rows);
   for (int64_t m = 0, i = 0; m < rows; m += kMaxRows, ++i)
-    rows_of<kMaxRows, true>(x + m * ldx, ldx, panel, y + m * ldy, ldy, valid, K, std::min(kMaxRows, rows - m), next.at(i),
-                      next.lines_of(i));
+    rows_of<kMaxRows, true>(x + m * ldx, ldx, panel, y + m * ldy, ldy, valid, K, std::min(kMaxRows, rows - m),
+                            next.at(i), next.lines_of(i));
 };
 
 // The same panels through fp32 FMAs: a 64-byte load holds 16 columns x (k, k+1); shifting each 32-bit lane
@@ -268,7 +269,7 @@ const auto bf16_rows = [](const at::BFloat16* x, int64_t ldx, const at::BFloat16
 // the result differs from the VDPBF16PS path only in rounding.
 template <int MT, bool Ahead>
 inline void tile_fma(const float* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
-                     int64_t valid, int64_t K, const char* next = nullptr, int64_t next_lines = 0) {
+                     int64_t valid, int64_t K, const char* next, int64_t next_lines) {
   __m512 lo[MT], hi[MT];
   for (int j = 0; j < MT; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
   const __m512i top = _mm512_set1_epi32(int32_t(0xFFFF0000u));
@@ -303,8 +304,8 @@ const auto bf16_fma_rows = [](const float* x, int64_t ldx, const at::BFloat16* p
   if (rows <= kMaxRows) return rows_fma<kMaxRows, false>(x, ldx, panel, y, ldy, valid, K, rows, nullptr, 0);
   const NextPanel next = next_bf16_panel(panel, valid, K, rows);
   for (int64_t m = 0, i = 0; m < rows; m += kMaxRows, ++i)
-    rows_fma<kMaxRows, true>(x + m * ldx, ldx, panel, y + m * ldy, ldy, valid, K, std::min(kMaxRows, rows - m), next.at(i),
-                       next.lines_of(i));
+    rows_fma<kMaxRows, true>(x + m * ldx, ldx, panel, y + m * ldy, ldy, valid, K, std::min(kMaxRows, rows - m),
+                             next.at(i), next.lines_of(i));
 };
 
 // dst[0..n) = src[0..n) in fp32 (bf16 is the top half of an fp32: a zero-extend and a shift per 16 values)
@@ -668,7 +669,7 @@ const auto f32_rows = [](const float* x, int64_t ldx, const float* panel, float*
   for (int64_t h = 0, i = 0; h < halves; ++h)
     for (int64_t m = 0; m < rows; m += kMaxRowsF, ++i)
       rows_of_f32<kMaxRowsF, 2, true>(x + m * ldx, ldx, panel + 16 * h, y + m * ldy + 16 * h, ldy, valid - 16 * h, K,
-                                std::min(kMaxRowsF, rows - m), next.at(i), next.lines_of(i));
+                                      std::min(kMaxRowsF, rows - m), next.at(i), next.lines_of(i));
 };
 #endif
 
@@ -689,7 +690,7 @@ const auto f32_rows = [](const float* x, int64_t ldx, const float* panel, float*
   const NextPanel next(valid > kPanelF ? panel + K * kPanelF : nullptr, 2 * K, (rows + kMaxRowsF - 1) / kMaxRowsF, K);
   for (int64_t m = 0, i = 0; m < rows; m += kMaxRowsF, ++i)
     rows_of_f32<kMaxRowsF, true>(x + m * ldx, ldx, panel, y + m * ldy, ldy, valid, K, std::min(kMaxRowsF, rows - m),
-                           next.at(i), next.lines_of(i));
+                                 next.at(i), next.lines_of(i));
 };
 #endif
 
@@ -785,8 +786,6 @@ at::Tensor factored_linear(const at::Tensor& x, const at::Tensor& first, at::Int
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(neuronmm, m) {
-#if !defined(__AVX512F__)
-#endif
   m.def("pack_panels_f32(Tensor weight) -> Tensor");
   m.def("panel_linear_f32(Tensor x, Tensor panels, int out_features) -> Tensor");
   m.def("factored_linear(Tensor x, Tensor first, int[] splits, Tensor?[] seconds, int[] out_features) -> Tensor");
