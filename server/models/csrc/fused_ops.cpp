@@ -228,6 +228,55 @@ inline void axpy_head(float p, const float* v, float* acc, int64_t d) {
   for (int64_t i = 0; i < d; i += 8)
     _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
 }
+
+// The 4 cache lines of row j of a 64-wide fp32 head `kPrefetchBlocks` blocks ahead (nullptr: none), fetched a row
+// per row consumed, as prefetch_row does for the AVX-512 loops: paged blocks are 4 KB apart at best, where the
+// hardware prefetcher stops.
+inline void prefetch_row64(const float* ahead, int64_t j) {
+  if (ahead == nullptr) return;
+  for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * 64 + 16 * line), _MM_HINT_T0);
+}
+
+// q · k for 8 consecutive keys of one 64-wide head: 8 sums in registers, reduced together by a transpose-add
+// (three rounds of horizontal adds and a lane swap instead of 8 separate horizontal sums).
+inline __m256 dot8_keys64_avx2(const float* q, const float* k, const float* ahead) {
+  for (int j = 0; j < 8; ++j) prefetch_row64(ahead, j);
+  __m256 s[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) s[j] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; ++c) {
+    const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) s[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + j * 64 + 8 * c), s[j]);
+  }
+  // lane j of u0 (j < 4) and u1 (j - 4): key j's sum over one 128-bit half; the halves are added last
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline float hmax8(__m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  return *std::max_element(lanes, lanes + 8);
+}
+
+// acc += sum_j p[j] * v[j] over `len` value rows of one 64-wide head, the sums in 8 registers for the whole run
+// (axpy_head per row stores and reloads them: a store-to-load chain per row).
+inline void pv_head64_avx2(const float* p, const float* v, int64_t len, float* acc, const float* ahead) {
+  __m256 a[8];
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
+  for (int64_t j = 0; j < len; ++j) {
+    prefetch_row64(ahead, j);
+    const __m256 pj = _mm256_broadcast_ss(p + j);
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * 64 + 8 * c), a[c]);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
+}
 #endif
 
 // exp with 1e-7 relative error from arithmetic only, so loops over it vectorise (std::exp does not):
@@ -524,6 +573,18 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
               }
             }
           }
+#elif defined(__AVX2__) && defined(__FMA__)
+          if constexpr (std::is_same_v<T, float>) {
+            if (head_dim == 64) {
+              for (; j + 8 <= len; j += 8)
+                for (int64_t g = k * group; g < (k + 1) * group; ++g) {
+                  const float* ahead = g == k * group && next_k ? next_k + j * head_dim : nullptr;  // once a row
+                  const __m256 r = dot8_keys64_avx2(q.data() + g * head_dim, kb + j * head_dim, ahead);
+                  _mm256_storeu_ps(scores.data() + g * n + start + j, r);
+                  max_s[g] = std::max(max_s[g], hmax8(r));
+                }
+            }
+          }
 #endif
           for (; j < len; ++j) {
             for (int64_t g = k * group; g < (k + 1) * group; ++g) {
@@ -562,6 +623,16 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
             }
             if (head_dim == 128) {
               pv_group<T, 8>(p, n, vb, len, a, group, next_v);
+              continue;
+            }
+          }
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+          if constexpr (std::is_same_v<T, float>) {
+            if (head_dim == 64) {
+              for (int64_t g = k * group; g < (k + 1) * group; ++g)
+                pv_head64_avx2(scores.data() + g * n + start, vb, len, acc.data() + g * head_dim,
+                               g == k * group ? next_v : nullptr);
               continue;
             }
           }
