@@ -75,22 +75,19 @@ def amx_available() -> bool:
     return bool(torch.ops.neuronmm.bf16_amx_available())
 
 
-def _time_paths(dtype: torch.dtype, paths: dict[str, Callable[[], None]]) -> dict[str, dict[int, float]]:
-    """µs of a decode-sized panel GEMM (a small model's 1536 x 576 MLP matrix) in `dtype`, per path and candidate
-    row count; each path is the call that makes every row count take it."""
+def _time_paths(paths: dict[str, Callable[[], None]]) -> dict[str, dict[int, float]]:
+    """µs of a decode-sized bf16 panel GEMM (a small model's 1536 x 576 MLP matrix) per path and candidate row
+    count; each path is the call that makes every row count take it."""
     op = torch.ops.neuronmm
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(1536, 576, generator=gen).to(dtype)
-    bf16 = dtype == torch.bfloat16
-    pack, gemm = (op.pack_panels, op.panel_linear) if bf16 else (op.pack_panels_f32, op.panel_linear_f32)
-    panels = pack(weight)
+    panels = op.pack_panels(torch.randn(1536, 576, generator=gen).bfloat16())
     timings: dict[str, dict[int, float]] = {path: {} for path in paths}
     with torch.inference_mode():
         for rows in CANDIDATE_ROWS:
-            x = torch.randn(rows, 576, generator=gen).to(dtype)
+            x = torch.randn(rows, 576, generator=gen).bfloat16()
             for path, use in paths.items():
                 use()
-                timings[path][rows] = _median_us(lambda: gemm(x, panels, 1536))
+                timings[path][rows] = _median_us(lambda: op.panel_linear(x, panels, 1536))
     return timings
 
 
@@ -102,7 +99,7 @@ def _timings(amx: bool) -> dict[str, dict[int, float]]:
         return lambda: (op.set_bf16_fma_rows(fma_from), op.set_bf16_amx_rows(amx_from))
 
     paths = {"dot": use(0, 0), "fma": use(1, 0)} | ({"amx": use(0, 1)} if amx else {})
-    return _time_paths(torch.bfloat16, paths)
+    return _time_paths(paths)
 
 
 def kernels_from(timings: dict[str, dict[int, float]]) -> Bf16Kernels:
@@ -160,4 +157,3 @@ def tune_bf16_kernels() -> Bf16Kernels:
 def bf16_kernels() -> Bf16Kernels | None:
     """The thresholds tune_bf16_kernels set in this process (None before it ran)."""
     return _chosen
-

@@ -3,8 +3,8 @@
 `PanelLinear`: our own GEMM (csrc/small_gemm.cpp) over a panel layout made once at load, in bf16 on CPUs
 with AVX512-BF16 (AMX tiles from a few rows where the CPU has AMX) and in fp32 on CPUs with AVX512F or AVX2.
 At decode sizes it streams each weight at close to memory bandwidth where oneDNN spends ~20 µs a call on
-dispatch (as long as reading a 0.6 MB matrix); at prefill sizes it is level with oneDNN (on AVX2 it hands
-the panels to torch's batched sgemm from a few rows on; measured in docs/BENCHMARKS.md).
+dispatch (as long as reading a 0.6 MB matrix); at prefill sizes it is level with oneDNN or ahead of it (on
+AVX2, ahead of MKL's sgemm at every size measured; docs/BENCHMARKS.md).
 Elsewhere (bf16 without AVX512-BF16, a K the bf16 panels cannot pair): `PackedLinear`, oneDNN's packed GEMM,
 about 2x faster than the default call for the skinny shapes of decoding (fp32 LM head [16, 576] x [576, 49152]:
 8.7 ms vs 19.5 ms). Results equal F.linear up to summation order."""
