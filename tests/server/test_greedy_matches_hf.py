@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -50,3 +54,14 @@ def test_engine_greedy_equals_hf(smol_dir, dtype, fused):
         assert torch.all(best - chosen <= margin), (prompt, (best - chosen).max().item())
         num_exact += int((logits.argmax(-1) == torch.tensor(tokens)).sum())
     assert num_exact >= 0.9 * NEW_TOKENS * len(PROMPTS)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("NEURONMM_CPU_ARCH") == "x86-64-v3", reason="this run is the x86-64-v3 build")
+def test_the_avx2_build_keeps_greedy_equal_to_hf(avx2_ops_env):
+    """The fp32 test above in a process whose fused ops are built for x86-64-v3: a CPU without AVX-512 decodes
+    through other GEMM tiles, attention and argmax loops (8-wide), and must keep HF's greedy choices too."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"{__file__}::test_engine_greedy_equals_hf[fp32-fused]"],
+                          env=avx2_ops_env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
