@@ -234,7 +234,8 @@ inline void axpy_head(float p, const float* v, float* acc, int64_t d) {
 // hardware prefetcher stops.
 inline void prefetch_row64(const float* ahead, int64_t j) {
   if (ahead == nullptr) return;
-  for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * 64 + 16 * line), _MM_HINT_T0);
+  for (int line = 0; line < 4; ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + j * 64 + 16 * line), _MM_HINT_T0);
 }
 
 // q · k for 8 consecutive keys of one 64-wide head: 8 sums in registers, reduced together by a transpose-add
