@@ -1,8 +1,11 @@
-"""Test helpers shared by several folders: a Config for the tiny model, a live in-process uvicorn server."""
+"""Test helpers shared by several folders: a Config for the tiny model, a live in-process uvicorn server, pytest
+in a fresh process."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -69,3 +72,15 @@ def engine_greedy(model_dir: Path, runner, tok, prompts: list[str], new_tokens: 
         for out in engine.step():
             got[out.request_id].extend(out.token_ids)
     return [got[str(i)] for i in range(len(prompts))]
+
+
+def pytest_in_subprocess(config, targets: list[str], env: dict[str, str],
+                         timeout: int = 900) -> subprocess.CompletedProcess:
+    """pytest on `targets` in a fresh process with `env` (another build of the fused ops), loading the plugins this
+    run was given with `-p` (the compat job's shims) so the child tests what this run tests."""
+    args = [str(a) for a in config.invocation_params.args]
+    plugins = [a for prev, a in zip(args, args[1:]) if prev == "-p"]
+    plugins += [a[2:] for a in args if a.startswith("-p") and a != "-p"]  # -pNAME
+    plugin_args = [arg for name in plugins if name != "no:cacheprovider" for arg in ("-p", name)]
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin_args, *targets],
+                          env=env, capture_output=True, text=True, timeout=timeout)

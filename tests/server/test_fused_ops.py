@@ -2,14 +2,13 @@
 
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from server.models import fused_ops
+from support import pytest_in_subprocess
 
 pytestmark = pytest.mark.skipif(not fused_ops.load(), reason="no C++ compiler: the fused ops cannot be built")
 
@@ -154,7 +153,7 @@ def test_build_targets_this_cpu_or_the_named_arch(monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(os.environ.get("NEURONMM_CPU_ARCH") == "x86-64-v3", reason="this run is the x86-64-v3 build")
-def test_the_avx2_build_passes_these_tests(avx2_ops_env):
+def test_the_avx2_build_passes_these_tests(avx2_ops_env, request):
     """Every test above and the sampler's fused-op tests again, in a process whose fused ops are built for
     x86-64-v3: the AVX2 code paths (8-wide attention, SiLU, argmax and sampling loops, the scalar loops where the
     AVX-512 code has vectors) a CPU without AVX-512 runs, which this machine's own build never does."""
@@ -162,6 +161,5 @@ def test_the_avx2_build_passes_these_tests(avx2_ops_env):
         "test_fused_temperature_sampling_picks_the_torch_paths_token",
         "test_fused_temperature_sampling_never_picks_a_masked_token",
         "test_fused_temperature_sampling_draws_the_softmax_distribution", "test_fused_argmax_is_torchs_argmax")]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, *sampler_tests],
-                          env=avx2_ops_env, capture_output=True, text=True, timeout=900)
+    done = pytest_in_subprocess(request.config, [__file__, *sampler_tests], avx2_ops_env)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]

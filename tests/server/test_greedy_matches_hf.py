@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from server.backends.torch_runner import TorchRunner
 from server.runtime import load_tokenizer
-from support import engine_greedy
+from support import engine_greedy, pytest_in_subprocess
 
 NEW_TOKENS = 40
 PROMPTS = ["The three primary colors are", "def fibonacci(n):"]
@@ -58,10 +56,9 @@ def test_engine_greedy_equals_hf(smol_dir, dtype, fused):
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("NEURONMM_CPU_ARCH") == "x86-64-v3", reason="this run is the x86-64-v3 build")
-def test_the_avx2_build_keeps_greedy_equal_to_hf(avx2_ops_env):
+def test_the_avx2_build_keeps_greedy_equal_to_hf(avx2_ops_env, request):
     """The fp32 test above in a process whose fused ops are built for x86-64-v3: a CPU without AVX-512 decodes
     through other GEMM tiles, attention and argmax loops (8-wide), and must keep HF's greedy choices too."""
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           f"{__file__}::test_engine_greedy_equals_hf[fp32-fused]"],
-                          env=avx2_ops_env, capture_output=True, text=True, timeout=900)
+    done = pytest_in_subprocess(request.config, [f"{__file__}::test_engine_greedy_equals_hf[fp32-fused]"],
+                                avx2_ops_env)
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
