@@ -1,0 +1,135 @@
+"""The fused CPU ops one at a time, cache-warm: panel GEMMs by row count, batch-16 attention, the sampler ops.
+
+What a decode step is made of, timed alone so a kernel change is seen without the rest of the step's noise.
+Run it under `bench.cpu_caps` to time the code another CPU class runs:
+
+    python -m bench.cpu_ops                                   # this CPU's build
+    python -m bench.cpu_caps avx2 python -m bench.cpu_ops     # the AVX2 build, every library capped
+
+Panel GEMMs: the SmolLM2 MLP's 1536 x 576 and 576 x 1536 in the dtype this build serves (bf16 where it has
+AVX512-BF16, else fp32), best of `--repeats` runs of many calls. Attention: 16 sequences of `--positions`
+cached positions, 30 layers' caches in turn (so each call reads from memory, as a step's layers do), fp32 cache.
+Sampler: 16 rows of a 49,152-token vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.cpu_caps import caps_in_force
+from bench.engine_step import BENCH_FLAGS
+from bench.harness import save_report
+from server.models import fused_ops
+from server.models.cpu_features import cpu_flags
+from server.models.packed_linear import panels_available
+
+RESULTS = Path(__file__).parent / "results"
+GEMMS = ((1536, 576), (576, 1536))
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS, SEQS, VOCAB = 9, 3, 64, 16, 30, 16, 49152
+
+
+def best_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
+    """µs a call: the best of `repeats` timings of `calls` calls, after a warm-up."""
+    for _ in range(max(1, calls // 10)):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
+
+
+def gemm_rows(rows_list: list[int], repeats: int) -> list[dict]:
+    """µs and GFLOP/s of the panel GEMM per shape and row count, in the dtype this build's panels serve."""
+    ops = torch.ops.neuronmm
+    bf16 = panels_available(torch.device("cpu"), torch.bfloat16)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    pack, gemm = (ops.pack_panels, ops.panel_linear) if bf16 else (ops.pack_panels_f32, ops.panel_linear_f32)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for n, k in GEMMS:
+        panels = pack(torch.randn(n, k, generator=gen).to(dtype))
+        for rows in rows_list:
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            us = best_us(lambda: gemm(x, panels, n), max(20, 20000 // rows), repeats)
+            out.append({"dtype": str(dtype).removeprefix("torch."), "n": n, "k": k, "rows": rows, "us": us,
+                        "gflops": 2 * rows * n * k / us / 1e3})
+    return out
+
+
+def attention_ms(positions: int, repeats: int) -> dict:
+    """ms for 30 layers of batch-16 decode attention over an fp32 cache, and the cache bytes read per second."""
+    per_seq = positions // BLOCK + 1
+    shape = (SEQS * per_seq, KV_HEADS, BLOCK, HEAD_DIM)
+    gen = torch.Generator().manual_seed(0)
+    k_caches = [torch.randn(shape, generator=gen) for _ in range(LAYERS)]
+    v_caches = [torch.randn(shape, generator=gen) for _ in range(LAYERS)]
+    qkv = torch.randn(SEQS, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen)
+    cos, sin = torch.randn(SEQS, HEAD_DIM, generator=gen), torch.randn(SEQS, HEAD_DIM, generator=gen)
+    tables = torch.arange(SEQS * per_seq, dtype=torch.int32).reshape(SEQS, per_seq)
+    slots = torch.tensor([s * per_seq * BLOCK + positions - 1 for s in range(SEQS)])
+    seq_index, lens = torch.arange(SEQS, dtype=torch.int32), torch.full((SEQS,), positions, dtype=torch.int32)
+
+    def all_layers() -> None:
+        for k, v in zip(k_caches, v_caches):
+            torch.ops.neuronmm.attention(qkv, cos, sin, k, v, slots, tables, seq_index, lens, HEADS, KV_HEADS,
+                                         HEAD_DIM ** -0.5)
+
+    ms = best_us(all_layers, 1, repeats) / 1e3
+    cache_bytes = 2 * SEQS * positions * KV_HEADS * HEAD_DIM * 4 * LAYERS
+    return {"positions": positions, "layers": LAYERS, "seqs": SEQS, "ms": ms, "cache_gb_s": cache_bytes / ms / 1e6}
+
+
+def sampler_us(repeats: int) -> dict:
+    """µs of the fused greedy argmax and temperature sampling (and torch's argmax) on 16 rows of logits."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(SEQS, VOCAB, generator=gen) * 3
+    inv_temps, uniforms = torch.full((SEQS,), 1 / 0.7), torch.rand(SEQS, generator=gen)
+    ops = torch.ops.neuronmm
+    return {"argmax_rows": best_us(lambda: ops.argmax_rows(logits), 200, repeats),
+            "sample_temperature": best_us(lambda: ops.sample_temperature(logits, inv_temps, uniforms), 200, repeats),
+            "torch_argmax": best_us(lambda: logits.argmax(-1), 200, repeats)}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"CPU flags {' '.join(report['cpu_flags'])}; caps {report['caps_in_force'] or 'none'}", "",
+             "| GEMM | dtype | rows | µs | GFLOP/s |", "|---|---|---:|---:|---:|"]
+    lines += [f"| {g['n']} x {g['k']} | {g['dtype']} | {g['rows']} | {g['us']:.1f} | {g['gflops']:.0f} |"
+              for g in report["gemm"]]
+    a = report["attention"]
+    lines += ["", f"Attention, {a['layers']} layers x {a['seqs']} sequences at {a['positions']} positions (fp32 "
+                  f"cache): {a['ms']:.2f} ms, {a['cache_gb_s']:.1f} GB/s of cache read", "",
+              "Sampler, 16 x 49,152: " + ", ".join(f"{k} {v:.0f} µs" for k, v in report["sampler"].items())]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: time the ops, print a table, save JSON and markdown."""
+    p = argparse.ArgumentParser(prog="bench.cpu_ops", description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 128, 512])
+    p.add_argument("--positions", type=int, default=320)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=str(RESULTS / "cpu_ops.json"))
+    args = p.parse_args(argv)
+    if not fused_ops.load():
+        p.exit(2, "bench.cpu_ops: the fused CPU ops could not be built here (see the log above)\n")
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
+              "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "caps_in_force": caps_in_force(),
+              "torch_threads": torch.get_num_threads(), "gemm": gemm_rows(args.rows, args.repeats),
+              "attention": attention_ms(args.positions, args.repeats), "sampler": sampler_us(args.repeats)}
+    out = save_report(Path(args.out), report, markdown(report))
+    print(markdown(report))
+    print(f"saved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

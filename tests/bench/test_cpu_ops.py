@@ -1,0 +1,23 @@
+"""bench.cpu_ops: every op it times runs and lands in the report, in the dtype this build's panels serve."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import cpu_ops
+from server.models import fused_ops
+
+
+@pytest.mark.skipif(not fused_ops.load(), reason="no C++ compiler: the fused ops cannot be built")
+def test_the_report_holds_every_op(tmp_path):
+    out = tmp_path / "ops.json"
+    assert cpu_ops.main(["--rows", "1", "5", "--positions", "40", "--repeats", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(g["n"], g["k"], g["rows"]) for g in report["gemm"]] == [(1536, 576, 1), (1536, 576, 5),
+                                                                      (576, 1536, 1), (576, 1536, 5)]
+    assert all(g["us"] > 0 and g["dtype"] in ("bfloat16", "float32") for g in report["gemm"])
+    assert report["attention"]["positions"] == 40 and report["attention"]["ms"] > 0
+    assert set(report["sampler"]) == {"argmax_rows", "sample_temperature", "torch_argmax"}
+    assert out.with_suffix(".md").read_text().startswith("CPU flags")
