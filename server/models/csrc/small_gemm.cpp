@@ -23,6 +23,7 @@
 #include <atomic>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -163,6 +164,16 @@ inline void prefetch_l2(const char* next, int64_t step, int64_t lines) {
     if (step < lines) __builtin_prefetch(next + step * 64, 0, 2);  // locality 2: into L2 (prefetcht1)
 }
 
+// A row block of `rows` against one panel in register tiles of up to TileRows rows: tile(m, n, next, next_lines,
+// ahead) per tile, `ahead` a std::bool_constant saying whether it prefetches its share of the next panel (only
+// when the block takes several tiles; `next` says which lines).
+template <int64_t TileRows, typename Tile>
+inline void tile_row_block(int64_t rows, const NextPanel& next, const Tile& tile) {
+  if (rows <= TileRows) return tile(0, rows, nullptr, 0, std::false_type{});
+  for (int64_t m = 0, i = 0; m < rows; m += TileRows, ++i)
+    tile(m, std::min(TileRows, rows - m), next.at(i), next.lines_of(i), std::true_type{});
+}
+
 // y [M, N] = x · Wᵀ for one panel-packed weight (dtype and panel layout checked by the caller).
 template <typename T>
 at::Tensor linear_of(const at::Tensor& x, const at::Tensor& panels, int64_t N, Runner<T> run) {
@@ -256,11 +267,10 @@ inline NextPanel next_bf16_panel(const at::BFloat16* panel, int64_t valid, int64
 // A row block against one panel, a register tile of up to kMaxRows rows at a time.
 const auto bf16_rows = [](const at::BFloat16* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
                           int64_t valid, int64_t K, int64_t rows) {
-  if (rows <= kMaxRows) return rows_of<kMaxRows, false>(x, ldx, panel, y, ldy, valid, K, rows, nullptr, 0);
-  const NextPanel next = next_bf16_panel(panel, valid, K, rows);
-  for (int64_t m = 0, i = 0; m < rows; m += kMaxRows, ++i)
-    rows_of<kMaxRows, true>(x + m * ldx, ldx, panel, y + m * ldy, ldy, valid, K, std::min(kMaxRows, rows - m),
-                            next.at(i), next.lines_of(i));
+  tile_row_block<kMaxRows>(rows, next_bf16_panel(panel, valid, K, rows),
+                           [&](int64_t m, int64_t n, const char* next, int64_t lines, auto ahead) {
+    rows_of<kMaxRows, decltype(ahead)::value>(x + m * ldx, ldx, panel, y + m * ldy, ldy, valid, K, n, next, lines);
+  });
 };
 
 // The same panels through fp32 FMAs: a 64-byte load holds 16 columns x (k, k+1); shifting each 32-bit lane
@@ -301,11 +311,10 @@ void rows_fma(const float* x, int64_t ldx, const at::BFloat16* panel, at::BFloat
 
 const auto bf16_fma_rows = [](const float* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
                               int64_t valid, int64_t K, int64_t rows) {
-  if (rows <= kMaxRows) return rows_fma<kMaxRows, false>(x, ldx, panel, y, ldy, valid, K, rows, nullptr, 0);
-  const NextPanel next = next_bf16_panel(panel, valid, K, rows);
-  for (int64_t m = 0, i = 0; m < rows; m += kMaxRows, ++i)
-    rows_fma<kMaxRows, true>(x + m * ldx, ldx, panel, y + m * ldy, ldy, valid, K, std::min(kMaxRows, rows - m),
-                             next.at(i), next.lines_of(i));
+  tile_row_block<kMaxRows>(rows, next_bf16_panel(panel, valid, K, rows),
+                           [&](int64_t m, int64_t n, const char* next, int64_t lines, auto ahead) {
+    rows_fma<kMaxRows, decltype(ahead)::value>(x + m * ldx, ldx, panel, y + m * ldy, ldy, valid, K, n, next, lines);
+  });
 };
 
 // dst[0..n) = src[0..n) in fp32 (bf16 is the top half of an fp32: a zero-extend and a shift per 16 values)
@@ -686,11 +695,11 @@ void rows_of_f32(const float* x, int64_t ldx, const float* panel, float* y, int6
 // A row block against one panel, a register tile of up to kMaxRowsF rows at a time (a panel: 2K lines of 64 B).
 const auto f32_rows = [](const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid,
                          int64_t K, int64_t rows) {
-  if (rows <= kMaxRowsF) return rows_of_f32<kMaxRowsF, false>(x, ldx, panel, y, ldy, valid, K, rows, nullptr, 0);
   const NextPanel next(valid > kPanelF ? panel + K * kPanelF : nullptr, 2 * K, (rows + kMaxRowsF - 1) / kMaxRowsF, K);
-  for (int64_t m = 0, i = 0; m < rows; m += kMaxRowsF, ++i)
-    rows_of_f32<kMaxRowsF, true>(x + m * ldx, ldx, panel, y + m * ldy, ldy, valid, K, std::min(kMaxRowsF, rows - m),
-                                 next.at(i), next.lines_of(i));
+  tile_row_block<kMaxRowsF>(rows, next, [&](int64_t m, int64_t n, const char* ahead_at, int64_t lines, auto ahead) {
+    rows_of_f32<kMaxRowsF, decltype(ahead)::value>(x + m * ldx, ldx, panel, y + m * ldy, ldy, valid, K, n, ahead_at,
+                                                   lines);
+  });
 };
 #endif
 
