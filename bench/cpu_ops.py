@@ -8,7 +8,8 @@ Run it under `bench.cpu_caps` to time the code another CPU class runs:
 
 Panel GEMMs: the SmolLM2 MLP's 1536 x 576 and 576 x 1536 in the dtype this build serves (bf16 where it has
 AVX512-BF16, else fp32), best of `--repeats` runs of many calls. Attention: 16 sequences of `--positions`
-cached positions, 30 layers' caches in turn (so each call reads from memory, as a step's layers do), fp32 cache.
+cached positions, 30 layers' caches in turn (so each call reads from memory, as a step's layers do): an fp32 model
+over an fp32 cache and over an fp16 one (`engine.kv_cache_dtype: float16`), and a bf16 model over its bf16 cache.
 Sampler: 16 rows of a 49,152-token vocabulary.
 """
 
@@ -32,6 +33,7 @@ from server.models.packed_linear import panels_available
 RESULTS = Path(__file__).parent / "results"
 GEMMS = ((1536, 576), (576, 1536))
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS, SEQS, VOCAB = 9, 3, 64, 16, 30, 16, 49152
+ATTENTION_DTYPES = ((torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16))
 
 
 def best_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
@@ -65,15 +67,16 @@ def gemm_rows(rows_list: list[int], repeats: int) -> list[dict]:
     return out
 
 
-def attention_ms(positions: int, repeats: int) -> dict:
-    """ms for 30 layers of batch-16 decode attention over an fp32 cache, and the cache bytes read per second."""
+def attention_ms(positions: int, repeats: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> dict:
+    """ms for 30 layers of batch-16 decode attention of a `dtype` model over a cache in `cache_dtype`, and the
+    cache bytes read per second."""
     per_seq = positions // BLOCK + 1
     shape = (SEQS * per_seq, KV_HEADS, BLOCK, HEAD_DIM)
     gen = torch.Generator().manual_seed(0)
-    k_caches = [torch.randn(shape, generator=gen) for _ in range(LAYERS)]
-    v_caches = [torch.randn(shape, generator=gen) for _ in range(LAYERS)]
-    qkv = torch.randn(SEQS, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen)
-    cos, sin = torch.randn(SEQS, HEAD_DIM, generator=gen), torch.randn(SEQS, HEAD_DIM, generator=gen)
+    k_caches = [torch.randn(shape, generator=gen).to(cache_dtype) for _ in range(LAYERS)]
+    v_caches = [torch.randn(shape, generator=gen).to(cache_dtype) for _ in range(LAYERS)]
+    qkv = torch.randn(SEQS, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(dtype)
+    cos, sin = (torch.randn(SEQS, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
     tables = torch.arange(SEQS * per_seq, dtype=torch.int32).reshape(SEQS, per_seq)
     slots = torch.tensor([s * per_seq * BLOCK + positions - 1 for s in range(SEQS)])
     seq_index, lens = torch.arange(SEQS, dtype=torch.int32), torch.full((SEQS,), positions, dtype=torch.int32)
@@ -84,8 +87,9 @@ def attention_ms(positions: int, repeats: int) -> dict:
                                          HEAD_DIM ** -0.5)
 
     ms = best_us(all_layers, 1, repeats) / 1e3
-    cache_bytes = 2 * SEQS * positions * KV_HEADS * HEAD_DIM * 4 * LAYERS
-    return {"positions": positions, "layers": LAYERS, "seqs": SEQS, "ms": ms, "cache_gb_s": cache_bytes / ms / 1e6}
+    cache_bytes = 2 * SEQS * positions * KV_HEADS * HEAD_DIM * cache_dtype.itemsize * LAYERS
+    return {"positions": positions, "layers": LAYERS, "seqs": SEQS, "dtype": str(dtype).removeprefix("torch."),
+            "cache_dtype": str(cache_dtype).removeprefix("torch."), "ms": ms, "cache_gb_s": cache_bytes / ms / 1e6}
 
 
 def sampler_us(repeats: int) -> dict:
@@ -104,10 +108,11 @@ def markdown(report: dict) -> str:
              "| GEMM | dtype | rows | µs | GFLOP/s |", "|---|---|---:|---:|---:|"]
     lines += [f"| {g['n']} x {g['k']} | {g['dtype']} | {g['rows']} | {g['us']:.1f} | {g['gflops']:.0f} |"
               for g in report["gemm"]]
-    a = report["attention"]
-    lines += ["", f"Attention, {a['layers']} layers x {a['seqs']} sequences at {a['positions']} positions (fp32 "
-                  f"cache): {a['ms']:.2f} ms, {a['cache_gb_s']:.1f} GB/s of cache read", "",
-              "Sampler, 16 x 49,152: " + ", ".join(f"{k} {v:.0f} µs" for k, v in report["sampler"].items())]
+    for a in report["attention"]:
+        lines += ["", f"Attention, {a['layers']} layers x {a['seqs']} sequences at {a['positions']} positions "
+                      f"({a['dtype']} model, {a['cache_dtype']} cache): {a['ms']:.2f} ms, {a['cache_gb_s']:.1f} GB/s of "
+                      "cache read"]
+    lines += ["", "Sampler, 16 x 49,152: " + ", ".join(f"{k} {v:.0f} µs" for k, v in report["sampler"].items())]
     return "\n".join(lines)
 
 
@@ -124,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
               "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "caps_in_force": caps_in_force(),
               "torch_threads": torch.get_num_threads(), "gemm": gemm_rows(args.rows, args.repeats),
-              "attention": attention_ms(args.positions, args.repeats), "sampler": sampler_us(args.repeats)}
+              "attention": [attention_ms(args.positions, args.repeats, *dtypes) for dtypes in ATTENTION_DTYPES],
+              "sampler": sampler_us(args.repeats)}
     out = save_report(Path(args.out), report, markdown(report))
     print(markdown(report))
     print(f"saved {out}")

@@ -55,7 +55,7 @@ def test_silu_mul_vector_and_scalar_loops_agree_bit_for_bit(dtype):
     assert torch.equal(out[torch.arange(16), torch.arange(16)], out[:, 16])
 
 
-def _cache_case(dtype, block_size: int, num_blocks: int):
+def _cache_case(dtype, block_size: int, num_blocks: int, cache_dtype=None):
     num_heads, num_kv_heads, head_dim = 4, 2, 16
     g = torch.Generator().manual_seed(2)
     # two sequences: seq 0 has 5 cached + 1 new token, seq 1 a 3-token prefill chunk at position 0
@@ -65,8 +65,8 @@ def _cache_case(dtype, block_size: int, num_blocks: int):
     blocks = tables[seq_index.long(), (positions // block_size)].long()
     slot_mapping = blocks * block_size + positions % block_size
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    k_cache = torch.randn(shape, generator=g).to(dtype)
-    v_cache = torch.randn(shape, generator=g).to(dtype)
+    k_cache = torch.randn(shape, generator=g).to(cache_dtype or dtype)
+    v_cache = torch.randn(shape, generator=g).to(cache_dtype or dtype)
     qkv = torch.randn(4, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype)
     angles = positions.float().unsqueeze(1) * torch.linspace(0.1, 1.0, head_dim // 2).repeat(2)
     return dict(qkv=qkv, cos=angles.cos().to(dtype), sin=angles.sin().to(dtype), k_cache=k_cache, v_cache=v_cache,
@@ -91,7 +91,8 @@ def test_attention_matches_reference(dtype, block_size, num_blocks, threads):
     torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
 
 
-def _decode_case(dtype, head_dim: int, num_kv_heads: int, group: int, block_size: int, context_lens: list[int]):
+def _decode_case(dtype, head_dim: int, num_kv_heads: int, group: int, block_size: int, context_lens: list[int],
+                 cache_dtype=None):
     """One decode token per sequence at position context_len - 1, each sequence's blocks scattered over the pool."""
     g = torch.Generator().manual_seed(3)
     num_heads, num_seqs = num_kv_heads * group, len(context_lens)
@@ -104,7 +105,8 @@ def _decode_case(dtype, head_dim: int, num_kv_heads: int, group: int, block_size
     angles = positions.float().unsqueeze(1) * torch.linspace(0.1, 1.0, head_dim // 2).repeat(2)
     return dict(qkv=torch.randn(num_seqs, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(dtype),
                 cos=angles.cos().to(dtype), sin=angles.sin().to(dtype),
-                k_cache=torch.randn(shape, generator=g).to(dtype), v_cache=torch.randn(shape, generator=g).to(dtype),
+                k_cache=torch.randn(shape, generator=g).to(cache_dtype or dtype),
+                v_cache=torch.randn(shape, generator=g).to(cache_dtype or dtype),
                 slot_mapping=slot_mapping, block_tables=tables, seq_index=torch.arange(num_seqs, dtype=torch.int32),
                 context_lens=torch.tensor(context_lens, dtype=torch.int32), num_heads=num_heads,
                 num_kv_heads=num_kv_heads, scale=1 / math.sqrt(head_dim))
@@ -124,6 +126,47 @@ def test_vectorised_attention_matches_reference(dtype, head_dim, num_kv_heads, g
     ref_out, _ = fused_ops.attention_ref(*ref_case.values())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+
+
+NARROW_CACHES = [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("cache_dtype", NARROW_CACHES)
+@pytest.mark.parametrize("threads", [1, 8], ids=["items-of-all-kv-heads", "items-of-one-kv-head"])
+def test_attention_over_a_narrow_cache_under_fp32_matches_reference(cache_dtype, threads):
+    """An fp32 model over an fp16 / bf16 cache (`engine.kv_cache_dtype`): the new keys and values are stored rounded
+    to the cache's dtype, exactly as the reference stores them, and attention reads them widened (the scalar paths:
+    head_dim 16)."""
+    torch.set_num_threads(threads)
+    case = _cache_case(torch.float32, 4, 4, cache_dtype)
+    ref_case = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    out, q_rot = torch.ops.neuronmm.attention(*case.values())
+    ref_out, ref_q = fused_ops.attention_ref(*ref_case.values())
+    assert case["k_cache"].dtype == cache_dtype and out.dtype == torch.float32
+    assert torch.equal(q_rot, ref_q)
+    assert torch.equal(case["k_cache"], ref_case["k_cache"]) and torch.equal(case["v_cache"], ref_case["v_cache"])
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", NARROW_CACHES)
+@pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 3, 3), (128, 2, 3)])
+@pytest.mark.parametrize("threads", [1, 8], ids=["items-of-all-kv-heads", "items-of-one-kv-head"])
+def test_vectorised_attention_over_a_narrow_cache_matches_reference(cache_dtype, head_dim, num_kv_heads, group,
+                                                                    threads):
+    """The same on the vector paths (16-key runs on AVX-512, 8-key runs on AVX2), whose loads widen the cache."""
+    torch.set_num_threads(threads)
+    case = _decode_case(torch.float32, head_dim, num_kv_heads, group, 16, [1, 15, 16, 17, 40, 71], cache_dtype)
+    ref_case = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    out, _ = torch.ops.neuronmm.attention(*case.values())
+    ref_out, _ = fused_ops.attention_ref(*ref_case.values())
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_rejects_a_cache_wider_or_other_than_the_model():
+    for dtype, cache_dtype in [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16)]:
+        case = _cache_case(dtype, 4, 4, cache_dtype)
+        with pytest.raises(RuntimeError, match="fp16 / bf16 under fp32"):
+            torch.ops.neuronmm.attention(*case.values())
 
 
 def test_attention_skips_tokens_with_no_context():

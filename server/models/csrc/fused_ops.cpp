@@ -26,6 +26,10 @@
 
 namespace {
 
+// always_inline: GCC takes a function that only prefetches for one without effects (IPA pure-const) and, where it
+// did not inline it first, deletes the calls; the x86-64-v3 build lost every attention prefetch that way.
+#define NEURONMM_PREFETCH_FN __attribute__((always_inline)) inline
+
 inline float load_f(float v) { return v; }
 inline float load_f(c10::BFloat16 v) {
   // bf16 -> fp32 is a shift; written out so the compiler vectorises the loops that use it
@@ -54,6 +58,7 @@ inline __m512 load16(const c10::BFloat16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 template <typename T>
 inline float dot_head_avx512(const float* q, const T* k, int64_t d) {
   __m512 acc = _mm512_setzero_ps();
@@ -96,13 +101,14 @@ inline void axpy_head(float p, const c10::BFloat16* v, float* acc, int64_t d) {
   axpy_head_avx512(p, v, acc, d);
 }
 
-// Attention over a block of the cache with the running sums in registers. One query head against 16 keys
+// Attention over a block of the cache with the running sums in registers (the cache in fp32, bf16 or fp16). One query head against 16 keys
 // ends in 16 horizontal sums; a transpose-add tree does them together (45 shuffles and adds instead of
 // 16 full reductions). Values: the accumulators of up to 16 / D16 query heads stay in registers across a
 // block's keys, each value row widened once for the whole group (a store-to-load chain through memory per
 // key made the old axpy loop latency-bound). D16 = head_dim / 16.
 template <typename T>
-constexpr bool kVectorAttention = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+constexpr bool kVectorAttention =
+    std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
 
 // lane i of the result: the sum of v[i]'s lanes
 inline __m512 hsum16(const __m512* v) {
@@ -122,7 +128,7 @@ inline __m512 hsum16(const __m512* v) {
 // (it stalls on the core's few line-fill buffers); spread over the rows, it took a cold batch-16 layer at 150
 // positions from ~162 to ~135 µs, and a batch-16 decode step at 1,000 positions from 49.9 to 43.9 ms.
 template <typename T, int D16>
-inline void prefetch_row(const T* ahead, int64_t j) {
+NEURONMM_PREFETCH_FN void prefetch_row(const T* ahead, int64_t j) {
   if (ahead == nullptr) return;
   const char* row = reinterpret_cast<const char*>(ahead + j * D16 * 16);
   for (int64_t off = 0; off < D16 * 16 * int64_t(sizeof(T)); off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
@@ -229,18 +235,36 @@ inline void axpy_head(float p, const float* v, float* acc, int64_t d) {
     _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
 }
 
-// The 4 cache lines of row j of a 64-wide fp32 head `kPrefetchBlocks` blocks ahead (nullptr: none), fetched a row
-// per row consumed, as prefetch_row does for the AVX-512 loops: paged blocks are 4 KB apart at best, where the
-// hardware prefetcher stops.
-inline void prefetch_row64(const float* ahead, int64_t j) {
+// 8 cache values widened to fp32: an fp32 cache as it is, bf16 by a shift, fp16 by F16C (every AVX2 CPU has it).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+#if defined(__F16C__)
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+template <typename C>
+constexpr bool kAvx2Attention = std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>
+#if defined(__F16C__)
+                                || std::is_same_v<C, c10::Half>
+#endif
+    ;
+
+// The cache lines of row j of a 64-wide head `kPrefetchBlocks` blocks ahead (nullptr: none), fetched a row per row
+// consumed, as prefetch_row does for the AVX-512 loops: paged blocks are 4 KB apart at best, where the hardware
+// prefetcher stops.
+template <typename C>
+NEURONMM_PREFETCH_FN void prefetch_row64(const C* ahead, int64_t j) {
   if (ahead == nullptr) return;
-  for (int line = 0; line < 4; ++line)
-    _mm_prefetch(reinterpret_cast<const char*>(ahead + j * 64 + 16 * line), _MM_HINT_T0);
+  for (int64_t off = 0; off < 64 * int64_t(sizeof(C)); off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + j * 64) + off, _MM_HINT_T0);
 }
 
 // q · k for 8 consecutive keys of one 64-wide head: 8 sums in registers, reduced together by a transpose-add
 // (three rounds of horizontal adds and a lane swap instead of 8 separate horizontal sums).
-inline __m256 dot8_keys64_avx2(const float* q, const float* k, const float* ahead) {
+template <typename C>
+inline __m256 dot8_keys64_avx2(const float* q, const C* k, const C* ahead) {
   for (int j = 0; j < 8; ++j) prefetch_row64(ahead, j);
   __m256 s[8];
 #pragma GCC unroll 8
@@ -249,7 +273,7 @@ inline __m256 dot8_keys64_avx2(const float* q, const float* k, const float* ahea
   for (int c = 0; c < 8; ++c) {
     const __m256 qc = _mm256_loadu_ps(q + 8 * c);
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) s[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + j * 64 + 8 * c), s[j]);
+    for (int j = 0; j < 8; ++j) s[j] = _mm256_fmadd_ps(qc, load8(k + j * 64 + 8 * c), s[j]);
   }
   // lane j of u0 (j < 4) and u1 (j - 4): key j's sum over one 128-bit half; the halves are added last
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
@@ -257,15 +281,10 @@ inline __m256 dot8_keys64_avx2(const float* q, const float* k, const float* ahea
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-inline float hmax8(__m256 v) {
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, v);
-  return *std::max_element(lanes, lanes + 8);
-}
-
 // acc += sum_j p[j] * v[j] over `len` value rows of one 64-wide head, the sums in 8 registers for the whole run
 // (axpy_head per row stores and reloads them: a store-to-load chain per row).
-inline void pv_head64_avx2(const float* p, const float* v, int64_t len, float* acc, const float* ahead) {
+template <typename C>
+inline void pv_head64_avx2(const float* p, const C* v, int64_t len, float* acc, const C* ahead) {
   __m256 a[8];
 #pragma GCC unroll 8
   for (int c = 0; c < 8; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
@@ -273,7 +292,7 @@ inline void pv_head64_avx2(const float* p, const float* v, int64_t len, float* a
     prefetch_row64(ahead, j);
     const __m256 pj = _mm256_broadcast_ss(p + j);
 #pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * 64 + 8 * c), a[c]);
+    for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(pj, load8(v + j * 64 + 8 * c), a[c]);
   }
 #pragma GCC unroll 8
   for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
@@ -318,6 +337,59 @@ inline __m256 fast_exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 #endif
+
+// The largest logit of a row (-inf for an empty or fully masked row).
+inline float row_max(const float* x, int64_t n) {
+  float max_x = -INFINITY;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
+  max_x = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  for (const float v : lanes) max_x = std::max(max_x, v);
+#endif
+  for (; i < n; ++i) max_x = std::max(max_x, x[i]);
+  return max_x;
+}
+
+// s[j] = exp(s[j] - m) for one head's n scores (m: their max); returns their sum. The lanes give fast_exp's bits;
+// the sum is taken per lane, then across (the order the omp simd loop it replaces was free to pick: GCC kept
+// that loop scalar, ~30 % of the AVX2 attention's time).
+inline float exp_scores(float* s, int64_t n, float m) {
+  float sum = 0.f;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm));
+    _mm512_storeu_ps(s + j, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__)
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+    _mm256_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (const float v : lanes) sum += v;
+#endif
+  for (; j < n; ++j) {
+    s[j] = fast_exp(s[j] - m);
+    sum += s[j];
+  }
+  return sum;
+}
 
 // Round a float to T and back: the value the reference holds after an op in dtype T.
 template <typename T>
@@ -460,10 +532,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // Rotate q, k of every token (HF's x*cos + rotate_half(x)*sin, each product rounded to dtype), write
 // k, v into the cache at the token's slot, then attend each token with context_lens[t] > 0 over the
 // first context_lens[t] positions of its sequence (block_tables[seq_index[t]]). Tokens with
-// context_lens[t] == 0 are left for the caller (their output rows are zero).
+// context_lens[t] == 0 are left for the caller (their output rows are zero). T is the model's dtype, C the
+// cache's: T itself, or fp16 / bf16 under an fp32 model (half the bytes to read a step, as llama.cpp's f16 cache).
 constexpr int64_t kPrefetchBlocks = 2;  // how far ahead (in cache blocks) attention prefetches keys and values
 
-template <typename T>
+template <typename T, typename C>
 void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                     const at::Tensor& seq_index, const at::Tensor& context_lens, int64_t num_heads,
@@ -476,8 +549,8 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   const T* qkv_p = qkv.data_ptr<T>();
   const T* cos_p = cos.data_ptr<T>();
   const T* sin_p = sin.data_ptr<T>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
+  C* kc = k_cache.data_ptr<C>();
+  C* vc = v_cache.data_ptr<C>();
   T* qr = q_rot.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -488,12 +561,13 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   auto cache_at = [&](int64_t slot, int64_t h) {
     return ((slot / block_size * num_kv_heads + h) * block_size + slot % block_size) * head_dim;
   };
-  auto rotate = [&](const T* x, const T* c, const T* s, T* dst) {
+  auto rotate = [&](const T* x, const T* c, const T* s, auto* dst) {  // dst: a T (q) or a C (the cache)
+    using D = std::remove_pointer_t<decltype(dst)>;
     for (int64_t i = 0; i < head_dim; ++i) {
       float rot = i < half ? -load_f(x[i + half]) : load_f(x[i - half]);
       float a = round_to<T>(load_f(x[i]) * load_f(c[i]));
       float b = round_to<T>(round_to<T>(rot) * load_f(s[i]));
-      dst[i] = static_cast<T>(a + b);
+      dst[i] = static_cast<D>(round_to<T>(a + b));
     }
   };
   at::parallel_for(0, num_tokens, 1, [&](int64_t b, int64_t e) {
@@ -507,7 +581,11 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         int64_t at_ = cache_at(slots[t], h);
         rotate(k + h * head_dim, c, s, kc + at_);
-        std::memcpy(vc + at_, v + h * head_dim, head_dim * sizeof(T));
+        if constexpr (std::is_same_v<T, C>) {
+          std::memcpy(vc + at_, v + h * head_dim, head_dim * sizeof(T));
+        } else {
+          for (int64_t i = 0; i < head_dim; ++i) vc[at_ + i] = static_cast<C>(load_f(v[h * head_dim + i]));
+        }
       }
     }
   });
@@ -522,7 +600,7 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   const int64_t items_per_token = num_kv_heads / heads_per_item;
   const int64_t item_heads = heads_per_item * group;  // query heads of an item
   at::parallel_for(0, num_tokens * items_per_token, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> scores, acc(item_heads * head_dim), q(item_heads * head_dim), max_s(item_heads), inv(item_heads);
+    std::vector<float> scores, acc(item_heads * head_dim), q(item_heads * head_dim), inv(item_heads);
     for (int64_t item = b; item < e; ++item) {
       const int64_t t = item / items_per_token, kv0 = item % items_per_token * heads_per_item;
       const int64_t h0 = kv0 * group;  // first query head of the item
@@ -537,99 +615,85 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
       for (int64_t i = 0; i < item_heads * head_dim; ++i) q[i] = load_f(qp[i]) * (float)scale;
       scores.resize(item_heads * n);
       // keys/values of KV head kv0 + k at positions start.. (within one block)
-      auto block_at = [&](const T* cache, int64_t start, int64_t k) {
+      auto block_at = [&](const C* cache, int64_t start, int64_t k) {
         return cache + ((static_cast<int64_t>(table[start / block_size]) * num_kv_heads + kv0 + k) * block_size +
                         start % block_size) * head_dim;
       };
-      std::fill(max_s.begin(), max_s.end(), -INFINITY);
       for (int64_t start = 0; start < n; start += block_size) {
         const int64_t len = std::min(block_size, n - start);
         for (int64_t k = 0; k < heads_per_item; ++k) {
-          const T* kb = block_at(kc, start, k);
+          const C* kb = block_at(kc, start, k);
           const int64_t ahead_start = start + kPrefetchBlocks * block_size;
-          const T* next_k = ahead_start < n ? block_at(kc, ahead_start, k) : nullptr;  // fetched as this block is read
+          const C* next_k = ahead_start < n ? block_at(kc, ahead_start, k) : nullptr;  // fetched as this block is read
           int64_t j = 0;
 #if defined(__AVX512F__)
-          if constexpr (kVectorAttention<T>) {
+          if constexpr (kVectorAttention<C>) {
             if (head_dim == 64 || head_dim == 128) {
               for (; j + 16 <= len; j += 16) {
                 for (int64_t g = k * group; g < (k + 1) * group; ++g) {
-                  const T* ahead = g == k * group && j == 0 ? next_k : nullptr;  // once per block, with the first head
-                  const T* keys = kb + j * head_dim;
+                  const C* ahead = g == k * group && j == 0 ? next_k : nullptr;  // once per block, with the first head
+                  const C* keys = kb + j * head_dim;
 #if defined(__AVX512BF16__)
-                  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+                  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
                     const __m512 sc = _mm512_set1_ps(static_cast<float>(scale));
                     const __m512 r = head_dim == 64 ? dot16_keys_bf16<2>(qp + g * head_dim, keys, sc, ahead)
                                                     : dot16_keys_bf16<4>(qp + g * head_dim, keys, sc, ahead);
                     _mm512_storeu_ps(scores.data() + g * n + start + j, r);
-                    max_s[g] = std::max(max_s[g], _mm512_reduce_max_ps(r));
                     continue;
                   }
 #endif
-                  const __m512 r = head_dim == 64 ? dot16_keys<T, 4>(q.data() + g * head_dim, keys, ahead)
-                                                  : dot16_keys<T, 8>(q.data() + g * head_dim, keys, ahead);
+                  const __m512 r = head_dim == 64 ? dot16_keys<C, 4>(q.data() + g * head_dim, keys, ahead)
+                                                  : dot16_keys<C, 8>(q.data() + g * head_dim, keys, ahead);
                   _mm512_storeu_ps(scores.data() + g * n + start + j, r);
-                  max_s[g] = std::max(max_s[g], _mm512_reduce_max_ps(r));
                 }
               }
             }
           }
 #elif defined(__AVX2__) && defined(__FMA__)
-          if constexpr (std::is_same_v<T, float>) {
+          if constexpr (kAvx2Attention<C>) {
             if (head_dim == 64) {
               for (; j + 8 <= len; j += 8)
                 for (int64_t g = k * group; g < (k + 1) * group; ++g) {
-                  const float* ahead = g == k * group && next_k ? next_k + j * head_dim : nullptr;  // once a row
+                  const C* ahead = g == k * group && next_k ? next_k + j * head_dim : nullptr;  // once a row
                   const __m256 r = dot8_keys64_avx2(q.data() + g * head_dim, kb + j * head_dim, ahead);
                   _mm256_storeu_ps(scores.data() + g * n + start + j, r);
-                  max_s[g] = std::max(max_s[g], hmax8(r));
                 }
             }
           }
 #endif
           for (; j < len; ++j) {
-            for (int64_t g = k * group; g < (k + 1) * group; ++g) {
-              const float dot = dot_head(q.data() + g * head_dim, kb + j * head_dim, head_dim);
-              scores[g * n + start + j] = dot;
-              max_s[g] = std::max(max_s[g], dot);
-            }
+            for (int64_t g = k * group; g < (k + 1) * group; ++g)
+              scores[g * n + start + j] = dot_head(q.data() + g * head_dim, kb + j * head_dim, head_dim);
           }
         }
       }
-      for (int64_t g = 0; g < item_heads; ++g) {
+      for (int64_t g = 0; g < item_heads; ++g) {  // the max after the scores, in one vector pass per head
         float* sg = scores.data() + g * n;
-        const float m = max_s[g];
-        float denom = 0.f;
-#pragma omp simd reduction(+ : denom)
-        for (int64_t j = 0; j < n; ++j) {
-          sg[j] = fast_exp(sg[j] - m);
-          denom += sg[j];
-        }
-        inv[g] = 1.f / denom;
+        inv[g] = 1.f / exp_scores(sg, n, row_max(sg, n));
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < n; start += block_size) {
         const int64_t len = std::min(block_size, n - start);
         for (int64_t k = 0; k < heads_per_item; ++k) {
-          const T* vb = block_at(vc, start, k);
+          const C* vb = block_at(vc, start, k);
           const int64_t ahead_start = start + kPrefetchBlocks * block_size;
-          const T* next_v = ahead_start < n ? block_at(vc, ahead_start, k) : nullptr;
+          const C* next_v = ahead_start < n ? block_at(vc, ahead_start, k) : nullptr;
 #if defined(__AVX512F__)
-          if constexpr (kVectorAttention<T>) {
+          if constexpr (kVectorAttention<C>) {
             const float* p = scores.data() + k * group * n + start;
             float* a = acc.data() + k * group * head_dim;
             if (head_dim == 64) {
-              pv_group<T, 4>(p, n, vb, len, a, group, next_v);
+              pv_group<C, 4>(p, n, vb, len, a, group, next_v);
               continue;
             }
             if (head_dim == 128) {
-              pv_group<T, 8>(p, n, vb, len, a, group, next_v);
+              pv_group<C, 8>(p, n, vb, len, a, group, next_v);
               continue;
             }
           }
 #endif
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-          if constexpr (std::is_same_v<T, float>) {
+          if constexpr (kAvx2Attention<C>) {
             if (head_dim == 64) {
               for (int64_t g = k * group; g < (k + 1) * group; ++g)
                 pv_head64_avx2(scores.data() + g * n + start, vb, len, acc.data() + g * head_dim,
@@ -660,19 +724,29 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& qkv, const at::Te
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "attention: qkv width does not match heads");
   TORCH_CHECK(num_heads % num_kv_heads == 0 && head_dim % 2 == 0, "attention: bad head counts");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim, "attention: bad rotary tables");
-  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && cos.scalar_type() == qkv.scalar_type(),
-              "attention: qkv, cache and rotary tables must share a dtype");
+  const auto dtype = qkv.scalar_type(), cache_dtype = k_cache.scalar_type();
+  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype, "attention: qkv and rotary tables must share a dtype");
+  TORCH_CHECK(v_cache.scalar_type() == cache_dtype &&
+                  (cache_dtype == dtype || (dtype == at::kFloat && (cache_dtype == at::kHalf || cache_dtype == at::kBFloat16))),
+              "attention: the cache holds qkv's dtype, or fp16 / bf16 under fp32 qkv");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && block_tables.scalar_type() == at::kInt &&
                   seq_index.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "attention: index dtypes are int64 slots, int32 tables/seq_index/context_lens");
   const int64_t num_tokens = qkv.size(0);
   auto q_rot = at::empty({num_tokens, num_heads, head_dim}, qkv.options());
   auto out = at::empty({num_tokens, num_heads * head_dim}, qkv.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "attention", [&] {
-    attention_impl<scalar_t>(qkv, cos, sin, k_cache, v_cache, slot_mapping.contiguous(), block_tables.contiguous(),
-                             seq_index.contiguous(), context_lens.contiguous(), num_heads, num_kv_heads, scale,
-                             q_rot, out);
-  });
+  const auto run = [&](auto model, auto cache) {
+    attention_impl<decltype(model), decltype(cache)>(qkv, cos, sin, k_cache, v_cache, slot_mapping.contiguous(),
+                                                     block_tables.contiguous(), seq_index.contiguous(),
+                                                     context_lens.contiguous(), num_heads, num_kv_heads, scale, q_rot, out);
+  };
+  if (cache_dtype == at::kHalf && dtype == at::kFloat) {
+    run(float{}, c10::Half{});
+  } else if (cache_dtype == at::kBFloat16 && dtype == at::kFloat) {
+    run(float{}, c10::BFloat16{});
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "attention", [&] { run(scalar_t{}, scalar_t{}); });
+  }
   return {out, q_rot};
 }
 
@@ -685,25 +759,6 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& qkv, const at::Te
 // never chosen (the pick moves back to the last positive column of its block).
 constexpr int64_t kCdfBlock = 256;
 
-
-// The largest logit of a row (-inf for an empty or fully masked row).
-inline float row_max(const float* x, int64_t n) {
-  float max_x = -INFINITY;
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 m = _mm512_set1_ps(-INFINITY);
-  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
-  max_x = _mm512_reduce_max_ps(m);
-#elif defined(__AVX2__)
-  __m256 m = _mm256_set1_ps(-INFINITY);
-  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, m);
-  for (const float v : lanes) max_x = std::max(max_x, v);
-#endif
-  for (; i < n; ++i) max_x = std::max(max_x, x[i]);
-  return max_x;
-}
 
 // probs[lo, hi) = exp((logits - max_x) * inv_t), a masked (-inf) logit 0 exactly (fast_exp clamps its input,
 // so it would give 1e-38); returns their sum.
