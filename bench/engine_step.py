@@ -88,7 +88,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def _load_runner(model_dir: Path, cfg, args, compressed: str | None) -> TorchRunner:
     runner = TorchRunner(model_dir, args.context + args.steps + 6, cfg.model.dtype, cfg.device,
                          Path(compressed) if compressed else None, num_threads=args.num_threads,
-                         panel_gemm=not args.no_panel_gemm)
+                         panel_gemm=not args.no_panel_gemm, kv_cache_dtype=cfg.engine.kv_cache_dtype)
     runner.load()
     runner.model.use_decoder_plan = not args.python_layers
     max_len = args.context + args.steps + 6
@@ -168,7 +168,7 @@ def _facts(args, runner: TorchRunner, compressed: str | None, block_size: int) -
             "torch_threads": torch.get_num_threads(), "config": args.config, "compressed": compressed,
             "panel_gemm": not args.no_panel_gemm, "bf16_kernels": _kernels(),
             "decoder_plan": runner.model.use_decoder_plan and runner.model.decoder_plan() is not None,
-            "dtype": str(runner.dtype).removeprefix("torch."),
+            "dtype": str(runner.dtype).removeprefix("torch."), "kv_cache_dtype": str(runner.cache_dtype).removeprefix("torch."),
             "context": args.context, "block_size": block_size, "steps_per_round": args.steps}
 
 

@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
               "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "caps_in_force": caps_in_force(),
               "config": args.config, "compressed": args.compressed,
-              "dtype": str(engine.runner.dtype).removeprefix("torch."), "input_len": args.input_len,
+              "dtype": str(engine.runner.dtype).removeprefix("torch."),
+              "kv_cache_dtype": str(engine.runner.cache_dtype).removeprefix("torch."), "input_len": args.input_len,
               "output_len": args.output_len, "rows": rows}
     lines = ["| c | output tok/s | decode step p50 ms | decode steps | other steps (s) |", "|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['concurrency']} | {r['output_tok_s']:.1f} | {r['decode_step_ms_p50']:.1f} | {r['num_decode_steps']} | "

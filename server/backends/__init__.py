@@ -7,8 +7,9 @@ from pathlib import Path
 import torch
 
 from server.backends.neuron import create_neuron_runner, require_neuron_sdk
-from server.backends.torch_runner import TorchRunner
+from server.backends.torch_runner import TorchRunner, resolve_kv_cache_dtype
 from server.config import Config, ConfigError
+from server.models.cpu_features import resolve_dtype
 
 
 def create_runner(cfg: Config, model_dir: Path):
@@ -19,7 +20,7 @@ def create_runner(cfg: Config, model_dir: Path):
             if not torch.cuda.is_available():
                 raise ConfigError(f"device: {cfg.device!r} requested but torch sees no CUDA device")
         return TorchRunner(model_dir, cfg.engine.max_model_len, cfg.model.dtype, cfg.device, compressed,
-                           cfg.engine.num_threads)
+                           cfg.engine.num_threads, kv_cache_dtype=cfg.engine.kv_cache_dtype)
     if cfg.backend == "neuron":
         return create_neuron_runner(cfg, model_dir, compressed)
     raise ConfigError(f"backend: unknown backend {cfg.backend!r}")
@@ -28,7 +29,12 @@ def create_runner(cfg: Config, model_dir: Path):
 def check_backend_available(cfg: Config) -> None:
     """Fail fast (ConfigError, one line) when the configured backend cannot run on this machine."""
     if cfg.backend == "neuron":
+        if cfg.engine.kv_cache_dtype != "auto":
+            raise ConfigError("engine.kv_cache_dtype: the neuron backend keeps its cache in the model's dtype (auto)")
         require_neuron_sdk()
-    elif cfg.device.startswith("cuda"):
+        return
+    if cfg.device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ConfigError(f"device: {cfg.device!r} requested but torch sees no CUDA device")
+    resolve_kv_cache_dtype(cfg.engine.kv_cache_dtype, resolve_dtype(cfg.model.dtype, torch.device(cfg.device),
+                                                                    log_choice=False))

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from server.backends.base import SeqChunk
+from server.errors import ConfigError
 from server.models.cpu_features import resolve_dtype
 from server.models.fused_ops import kernels_for
 from server.models.hugepages import return_freed_heap
@@ -16,6 +17,20 @@ from server.models.loader import load_llama
 from server.models.packed_linear import pack_linears, packing_available, panels_available
 
 log = logging.getLogger(__name__)
+
+_NARROW_CACHES = (torch.float16, torch.bfloat16)
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for `engine.kv_cache_dtype`: auto is the model's; fp16 / bf16 also under an fp32 model."""
+    if name == "auto":
+        return model_dtype
+    chosen = getattr(torch, name)
+    if chosen != model_dtype and not (model_dtype == torch.float32 and chosen in _NARROW_CACHES):
+        model = str(model_dtype).removeprefix("torch.")
+        raise ConfigError(f"engine.kv_cache_dtype: {name} under a {model} model is not supported "
+                          f"(auto, {model}, or float16 / bfloat16 under float32)")
+    return chosen
 
 
 class TorchRunner:
@@ -30,11 +45,12 @@ class TorchRunner:
 
     def __init__(self, model_dir: Path, max_model_len: int, dtype: str = "auto", device: str = "cpu",
                  compressed: Path | None = None, num_threads: int | None = None, pack_weights: bool = True,
-                 fused_kernels: bool = True, panel_gemm: bool = True):
+                 fused_kernels: bool = True, panel_gemm: bool = True, kv_cache_dtype: str = "auto"):
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         self.compressed = compressed
         self.num_threads = num_threads
         self.pack_weights = pack_weights
@@ -62,13 +78,13 @@ class TorchRunner:
     def allocate_kv_blocks(self, num_blocks: int, block_size: int) -> None:
         cfg = self.model.config
         self.cache = KVCache(cfg.num_hidden_layers, num_blocks, cfg.num_key_value_heads, block_size,
-                             cfg.head_dim, self.dtype, self.device)
-        log.info("KV cache: %d blocks x %d tokens, %.0f MiB reserved (committed as used)",
-                 num_blocks, block_size, self.cache.nbytes() / 2**20)
+                             cfg.head_dim, self.cache_dtype, self.device)
+        log.info("KV cache: %d blocks x %d tokens in %s, %.0f MiB reserved (committed as used)",
+                 num_blocks, block_size, str(self.cache_dtype).removeprefix("torch."), self.cache.nbytes() / 2**20)
 
     def kv_bytes_per_token(self) -> int:
         cfg = self.model.config
-        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * self.dtype.itemsize
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * self.cache_dtype.itemsize
 
     def build_batch(self, chunks: list[SeqChunk]) -> FlatBatch:
         """Flatten chunks into the model's FlatBatch (one host->device copy per field)."""

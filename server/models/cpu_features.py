@@ -34,7 +34,7 @@ def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(name: str, device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, flags: frozenset[str] | None = None, log_choice: bool = True) -> torch.dtype:
     """The torch dtype for a config's `model.dtype`; `auto` picks the fastest one that keeps quality.
 
     auto: on CPU bf16 where the CPU has native bf16 dot products, else fp32 (emulated bf16 is slower
@@ -49,5 +49,6 @@ def resolve_dtype(name: str, device: torch.device, flags: frozenset[str] | None 
         chosen, reason = torch.bfloat16, "CPU has native bf16 dot products"
     else:
         chosen, reason = torch.float32, "CPU lacks AVX512-BF16/AMX, bf16 would be emulated"
-    log.info("dtype auto -> %s (%s)", str(chosen).removeprefix("torch."), reason)
+    if log_choice:
+        log.info("dtype auto -> %s (%s)", str(chosen).removeprefix("torch."), reason)
     return chosen

@@ -121,14 +121,16 @@ def attention_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q = rotate_ref(q.reshape(num_tokens, num_heads, head_dim), cos, sin)
     k = rotate_ref(k.reshape(num_tokens, num_kv_heads, head_dim), cos, sin)
-    k_cache[slot_mapping // block_size, :, slot_mapping % block_size] = k
-    v_cache[slot_mapping // block_size, :, slot_mapping % block_size] = v.reshape(num_tokens, num_kv_heads, head_dim)
+    # the cache may be narrower than the model (fp16 / bf16 under fp32): stored rounded, read back widened
+    k_cache[slot_mapping // block_size, :, slot_mapping % block_size] = k.to(k_cache.dtype)
+    v_cache[slot_mapping // block_size, :, slot_mapping % block_size] = (
+        v.reshape(num_tokens, num_kv_heads, head_dim).to(v_cache.dtype))
     # every token against the longest context of the batch, keys past its own masked out
     max_len = max(int(context_lens.max()), 1)
     positions = torch.arange(max_len, device=qkv.device)
     blocks = block_tables[seq_index.long()][:, positions // block_size].long()  # [num_tokens, max_len]
-    keys = k_cache[blocks, :, positions % block_size].transpose(1, 2)  # [num_tokens, Hkv, max_len, D]
-    values = v_cache[blocks, :, positions % block_size].transpose(1, 2)
+    keys = k_cache[blocks, :, positions % block_size].transpose(1, 2).to(q.dtype)  # [num_tokens, Hkv, max_len, D]
+    values = v_cache[blocks, :, positions % block_size].transpose(1, 2).to(q.dtype)
     mask = (positions < context_lens.unsqueeze(1)) | (context_lens.unsqueeze(1) == 0)  # no all-masked rows
     # positions past a token's context may never have been written (NaN garbage in an empty cache), and a
     # masked score still multiplies its value: zero them rather than trust the mask

@@ -205,7 +205,7 @@ class Attention(nn.Module):
         end = chunk.start + chunk.length
         block_size = k_cache.shape[2]
         blocks = table[:(end + block_size - 1) // block_size].long()
-        keys, values = (c[blocks].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :end]
+        keys, values = (c[blocks].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :end].to(q.dtype)
                         for c in (k_cache, v_cache))
         if q.device.type != "cpu":
             return self._attend_chunk_masked(q, chunk, keys, values)

@@ -85,6 +85,25 @@ def test_dtype_flag(dtype, expected):
     assert _serve_config(["--dtype", dtype]).model.dtype == expected
 
 
+@pytest.mark.parametrize("flag, expected", [(None, "auto"), ("half", "float16"), ("bfloat16", "bfloat16")])
+def test_kv_cache_dtype_flag(flag, expected):
+    assert _serve_config(["--kv-cache-dtype", flag] if flag else []).engine.kv_cache_dtype == expected
+
+
+@pytest.mark.parametrize("dtype, kv_cache_dtype, ok", [
+    ("float32", "float16", True), ("float32", "bfloat16", True), ("bfloat16", "bfloat16", True),
+    ("bfloat16", "float16", False), ("bfloat16", "float32", False), ("float16", "bfloat16", False)])
+def test_a_kv_cache_dtype_the_kernels_lack_stops_the_start(dtype, kv_cache_dtype, ok):
+    from server.backends import check_backend_available
+
+    cfg = load_config(None, {"model.dtype": dtype, "engine.kv_cache_dtype": kv_cache_dtype})
+    if ok:
+        check_backend_available(cfg)
+        return
+    with pytest.raises(ConfigError, match=f"engine.kv_cache_dtype: {kv_cache_dtype} under a {dtype} model"):
+        check_backend_available(cfg)
+
+
 def test_every_serve_flag_reads_its_env_var(monkeypatch):
     monkeypatch.setenv("NEURONMM_MAX_MODEL_LEN", "333")
     monkeypatch.setenv("NEURONMM_SERVED_MODEL_NAME", "a,b")

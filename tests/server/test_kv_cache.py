@@ -36,3 +36,25 @@ def test_a_chunk_after_cached_tokens_attends_like_one_prefill(tiny_model_dir, fu
     runner.execute([SeqChunk(-1, prompt[:50], 0, False, [6, 7, 8, 9, 10, 11])])
     split = runner.execute([SeqChunk(-1, prompt[50:], 50, True, [6, 7, 8, 9, 10, 11])])
     torch.testing.assert_close(split, whole, rtol=1e-4, atol=1e-4)
+
+
+@KERNELS
+@pytest.mark.parametrize("cache_dtype", ["float16", "bfloat16"])
+def test_a_narrow_cache_under_an_fp32_model_keeps_its_logits(tiny_model_dir, fused, cache_dtype):
+    """engine.kv_cache_dtype float16 / bfloat16 under float32: half the bytes a token, logits within the cache's
+    rounding of the fp32 cache's over a prefill and decode steps (the reference path's SDPA chunks included)."""
+    prompt = list(range(300, 340))
+    runs = {}
+    for name in ("auto", cache_dtype):
+        runner = TorchRunner(tiny_model_dir, 64, "float32", num_threads=1, fused_kernels=fused, kv_cache_dtype=name)
+        runner.load()
+        runner.allocate_kv_blocks(8, 16)
+        logits = [runner.execute([SeqChunk(-1, prompt, 0, block_table=[0, 1, 2, 3])])]
+        logits += [runner.execute([SeqChunk(-1, [400 + i], 40 + i, block_table=[0, 1, 2, 3])]) for i in range(4)]
+        runs[name] = (runner, torch.cat(logits))
+    (dense, wide), (narrow, half) = runs["auto"], runs[cache_dtype]
+    assert dense.cache.k[0].dtype == torch.float32 and narrow.cache.k[0].dtype == getattr(torch, cache_dtype)
+    assert narrow.kv_bytes_per_token() * 2 == dense.kv_bytes_per_token()
+    assert not torch.equal(half, wide)  # the cache did round
+    tol = 5e-4 if cache_dtype == "float16" else 4e-3  # measured: 5e-5 and 4e-4 on logits of magnitude ~1
+    torch.testing.assert_close(half, wide, rtol=tol, atol=tol)
