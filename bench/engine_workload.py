@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="configs/smollm2-135m.yaml")
     p.add_argument("--compressed", help="a compressed artifact folder to apply (default: the config's)")
     p.add_argument("--dtype", help="override the config's model dtype (e.g. float32)")
+    p.add_argument("--kv-cache-dtype", help="override the config's engine.kv_cache_dtype (e.g. float16)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         model["dtype"] = args.dtype
     if model:
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update=model)})
+    if args.kv_cache_dtype:
+        cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"kv_cache_dtype": args.kv_cache_dtype})})
     engine = load_runtime(cfg).engine
     vocab = engine.runner.vocab_size
     rng = random.Random(args.seed)

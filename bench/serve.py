@@ -140,14 +140,18 @@ async def run_level(url: str, model: str, prompts: list[list[int]], concurrency:
     }
 
 
-def neuronmm_systems(config: str, compressed: str | None, port: int, fp32: bool = False) -> list[System]:
-    """neuronmm dense greedy, dense sampled, compressed greedy (when an artifact is given), fp32 (when asked)."""
+def neuronmm_systems(config: str, compressed: str | None, port: int, fp32: bool = False,
+                     kv_cache_dtype: str | None = None) -> list[System]:
+    """neuronmm dense greedy, dense sampled, compressed greedy (when an artifact is given), fp32 and another KV cache
+    dtype (when asked)."""
     serve = [*NEURONMM, "serve", "--config", config, "--port", str(port)]
     systems = [System("neuronmm", serve), System("neuronmm sampled", serve, sampled=True)]
     if compressed:
         systems.append(System("neuronmm compressed", [*serve, "--compressed", compressed]))
     if fp32:
         systems.append(System("neuronmm fp32", [*serve, "--dtype", "float32"]))
+    if kv_cache_dtype:
+        systems.append(System(f"neuronmm kv {kv_cache_dtype}", [*serve, "--kv-cache-dtype", kv_cache_dtype]))
     return systems
 
 
@@ -206,6 +210,8 @@ def engine_steps(config: str, compressed: str | None, batch_sizes: list[int]) ->
 
 def workload_args(system: str, compressed: str | None) -> list[str] | None:
     """bench.engine_workload's model arguments for a served neuronmm system (None: it has no engine-only twin)."""
+    if system.startswith("neuronmm kv "):
+        return ["--kv-cache-dtype", system.removeprefix("neuronmm kv ")]
     return {"neuronmm": [], "neuronmm compressed": ["--compressed", compressed] if compressed else None,
             "neuronmm fp32": ["--dtype", "float32"]}.get(system)
 
@@ -270,6 +276,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="which to run: neuronmm (dense, sampled, compressed) and/or llama-server")
     p.add_argument("--fp32", action="store_true",
                    help="also serve in fp32 (what a CPU without native bf16 runs), against llama-server f32")
+    p.add_argument("--kv-cache-dtype", choices=["float16", "bfloat16", "float32"],
+                   help="also serve the config's model with this KV cache dtype (float16 under fp32: llama.cpp's default)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
@@ -285,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     port = free_port()
-    systems = neuronmm_systems(args.config, args.compressed, port, args.fp32) if "neuronmm" in args.systems else []
+    systems = (neuronmm_systems(args.config, args.compressed, port, args.fp32, args.kv_cache_dtype)
+               if "neuronmm" in args.systems else [])
     peers = peer_systems(model_dir, port, max(args.concurrency)) if "llama-server" in args.systems else []
     peer_note = "" if peers or "llama-server" not in args.systems else (
         f"llama-server not found in {PEERS}: run ../shared/peers/llama-server.sh to compare (ours ran alone).")

@@ -9,13 +9,21 @@ import sys
 import pytest
 
 from bench.harness import free_port, run_client
-from bench.serve import System, bracket, markdown, measure_system, workload_args
+from bench.serve import System, bracket, markdown, measure_system, neuronmm_systems, workload_args
 
 
 def test_each_served_model_has_its_engine_only_twin():
     assert workload_args("neuronmm", None) == []
     assert workload_args("neuronmm compressed", "/a") == ["--compressed", "/a"]
     assert workload_args("neuronmm fp32", None) == ["--dtype", "float32"]
+    assert workload_args("neuronmm kv float16", None) == ["--kv-cache-dtype", "float16"]
+
+
+def test_another_kv_cache_dtype_is_one_more_served_system():
+    plain = neuronmm_systems("c.yaml", None, 8000)
+    systems = neuronmm_systems("c.yaml", None, 8000, kv_cache_dtype="float16")
+    assert [s.name for s in systems] == [s.name for s in plain] + ["neuronmm kv float16"]
+    assert systems[-1].command[-2:] == ["--kv-cache-dtype", "float16"] and not systems[-1].sampled
 
 
 def test_sampled_and_peer_systems_have_none():
