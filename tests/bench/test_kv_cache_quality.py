@@ -1,0 +1,26 @@
+"""bench.kv_cache_quality: one row per cache dtype, scored against the first; agreement counts where tokens part."""
+
+from __future__ import annotations
+
+import json
+
+from bench import kv_cache_quality
+
+
+def test_agreement_finds_the_first_differing_token():
+    result = kv_cache_quality.agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]])
+    assert result == {"identical": 0.5, "mean_first_difference": 2.0, "first_differences": [3, 1]}
+
+
+def test_each_cache_dtype_is_scored_against_the_first(tiny_model_dir, tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(f"model: {{name: tiny, source: safetensors, path: {tiny_model_dir}}}\n"
+                      f"cache_dir: {tmp_path / 'cache'}\n")
+    out = tmp_path / "kq.json"
+    assert kv_cache_quality.main(["--config", str(config), "--windows", "2", "--seqlen", "32", "--greedy-prompts", "2",
+                                  "--prompt-len", "8", "--greedy-tokens", "4", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["kv_cache_dtype"] for r in rows] == ["float32", "float16", "bfloat16"]
+    assert rows[0]["ppl_ratio"] == 1.0 and rows[0]["identical"] == 1.0
+    assert all(abs(r["ppl_ratio"] - 1) < 0.01 and r["ppl"] > 1 for r in rows)
+    assert out.with_suffix(".md").read_text().startswith("CPU flags")
