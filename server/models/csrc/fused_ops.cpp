@@ -101,8 +101,8 @@ inline void axpy_head(float p, const c10::BFloat16* v, float* acc, int64_t d) {
   axpy_head_avx512(p, v, acc, d);
 }
 
-// Attention over a block of the cache with the running sums in registers (the cache in fp32, bf16 or fp16). One query head against 16 keys
-// ends in 16 horizontal sums; a transpose-add tree does them together (45 shuffles and adds instead of
+// Attention over a block of the cache (fp32, bf16 or fp16) with the running sums in registers. One query head
+// against 16 keys ends in 16 horizontal sums; a transpose-add tree does them together (45 shuffles and adds instead of
 // 16 full reductions). Values: the accumulators of up to 16 / D16 query heads stay in registers across a
 // block's keys, each value row widened once for the whole group (a store-to-load chain through memory per
 // key made the old axpy loop latency-bound). D16 = head_dim / 16.
