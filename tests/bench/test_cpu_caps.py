@@ -6,17 +6,24 @@ import json
 import subprocess
 import sys
 
-from bench.cpu_caps import CAPS, caps_in_force
+import pytest
+
+from bench.cpu_caps import CAP_VARIABLES, CAPS, caps_in_force
 
 SHOW_ENV = "import json, os; print(json.dumps({k: os.environ.get(k) for k in %r}))"
 
 
-def test_a_capped_command_sees_every_cap():
-    names = sorted(CAPS["avx2"])
-    out = subprocess.run([sys.executable, "-m", "bench.cpu_caps", "avx2", sys.executable, "-c", SHOW_ENV % names],
+@pytest.mark.parametrize("cap", sorted(CAPS))
+def test_a_capped_command_sees_every_cap(cap):
+    names = sorted(CAPS[cap])
+    out = subprocess.run([sys.executable, "-m", "bench.cpu_caps", cap, sys.executable, "-c", SHOW_ENV % names],
                          capture_output=True, text=True, check=True).stdout
-    assert json.loads(out) == CAPS["avx2"]
+    assert json.loads(out) == CAPS[cap]
+
+
+def test_the_caps_reach_every_library_that_would_run_a_newer_path():
     assert CAPS["avx2"]["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"  # torch's fp32 matmul goes through MKL
+    assert CAPS["avx512-bf16"]["NEURONMM_BF16_AMX_ROWS"] == "0"  # our bf16 GEMMs' AMX path (gemm_tuning)
 
 
 def test_an_unknown_cap_is_a_usage_error():
@@ -25,7 +32,7 @@ def test_an_unknown_cap_is_a_usage_error():
 
 
 def test_caps_in_force_reads_the_environment(monkeypatch):
-    for name in CAPS["avx2"]:
+    for name in CAP_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     assert caps_in_force() == {}
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
