@@ -357,36 +357,40 @@ inline float row_max(const float* x, int64_t n) {
   return max_x;
 }
 
-// s[j] = exp(s[j] - m) for one head's n scores (m: their max); returns their sum. The lanes give fast_exp's bits;
-// the sum is taken per lane, then across (the order the omp simd loop it replaces was free to pick: GCC kept
-// that loop scalar, ~30 % of the AVX2 attention's time).
-inline float exp_scores(float* s, int64_t n, float m) {
+// probs[lo, hi) = exp((logits - max_x) * inv_t), a masked (-inf) logit 0 exactly (fast_exp clamps its input,
+// so it would give 1e-38); returns their sum. The sampler's blocks, and attention's softmax in place (inv_t 1).
+// Lanes give fast_exp's bits (an omp simd loop over fast_exp stayed scalar: ~30 % of the AVX2 attention).
+inline float exp_block(const float* logits, float* probs, int64_t lo, int64_t hi, float max_x, float inv_t) {
   float sum = 0.f;
-  int64_t j = 0;
+  int64_t i = lo;
 #if defined(__AVX512F__)
-  const __m512 vm = _mm512_set1_ps(m);
-  __m512 acc = _mm512_setzero_ps();
-  for (; j + 16 <= n; j += 16) {
-    const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm));
-    _mm512_storeu_ps(s + j, e);
-    acc = _mm512_add_ps(acc, e);
+  const __m512 vmax = _mm512_set1_ps(max_x), vt = _mm512_set1_ps(inv_t), ninf = _mm512_set1_ps(-INFINITY);
+  __m512 vsum = _mm512_setzero_ps();
+  for (; i + 16 <= hi; i += 16) {
+    const __m512 x = _mm512_loadu_ps(logits + i);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(live, fast_exp16(_mm512_mul_ps(_mm512_sub_ps(x, vmax), vt)));
+    _mm512_storeu_ps(probs + i, e);
+    vsum = _mm512_add_ps(vsum, e);
   }
-  sum = _mm512_reduce_add_ps(acc);
+  sum = _mm512_reduce_add_ps(vsum);
 #elif defined(__AVX2__)
-  const __m256 vm = _mm256_set1_ps(m);
-  __m256 acc = _mm256_setzero_ps();
-  for (; j + 8 <= n; j += 8) {
-    const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
-    _mm256_storeu_ps(s + j, e);
-    acc = _mm256_add_ps(acc, e);
+  const __m256 vmax = _mm256_set1_ps(max_x), vt = _mm256_set1_ps(inv_t), ninf = _mm256_set1_ps(-INFINITY);
+  __m256 vsum = _mm256_setzero_ps();
+  for (; i + 8 <= hi; i += 8) {
+    const __m256 x = _mm256_loadu_ps(logits + i);
+    const __m256 live = _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ);
+    const __m256 e = _mm256_and_ps(live, fast_exp8(_mm256_mul_ps(_mm256_sub_ps(x, vmax), vt)));
+    _mm256_storeu_ps(probs + i, e);
+    vsum = _mm256_add_ps(vsum, e);
   }
   alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
+  _mm256_store_ps(lanes, vsum);
   for (const float v : lanes) sum += v;
 #endif
-  for (; j < n; ++j) {
-    s[j] = fast_exp(s[j] - m);
-    sum += s[j];
+  for (; i < hi; ++i) {
+    probs[i] = logits[i] == -INFINITY ? 0.f : fast_exp((logits[i] - max_x) * inv_t);
+    sum += probs[i];
   }
   return sum;
 }
@@ -669,7 +673,7 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
       }
       for (int64_t g = 0; g < item_heads; ++g) {  // the max after the scores, in one vector pass per head
         float* sg = scores.data() + g * n;
-        inv[g] = 1.f / exp_scores(sg, n, row_max(sg, n));
+        inv[g] = 1.f / exp_block(sg, sg, 0, n, row_max(sg, n), 1.f);  // in place; x * 1 is exact
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < n; start += block_size) {
@@ -759,43 +763,6 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& qkv, const at::Te
 // never chosen (the pick moves back to the last positive column of its block).
 constexpr int64_t kCdfBlock = 256;
 
-
-// probs[lo, hi) = exp((logits - max_x) * inv_t), a masked (-inf) logit 0 exactly (fast_exp clamps its input,
-// so it would give 1e-38); returns their sum.
-inline float exp_block(const float* logits, float* probs, int64_t lo, int64_t hi, float max_x, float inv_t) {
-  float sum = 0.f;
-  int64_t i = lo;
-#if defined(__AVX512F__)
-  const __m512 vmax = _mm512_set1_ps(max_x), vt = _mm512_set1_ps(inv_t), ninf = _mm512_set1_ps(-INFINITY);
-  __m512 vsum = _mm512_setzero_ps();
-  for (; i + 16 <= hi; i += 16) {
-    const __m512 x = _mm512_loadu_ps(logits + i);
-    const __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
-    const __m512 e = _mm512_maskz_mov_ps(live, fast_exp16(_mm512_mul_ps(_mm512_sub_ps(x, vmax), vt)));
-    _mm512_storeu_ps(probs + i, e);
-    vsum = _mm512_add_ps(vsum, e);
-  }
-  sum = _mm512_reduce_add_ps(vsum);
-#elif defined(__AVX2__)
-  const __m256 vmax = _mm256_set1_ps(max_x), vt = _mm256_set1_ps(inv_t), ninf = _mm256_set1_ps(-INFINITY);
-  __m256 vsum = _mm256_setzero_ps();
-  for (; i + 8 <= hi; i += 8) {
-    const __m256 x = _mm256_loadu_ps(logits + i);
-    const __m256 live = _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ);
-    const __m256 e = _mm256_and_ps(live, fast_exp8(_mm256_mul_ps(_mm256_sub_ps(x, vmax), vt)));
-    _mm256_storeu_ps(probs + i, e);
-    vsum = _mm256_add_ps(vsum, e);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vsum);
-  for (const float v : lanes) sum += v;
-#endif
-  for (; i < hi; ++i) {
-    probs[i] = logits[i] == -INFINITY ? 0.f : fast_exp((logits[i] - max_x) * inv_t);
-    sum += probs[i];
-  }
-  return sum;
-}
 
 int64_t sample_row(const float* logits, float* probs, double* block_sums, int64_t vocab, float inv_t, double u) {
   const float max_x = row_max(logits, vocab);
