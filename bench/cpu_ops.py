@@ -16,18 +16,14 @@ Sampler: 16 rows of a 49,152-token vocabulary.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from bench.cpu_caps import caps_in_force
-from bench.engine_step import BENCH_FLAGS
-from bench.harness import save_report
+from bench.harness import machine_facts, publish
 from server.models import fused_ops
-from server.models.cpu_features import cpu_flags
 from server.models.packed_linear import panels_available
 
 RESULTS = Path(__file__).parent / "results"
@@ -126,15 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not fused_ops.load():
         p.exit(2, "bench.cpu_ops: the fused CPU ops could not be built here (see the log above)\n")
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-              "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "caps_in_force": caps_in_force(),
-              "torch_threads": torch.get_num_threads(), "gemm": gemm_rows(args.rows, args.repeats),
+    report = {**machine_facts(), "torch_threads": torch.get_num_threads(), "gemm": gemm_rows(args.rows, args.repeats),
               "attention": [attention_ms(args.positions, args.repeats, *dtypes) for dtypes in ATTENTION_DTYPES],
               "sampler": sampler_us(args.repeats)}
-    out = save_report(Path(args.out), report, markdown(report))
-    print(markdown(report))
-    print(f"saved {out}")
-    return 0
+    return publish(Path(args.out), report, markdown(report))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import random
 import statistics
@@ -29,11 +28,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.cpu_caps import caps_in_force
+from bench.harness import machine_facts
 from server.backends.base import SeqChunk
 from server.backends.torch_runner import TorchRunner
 from server.config import load_config
-from server.models.cpu_features import cpu_flags
 from server.models.gemm_tuning import bf16_kernels
 from server.models.source import resolve_model_dir
 
@@ -64,7 +62,6 @@ def step_times(runner, batch_size: int, context: int, steps: int, seed: int, blo
 
 
 # The flags a speed claim depends on (vector width, native bf16/int8 dot products).
-BENCH_FLAGS = frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"})
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -163,9 +160,7 @@ def _kernels() -> dict | None:
 
 
 def _facts(args, runner: TorchRunner, compressed: str | None, block_size: int) -> dict:
-    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
-            "cpus": os.cpu_count(), "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "caps_in_force": caps_in_force(),
-            "torch_threads": torch.get_num_threads(), "config": args.config, "compressed": compressed,
+    return {**machine_facts(), "machine": platform.machine(), "torch_threads": torch.get_num_threads(), "config": args.config, "compressed": compressed,
             "panel_gemm": not args.no_panel_gemm, "bf16_kernels": _kernels(),
             "decoder_plan": runner.model.use_decoder_plan and runner.model.decoder_plan() is not None,
             "dtype": str(runner.dtype).removeprefix("torch."), "kv_cache_dtype": str(runner.cache_dtype).removeprefix("torch."),

@@ -13,19 +13,15 @@ forward alone at a fixed context instead.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from bench.cpu_caps import caps_in_force
-from bench.engine_step import BENCH_FLAGS
-from bench.harness import save_report
+from bench.harness import machine_facts, publish
 from server.config import load_config
 from server.engine.sampling_params import SamplingParams
-from server.models.cpu_features import cpu_flags
 from server.runtime import load_runtime
 
 RESULTS = Path(__file__).parent / "results"
@@ -90,19 +86,14 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [[rng.randrange(1000, vocab) for _ in range(args.input_len)] for _ in range(n)]
         run_level(engine, prompts[: min(c, 4)], c, 8, args.sampled)  # warm this batch size's shapes
         rows.append(run_level(engine, prompts, c, args.output_len, args.sampled))
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-              "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "caps_in_force": caps_in_force(),
-              "config": args.config, "compressed": args.compressed,
+    report = {**machine_facts(), "config": args.config, "compressed": args.compressed,
               "dtype": str(engine.runner.dtype).removeprefix("torch."),
               "kv_cache_dtype": str(engine.runner.cache_dtype).removeprefix("torch."), "input_len": args.input_len,
               "output_len": args.output_len, "rows": rows}
     lines = ["| c | output tok/s | decode step p50 ms | decode steps | other steps (s) |", "|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['concurrency']} | {r['output_tok_s']:.1f} | {r['decode_step_ms_p50']:.1f} | {r['num_decode_steps']} | "
               f"{r['num_other_steps']} ({r['other_steps_s']:.2f}) |" for r in rows]
-    out = save_report(Path(args.out), report, "\n".join(lines))
-    print("\n".join(lines))
-    print(f"saved {out}")
-    return 0
+    return publish(Path(args.out), report, "\n".join(lines))
 
 
 if __name__ == "__main__":

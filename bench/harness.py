@@ -23,11 +23,15 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from bench.cpu_caps import caps_in_force
 from server.config import DEFAULT_CONFIG
 from server.fileio import atomic_file, write_json_atomic
+from server.models.cpu_features import cpu_flags
 
 REPO = Path(__file__).resolve().parent.parent
 NEURONMM = [sys.executable, "-m", "server.cli"]
+# The CPU flags that pick our kernels' paths: what a report records of the machine.
+BENCH_FLAGS = frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"})
 
 
 def run_client(coro: Coroutine):
@@ -113,6 +117,20 @@ def save_report(out: Path, report: dict, md: str) -> Path:
     with atomic_file(out.with_suffix(".md")) as tmp:
         tmp.write_text(md.rstrip("\n") + "\n", encoding="utf-8")
     return out
+
+
+def machine_facts() -> dict:
+    """What a report states first: the UTC date, the CPU count, the kernel-picking CPU flags and the caps in force."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
+            "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "caps_in_force": caps_in_force()}
+
+
+def publish(out: Path, report: dict, md: str) -> int:
+    """save_report, then print the markdown and where the report went; a benchmark's exit code (0)."""
+    saved = save_report(out, report, md)
+    print(md)
+    print(f"saved {saved}")
+    return 0
 
 
 class ServerProcess:

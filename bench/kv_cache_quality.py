@@ -14,24 +14,19 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from bench.cpu_caps import caps_in_force
-from bench.engine_step import BENCH_FLAGS
-from bench.harness import save_report
+from bench.harness import machine_facts, publish
 from bench.position_nll import spread_windows
 from compression.evaluation.corpora import corpus_text
 from compression.evaluation.perplexity import token_windows
 from server.backends.base import SeqChunk
 from server.backends.torch_runner import TorchRunner
 from server.config import load_config
-from server.models.cpu_features import cpu_flags
 from server.models.source import resolve_model_dir
 from server.runtime import load_tokenizer
 
@@ -113,15 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"kv_cache_dtype": str(runner.cache_dtype).removeprefix("torch."), "ppl": math.exp(nll),
                      "ppl_ratio": math.exp(nll - reference[0]), **agreement(reference[1], continuations)})
         del runner
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-              "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "caps_in_force": caps_in_force(), "config": args.config,
+    report = {**machine_facts(), "config": args.config,
               "dtype": args.dtype, "seqlen": args.seqlen, "windows": len(windows), "windows_total": len(all_windows),
               "greedy_prompts": len(prompts), "prompt_len": args.prompt_len, "greedy_tokens": args.greedy_tokens,
               "rows": rows}
-    out = save_report(Path(args.out), report, markdown(report))
-    print(markdown(report))
-    print(f"saved {out}")
-    return 0
+    return publish(Path(args.out), report, markdown(report))
 
 
 if __name__ == "__main__":

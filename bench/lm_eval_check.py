@@ -29,8 +29,7 @@ import yaml  # noqa: E402
 from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from bench.engine_step import BENCH_FLAGS  # noqa: E402
-from bench.harness import ServerProcess, save_report, write_config  # noqa: E402
+from bench.harness import BENCH_FLAGS, ServerProcess, save_report, write_config  # noqa: E402
 from compression.evaluation.model import load_eval_model  # noqa: E402
 from compression.evaluation.tasks import get_task  # noqa: E402
 from compression.evaluation.zeroshot import encode_pair, loglikelihoods, predictions  # noqa: E402

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.engine_step import BENCH_FLAGS
-from bench.harness import ServerProcess, run_client, write_config
+from bench.harness import BENCH_FLAGS, ServerProcess, run_client, write_config
 from server.config import DEFAULT_CONFIG, load_config
 from server.models.cpu_features import cpu_flags
 

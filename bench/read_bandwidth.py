@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.engine_step import BENCH_FLAGS
+from bench.harness import BENCH_FLAGS
 from server.models.cpu_features import cpu_flags
 
 RESULTS = Path(__file__).parent / "results"

@@ -32,12 +32,9 @@ from pathlib import Path
 
 import httpx
 
-from bench.cpu_caps import caps_in_force
-from bench.engine_step import BENCH_FLAGS
-from bench.harness import NEURONMM, REPO, free_port, run_client, run_logged, save_report, wait_healthy
+from bench.harness import NEURONMM, REPO, free_port, machine_facts, publish, run_client, run_logged, wait_healthy
 from bench.read_bandwidth import read_bandwidth_gbs
 from server.config import load_config
-from server.models.cpu_features import cpu_flags
 from server.models.source import resolve_model_dir
 
 RESULTS = Path(__file__).parent / "results"
@@ -300,9 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         f"llama-server not found in {PEERS}: run ../shared/peers/llama-server.sh to compare (ours ran alone).")
     num_prompts = 1 + sum(max(4, 2 * c) for c in args.concurrency)  # the first warms the server
     RESULTS.mkdir(parents=True, exist_ok=True)
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-              "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "caps_in_force": caps_in_force(),
-              "config": args.config, "compressed": args.compressed,
+    report = {**machine_facts(), "config": args.config, "compressed": args.compressed,
               "input_len": args.input_len, "output_len": args.output_len, "peer_note": peer_note,
               "commands": {s.name: shlex.join(s.command) for s in systems + peers},
               "memory_bandwidth_gbs": read_bandwidth_gbs(2**29), "serve": [], "engine_step": [], "engine_workload": []}
@@ -319,10 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             report["engine_workload"] += bracket(before, engine_workload(*twin))
     if systems:
         report["engine_step"] = engine_steps(args.config, args.compressed, args.step_batch_sizes)
-    out = save_report(Path(args.out), report, markdown(report))
-    print(markdown(report))
-    print(f"saved {out}")
-    return 0
+    return publish(Path(args.out), report, markdown(report))
 
 
 if __name__ == "__main__":

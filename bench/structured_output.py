@@ -23,8 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.engine_step import BENCH_FLAGS
-from bench.harness import ServerProcess, run_client, save_report, write_config
+from bench.harness import BENCH_FLAGS, ServerProcess, run_client, save_report, write_config
 from bench.serve import percentile
 from server.config import load_config
 from server.models.cpu_features import cpu_flags
