@@ -9,7 +9,8 @@ Run it under `bench.cpu_caps` to time the code another CPU class runs:
 Panel GEMMs: the SmolLM2 MLP's 1536 x 576 and 576 x 1536 in the dtype this build serves (bf16 where it has
 AVX512-BF16, else fp32), best of `--repeats` runs of many calls. Attention: 16 sequences of `--positions`
 cached positions, 30 layers' caches in turn (so each call reads from memory, as a step's layers do): an fp32 model
-over an fp32 cache and over an fp16 one (`engine.kv_cache_dtype: float16`), and a bf16 model over its bf16 cache.
+over an fp32 cache and over an fp16 one (`engine.kv_cache_dtype: float16`), and a bf16 model over its bf16 cache;
+then the same with uneven contexts (half the sequences at an eighth of `--positions`, half at the rest of twice it).
 Sampler: 16 rows of a 49,152-token vocabulary.
 """
 
@@ -63,19 +64,28 @@ def gemm_rows(rows_list: list[int], repeats: int) -> list[dict]:
     return out
 
 
-def attention_ms(positions: int, repeats: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> dict:
-    """ms for 30 layers of batch-16 decode attention of a `dtype` model over a cache in `cache_dtype`, and the
-    cache bytes read per second."""
-    per_seq = positions // BLOCK + 1
-    shape = (SEQS * per_seq, KV_HEADS, BLOCK, HEAD_DIM)
+def contexts_of(positions: int, uneven: bool) -> list[int]:
+    """16 sequences' cached positions: all at `positions`, or (uneven) half at an eighth of it and half at the rest
+    of twice it (the same total: a batch of new and long-running conversations)."""
+    if not uneven:
+        return [positions] * SEQS
+    short = max(1, positions // 8)
+    return [short] * (SEQS // 2) + [2 * positions - short] * (SEQS - SEQS // 2)
+
+
+def attention_ms(contexts: list[int], repeats: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> dict:
+    """ms for 30 layers of decode attention of a `dtype` model over a cache in `cache_dtype`, one sequence per
+    entry of `contexts` (its cached positions), and the cache bytes read per second."""
+    seqs, per_seq = len(contexts), max(contexts) // BLOCK + 1
+    shape = (seqs * per_seq, KV_HEADS, BLOCK, HEAD_DIM)
     gen = torch.Generator().manual_seed(0)
     k_caches = [torch.randn(shape, generator=gen).to(cache_dtype) for _ in range(LAYERS)]
     v_caches = [torch.randn(shape, generator=gen).to(cache_dtype) for _ in range(LAYERS)]
-    qkv = torch.randn(SEQS, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(dtype)
-    cos, sin = (torch.randn(SEQS, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
-    tables = torch.arange(SEQS * per_seq, dtype=torch.int32).reshape(SEQS, per_seq)
-    slots = torch.tensor([s * per_seq * BLOCK + positions - 1 for s in range(SEQS)])
-    seq_index, lens = torch.arange(SEQS, dtype=torch.int32), torch.full((SEQS,), positions, dtype=torch.int32)
+    qkv = torch.randn(seqs, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(dtype)
+    cos, sin = (torch.randn(seqs, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
+    tables = torch.arange(seqs * per_seq, dtype=torch.int32).reshape(seqs, per_seq)
+    slots = torch.tensor([s * per_seq * BLOCK + n - 1 for s, n in enumerate(contexts)])
+    seq_index, lens = torch.arange(seqs, dtype=torch.int32), torch.tensor(contexts, dtype=torch.int32)
 
     def all_layers() -> None:
         for k, v in zip(k_caches, v_caches):
@@ -83,8 +93,10 @@ def attention_ms(positions: int, repeats: int, dtype: torch.dtype, cache_dtype: 
                                          HEAD_DIM ** -0.5)
 
     ms = best_us(all_layers, 1, repeats) / 1e3
-    cache_bytes = 2 * SEQS * positions * KV_HEADS * HEAD_DIM * cache_dtype.itemsize * LAYERS
-    return {"positions": positions, "layers": LAYERS, "seqs": SEQS, "dtype": str(dtype).removeprefix("torch."),
+    cache_bytes = 2 * sum(contexts) * KV_HEADS * HEAD_DIM * cache_dtype.itemsize * LAYERS
+    counts = {n: contexts.count(n) for n in dict.fromkeys(contexts)}
+    return {"contexts": " + ".join(f"{c} x {n}" for n, c in counts.items()), "positions": sum(contexts) / seqs,
+            "layers": LAYERS, "seqs": seqs, "dtype": str(dtype).removeprefix("torch."),
             "cache_dtype": str(cache_dtype).removeprefix("torch."), "ms": ms, "cache_gb_s": cache_bytes / ms / 1e6}
 
 
@@ -105,7 +117,7 @@ def markdown(report: dict) -> str:
     lines += [f"| {g['n']} x {g['k']} | {g['dtype']} | {g['rows']} | {g['us']:.1f} | {g['gflops']:.0f} |"
               for g in report["gemm"]]
     for a in report["attention"]:
-        lines += ["", f"Attention, {a['layers']} layers x {a['seqs']} sequences at {a['positions']} positions "
+        lines += ["", f"Attention, {a['layers']} layers x sequences at {a['contexts']} positions "
                       f"({a['dtype']} model, {a['cache_dtype']} cache): {a['ms']:.2f} ms, {a['cache_gb_s']:.1f} GB/s of "
                       "cache read"]
     lines += ["", "Sampler, 16 x 49,152: " + ", ".join(f"{k} {v:.0f} µs" for k, v in report["sampler"].items())]
@@ -123,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     if not fused_ops.load():
         p.exit(2, "bench.cpu_ops: the fused CPU ops could not be built here (see the log above)\n")
     report = {**machine_facts(), "torch_threads": torch.get_num_threads(), "gemm": gemm_rows(args.rows, args.repeats),
-              "attention": [attention_ms(args.positions, args.repeats, *dtypes) for dtypes in ATTENTION_DTYPES],
+              "attention": [attention_ms(contexts_of(args.positions, uneven), args.repeats, *dtypes)
+                            for uneven in (False, True) for dtypes in ATTENTION_DTYPES],
               "sampler": sampler_us(args.repeats)}
     return publish(Path(args.out), report, markdown(report))
 

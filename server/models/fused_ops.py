@@ -27,7 +27,8 @@ from server.models.cpu_features import cpu_flags
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "fused_ops.cpp", CSRC / "small_gemm.cpp", CSRC / "decoder.cpp")
+SOURCES = (CSRC / "fused_ops.cpp", CSRC / "small_gemm.cpp", CSRC / "decoder.cpp", CSRC / "work_split.cpp")
+HEADERS = (CSRC / "work_split.h",)
 ARCH_ENV = "NEURONMM_CPU_ARCH"
 _loaded: bool | None = None
 
@@ -41,7 +42,7 @@ def cxxflags() -> list[str]:
 
 
 def _build_dir(cache_dir: Path) -> Path:
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + torch.__version__.encode()
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS) + torch.__version__.encode()
                          + " ".join(cxxflags()).encode() + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
     return cache_dir / "ext" / f"fused_ops-{key}"
 

@@ -18,8 +18,10 @@ def test_the_report_holds_every_op(tmp_path):
     assert [(g["n"], g["k"], g["rows"]) for g in report["gemm"]] == [(1536, 576, 1), (1536, 576, 5),
                                                                       (576, 1536, 1), (576, 1536, 5)]
     assert all(g["us"] > 0 and g["dtype"] in ("bfloat16", "float32") for g in report["gemm"])
-    assert [(a["dtype"], a["cache_dtype"], a["positions"]) for a in report["attention"]] == [
-        ("float32", "float32", 40), ("float32", "float16", 40), ("bfloat16", "bfloat16", 40)]
+    pairs = [("float32", "float32"), ("float32", "float16"), ("bfloat16", "bfloat16")]
+    assert [(a["dtype"], a["cache_dtype"], a["contexts"]) for a in report["attention"]] == (
+        [(*pair, "16 x 40") for pair in pairs] + [(*pair, "8 x 5 + 8 x 75") for pair in pairs])
+    assert all(a["positions"] == 40 for a in report["attention"])  # the uneven batch holds as many positions
     assert all(a["ms"] > 0 for a in report["attention"])
     assert set(report["sampler"]) == {"argmax_rows", "sample_temperature", "torch_argmax"}
     assert out.with_suffix(".md").read_text().startswith("CPU flags")

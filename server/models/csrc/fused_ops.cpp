@@ -13,6 +13,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "work_split.h"
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -603,9 +605,14 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   const int64_t heads_per_item = num_tokens >= 2 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t items_per_token = num_kv_heads / heads_per_item;
   const int64_t item_heads = heads_per_item * group;  // query heads of an item
-  at::parallel_for(0, num_tokens * items_per_token, 1, [&](int64_t b, int64_t e) {
+  // An item costs its token's context (a prefill chunk's tokens see from a few to all of the chunk's positions;
+  // a batch's sequences differ in length), and a thread that finishes early takes others' items.
+  const int64_t items = num_tokens * items_per_token;
+  std::vector<int64_t> cost_before(items + 1, 0);
+  for (int64_t item = 0; item < items; ++item) cost_before[item + 1] = cost_before[item] + 1 + ctx[item / items_per_token];
+  neuronmm::balanced_for(items, [&](int64_t item) { return cost_before[item]; }, [&](const auto& next) {
     std::vector<float> scores, acc(item_heads * head_dim), q(item_heads * head_dim), inv(item_heads);
-    for (int64_t item = b; item < e; ++item) {
+    for (int64_t item; next(item);) {
       const int64_t t = item / items_per_token, kv0 = item % items_per_token * heads_per_item;
       const int64_t h0 = kv0 * group;  // first query head of the item
       T* dst = op + (t * num_heads + h0) * head_dim;

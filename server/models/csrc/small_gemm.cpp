@@ -18,6 +18,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "work_split.h"
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -71,37 +73,15 @@ struct PanelList {
   }
 };
 
-// Calls body(begin, end) once per thread, on contiguous stretches of items [0, count) of about equal cost;
-// cost_before(i) is the summed cost of items 0 .. i-1. Splitting by cost rather than count matters when parts
-// differ in K: gate at rank 128 beside up at rank 256 gave one thread a third of the work, the other two.
-template <typename CostBefore, typename Body>
-void split_by_cost(int64_t count, const CostBefore& cost_before, const Body& body) {
-  if (count <= 0) return;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count), total = cost_before(count);
-  const auto start = [&](int64_t t) {  // the first item whose preceding cost reaches t / threads of the total
-    int64_t lo = 0, hi = count;
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      if (cost_before(mid) * threads >= t * total) hi = mid; else lo = mid + 1;
-    }
-    return lo;
-  };
-  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const int64_t lo = start(t), hi = start(t + 1);
-      if (lo < hi) body(lo, hi);
-    }
-  });
-}
-
 // Nothing to set up or tear down around a thread's share of a GEMM (the vector kernels need nothing).
 struct NoScope {};
 
 // Calls tile(panel, first row, rows) over an [M, K] x panels GEMM. Work items are (panel, row block) pairs,
-// panel-major, cut into one contiguous stretch of equal cost per thread: at decode sizes (one row block) each
-// thread streams its own part of the weight once; at prefill sizes a matrix with few panels still spreads
-// over every thread. A row block (ItemRows) is cut into tiles of up to TileRows rows; a Scope lives across each
-// thread's stretch (AMX configures its tiles there).
+// panel-major, split by cost (neuronmm::balanced_for: splitting by cost rather than count matters when parts
+// differ in K: gate at rank 128 beside up at rank 256 gave one thread a third of the work, the other two): at
+// decode sizes (one row block) each thread streams its own part of the weight once; at prefill sizes a matrix
+// with few panels still spreads over every thread. A row block (ItemRows) is cut into tiles of up to TileRows
+// rows; a Scope lives across each thread's share (AMX configures its tiles there).
 template <int64_t ItemRows = kRowsPerItem, int64_t TileRows = kMaxRows, typename Scope = NoScope, typename Tile>
 void for_each_tile(int64_t M, const PanelList& list, const Tile& tile) {
   const int64_t row_blocks = (M + ItemRows - 1) / ItemRows;
@@ -109,9 +89,9 @@ void for_each_tile(int64_t M, const PanelList& list, const Tile& tile) {
     const int64_t p = item / row_blocks, rb = item % row_blocks;
     return list.cost_before(p) * row_blocks + (rb == 0 ? 0 : rb * list.cost_of(p));
   };
-  split_by_cost(list.panels() * row_blocks, cost_before, [&](int64_t b, int64_t e) {
+  neuronmm::balanced_for(list.panels() * row_blocks, cost_before, [&](const auto& next) {
     [[maybe_unused]] const Scope scope;
-    for (int64_t item = b; item < e; ++item) {
+    for (int64_t item; next(item);) {
       const int64_t p = item / row_blocks, m_end = std::min(M, (item % row_blocks + 1) * ItemRows);
       for (int64_t m = (item % row_blocks) * ItemRows; m < m_end; m += TileRows)
         tile(p, m, std::min(TileRows, m_end - m));
@@ -456,13 +436,12 @@ std::atomic<int64_t> g_fma_min_rows{0};
 // wrote it.
 void fma_one_row_block(const std::vector<Part<at::BFloat16, at::BFloat16>>& parts, int64_t M) {
   const PanelList list(parts);
-  split_by_cost(list.panels(), [&](int64_t p) { return list.cost_before(p); }, [&](int64_t b, int64_t e) {
+  neuronmm::balanced_for(list.panels(), [&](int64_t p) { return list.cost_before(p); }, [&](const auto& next) {
     thread_local std::vector<float> wide;
-    size_t i = list.part_of(b);
     const at::BFloat16* widened = nullptr;  // the x that `wide` holds (parts of one call may share it)
     int64_t widened_k = 0;
-    for (int64_t p = b; p < e; ++p) {
-      while (p >= list.first[i + 1]) ++i;
+    for (int64_t p; next(p);) {
+      const size_t i = list.part_of(p);
       const auto& q = parts[i];
       if (widened != q.x || widened_k != q.K) {
         wide.resize(M * q.K);

@@ -1,0 +1,47 @@
+"""neuronmm::balanced_for (csrc/work_split.h), the threads' shared work list under every GEMM and attention call."""
+
+import pytest
+import torch
+
+from server.models import fused_ops
+
+pytestmark = pytest.mark.skipif(not fused_ops.load(), reason="no C++ compiler: the fused ops cannot be built")
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("costs", [[5] * 64, [100] + [1] * 99, [0, 0, 3, 1, 0, 0], [0] * 7, [7], list(range(50)),
+                                   list(range(50, 0, -1))])
+@pytest.mark.parametrize("stall_us", [0, 2000])
+def test_every_item_runs_once(two_threads, costs, stall_us):
+    """Whatever the costs (zero-cost items at either end, fewer items than threads) and however late a thread
+    starts, each item runs once (the op fails on a second run; -1 marks one never run)."""
+    owners = torch.ops.neuronmm.balanced_for_owners(torch.tensor(costs, dtype=torch.long), stall_us)
+    assert owners.shape == (len(costs),)
+    assert bool((owners >= 0).all()) and bool((owners < 2).all())
+
+
+def test_a_late_thread_s_stretch_is_taken_by_the_other(two_threads):
+    """Thread 0 sleeps 200 ms before its first item: thread 1 runs its own half, then takes thread 0's items from
+    the back, so it runs more than half of them (with a static split it would run exactly half)."""
+    owners = torch.ops.neuronmm.balanced_for_owners(torch.full((64,), 5, dtype=torch.long), 200_000)
+    assert int((owners == 1).sum()) > 32
+    # thread 0's items, if any, are a prefix: it took them from the front of its own stretch
+    ran_by_0 = (owners == 0).nonzero().flatten().tolist()
+    assert ran_by_0 == list(range(len(ran_by_0)))
+
+
+def test_one_thread_runs_everything():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        owners = torch.ops.neuronmm.balanced_for_owners(torch.ones(10, dtype=torch.long), 0)
+    finally:
+        torch.set_num_threads(before)
+    assert owners.tolist() == [0] * 10
