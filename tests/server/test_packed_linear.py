@@ -173,7 +173,7 @@ def test_a_stacked_pair_packs_into_one_factored_call(dtype):
 @pytest.mark.parametrize("dtype", _panel_dtypes())
 def test_factored_linear_rejects_parts_that_do_not_line_up(dtype):
     op = torch.ops.neuronmm.factored_linear
-    pack = {torch.bfloat16: torch.ops.neuronmm.pack_panels, torch.float32: torch.ops.neuronmm.pack_panels_f32}[dtype]
+    pack = getattr(torch.ops.neuronmm, {torch.bfloat16: "pack_panels", torch.float32: "pack_panels_f32"}[dtype])
     first = pack(torch.randn(64, 32).to(dtype))
     with pytest.raises(RuntimeError, match="one entry per part"):
         op(torch.randn(2, 32).to(dtype), first, [32, 32], [None], [32, 32])

@@ -119,41 +119,65 @@ using Runner = void (*)(const std::vector<Part<T, T>>& parts, int64_t M);
 
 // A panel that takes several register-tile passes is read from DRAM by the first and from L1/L2 by the others,
 // and DRAM would idle while those compute. So each pass also prefetches its share of the part's next panel into
-// L2, one 64-byte line per k step of the tile loop (`per_pass` at most), and the stream goes on under the
-// arithmetic. A single pass needs none: it is the stream. (AVX2 fp32, 16 rows: batch-16 step 61.4 -> 55.8 ms.)
+// L2, spread evenly over the pass's k steps (one line every `stride` steps), and the stream goes on under the
+// arithmetic. A single pass needs none: it is the stream. (AVX2 fp32, 16 rows: batch-16 step 61.4 -> 55.8 ms with
+// a line every step; spreading the AVX2 tile's six passes' lines over all their steps: the step's GEMMs 43 -> 38 ms.)
+// Why spread: a line requested from DRAM holds a fill buffer until it arrives, and a core has few of them; a pass
+// that asked for its share in a burst left the core waiting for buffers, then the DRAM idle for the rest.
+
+// One tile pass's share of the next panel: `lines` lines from `at`, one every `stride` k steps.
+struct PassShare {
+  const char* at = nullptr;
+  int64_t lines = 0, stride = 1;
+};
+
 class NextPanel {
  public:
-  NextPanel(const void* next, int64_t lines, int64_t passes, int64_t per_pass)
+  // `lines` of the next panel over `passes` passes of `steps` k steps each (at most a line a step)
+  NextPanel(const void* next, int64_t lines, int64_t passes, int64_t steps)
       : base_(passes > 1 ? static_cast<const char*>(next) : nullptr),
         lines_(lines),
-        share_(std::min(per_pass, (lines + passes - 1) / passes)) {}
-  // the lines pass i prefetches, from at(i)
-  int64_t lines_of(int64_t i) const { return base_ ? std::clamp<int64_t>(lines_ - i * share_, 0, share_) : 0; }
-  const char* at(int64_t i) const { return lines_of(i) ? base_ + i * share_ * 64 : nullptr; }
+        share_(std::min(steps, (lines + passes - 1) / passes)),
+        stride_(std::max<int64_t>(1, steps / std::max<int64_t>(1, share_))) {}
+  // what pass i prefetches
+  PassShare pass(int64_t i) const {
+    const int64_t n = base_ ? std::clamp<int64_t>(lines_ - i * share_, 0, share_) : 0;
+    return n ? PassShare{base_ + i * share_ * 64, n, stride_} : PassShare{};
+  }
 
  private:
   const char* base_;  // nullptr: the part has no next panel, or the panel takes one pass
-  int64_t lines_, share_;
+  int64_t lines_, share_, stride_;
 };
 
-// Ahead: whether a tile loop prefetches the next panel at all; a compile-time choice, so single-pass calls (the
-// memory-bound decode sizes) run the loop they ran before.
-// always_inline: a function that only prefetches is one without effects to GCC (IPA pure-const), and its calls are
-// deleted where it was not inlined first.
+// Walks a pass's share through its tile loop: step(k) at every k step prefetches the line due then (locality 2:
+// into L2, prefetcht1). Ahead: whether the loop prefetches the next panel at all; a compile-time choice, so
+// single-pass calls (the memory-bound decode sizes) run the loop they ran before.
+// always_inline: GCC must see the prefetch in the loop (a prefetch-only call out of line can be deleted as pure).
 template <bool Ahead>
-__attribute__((always_inline)) inline void prefetch_l2(const char* next, int64_t step, int64_t lines) {
-  if constexpr (Ahead)
-    if (step < lines) __builtin_prefetch(next + step * 64, 0, 2);  // locality 2: into L2 (prefetcht1)
-}
+class L2Ahead {
+ public:
+  explicit L2Ahead(const PassShare& share) : share_(share) {}
+  __attribute__((always_inline)) void step(int64_t k) {
+    if constexpr (Ahead)
+      if (k == due_ && line_ < share_.lines) {
+        __builtin_prefetch(share_.at + 64 * line_++, 0, 2);
+        due_ += share_.stride;
+      }
+  }
 
-// A row block of `rows` against one panel in register tiles of up to TileRows rows: tile(m, n, next, next_lines,
-// ahead) per tile, `ahead` a std::bool_constant saying whether it prefetches its share of the next panel (only
-// when the block takes several tiles; `next` says which lines).
+ private:
+  PassShare share_;
+  int64_t due_ = 0, line_ = 0;
+};
+
+// A row block of `rows` against one panel in register tiles of up to TileRows rows: tile(m, n, share, ahead) per
+// tile, `ahead` a std::bool_constant saying whether it prefetches its share of the next panel (only when the block
+// takes several tiles).
 template <int64_t TileRows, typename Tile>
 inline void tile_row_block(int64_t rows, const NextPanel& next, const Tile& tile) {
-  if (rows <= TileRows) return tile(0, rows, nullptr, 0, std::false_type{});
-  for (int64_t m = 0, i = 0; m < rows; m += TileRows, ++i)
-    tile(m, std::min(TileRows, rows - m), next.at(i), next.lines_of(i), std::true_type{});
+  if (rows <= TileRows) return tile(0, rows, PassShare{}, std::false_type{});
+  for (int64_t m = 0, i = 0; m < rows; m += TileRows, ++i) tile(m, std::min(TileRows, rows - m), next.pass(i), std::true_type{});
 }
 
 // y [M, N] = x · Wᵀ for one panel-packed weight (dtype and panel layout checked by the caller).
@@ -211,16 +235,17 @@ inline void store_row(at::BFloat16* y, __m512 lo, __m512 hi, int64_t valid) {
 // MT rows of x (row stride ldx, even) against one panel; writes the first `valid` of its 32 columns of y.
 template <int MT, bool Ahead>
 inline void tile(const at::BFloat16* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
-                 int64_t valid, int64_t K, const char* next, int64_t next_lines) {
+                 int64_t valid, int64_t K, const PassShare& next) {
   __m512 lo[MT], hi[MT];
   for (int j = 0; j < MT; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
   const int32_t* xp = reinterpret_cast<const int32_t*>(x);  // a (k, k+1) pair of x is one int32
   const int64_t pairs = K / 2, stride = ldx / 2;             // row stride of x, in pairs
+  L2Ahead<Ahead> ahead(next);
   for (int64_t kp = 0; kp < pairs; ++kp) {
     // Software prefetch 2 KB ahead: the stream prefetcher alone left ~25 % of the DRAM bandwidth unused.
     _mm_prefetch(reinterpret_cast<const char*>(panel + (kp + kAhead) * 2 * kPanel), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(panel + (kp + kAhead) * 2 * kPanel + kPanel), _MM_HINT_T0);
-    prefetch_l2<Ahead>(next, kp, next_lines);
+    ahead.step(kp);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + kp * 2 * kPanel);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + kp * 2 * kPanel + kPanel);
     for (int j = 0; j < MT; ++j) {
@@ -234,10 +259,10 @@ inline void tile(const at::BFloat16* x, int64_t ldx, const at::BFloat16* panel, 
 
 template <int MT, bool Ahead>
 void rows_of(const at::BFloat16* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
-             int64_t valid, int64_t K, int64_t rows, const char* next, int64_t next_lines) {
+             int64_t valid, int64_t K, int64_t rows, const PassShare& next) {
   if constexpr (MT > 0) {
-    if (rows == MT) return tile<MT, Ahead>(x, ldx, panel, y, ldy, valid, K, next, next_lines);
-    rows_of<MT - 1, Ahead>(x, ldx, panel, y, ldy, valid, K, rows, next, next_lines);
+    if (rows == MT) return tile<MT, Ahead>(x, ldx, panel, y, ldy, valid, K, next);
+    rows_of<MT - 1, Ahead>(x, ldx, panel, y, ldy, valid, K, rows, next);
   }
 }
 
@@ -250,8 +275,8 @@ inline NextPanel next_bf16_panel(const at::BFloat16* panel, int64_t valid, int64
 const auto bf16_rows = [](const at::BFloat16* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
                           int64_t valid, int64_t K, int64_t rows) {
   tile_row_block<kMaxRows>(rows, next_bf16_panel(panel, valid, K, rows),
-                           [&](int64_t m, int64_t n, const char* next, int64_t lines, auto ahead) {
-    rows_of<kMaxRows, decltype(ahead)::value>(x + m * ldx, ldx, panel, y + m * ldy, ldy, valid, K, n, next, lines);
+                           [&](int64_t m, int64_t n, const PassShare& next, auto ahead) {
+    rows_of<kMaxRows, decltype(ahead)::value>(x + m * ldx, ldx, panel, y + m * ldy, ldy, valid, K, n, next);
   });
 };
 
@@ -261,14 +286,15 @@ const auto bf16_rows = [](const at::BFloat16* x, int64_t ldx, const at::BFloat16
 // the result differs from the VDPBF16PS path only in rounding.
 template <int MT, bool Ahead>
 inline void tile_fma(const float* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
-                     int64_t valid, int64_t K, const char* next, int64_t next_lines) {
+                     int64_t valid, int64_t K, const PassShare& next) {
   __m512 lo[MT], hi[MT];
   for (int j = 0; j < MT; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
   const __m512i top = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  L2Ahead<Ahead> ahead(next);
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     _mm_prefetch(reinterpret_cast<const char*>(panel + (kp + kAhead) * 2 * kPanel), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(panel + (kp + kAhead) * 2 * kPanel + kPanel), _MM_HINT_T0);
-    prefetch_l2<Ahead>(next, kp, next_lines);
+    ahead.step(kp);
     const __m512i a = _mm512_loadu_si512(panel + kp * 2 * kPanel);
     const __m512i b = _mm512_loadu_si512(panel + kp * 2 * kPanel + kPanel);
     const __m512 a0 = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), a1 = _mm512_castsi512_ps(_mm512_and_si512(a, top));
@@ -284,18 +310,18 @@ inline void tile_fma(const float* x, int64_t ldx, const at::BFloat16* panel, at:
 
 template <int MT, bool Ahead>
 void rows_fma(const float* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy, int64_t valid,
-              int64_t K, int64_t rows, const char* next, int64_t next_lines) {
+              int64_t K, int64_t rows, const PassShare& next) {
   if constexpr (MT > 0) {
-    if (rows == MT) return tile_fma<MT, Ahead>(x, ldx, panel, y, ldy, valid, K, next, next_lines);
-    rows_fma<MT - 1, Ahead>(x, ldx, panel, y, ldy, valid, K, rows, next, next_lines);
+    if (rows == MT) return tile_fma<MT, Ahead>(x, ldx, panel, y, ldy, valid, K, next);
+    rows_fma<MT - 1, Ahead>(x, ldx, panel, y, ldy, valid, K, rows, next);
   }
 }
 
 const auto bf16_fma_rows = [](const float* x, int64_t ldx, const at::BFloat16* panel, at::BFloat16* y, int64_t ldy,
                               int64_t valid, int64_t K, int64_t rows) {
   tile_row_block<kMaxRows>(rows, next_bf16_panel(panel, valid, K, rows),
-                           [&](int64_t m, int64_t n, const char* next, int64_t lines, auto ahead) {
-    rows_fma<kMaxRows, decltype(ahead)::value>(x + m * ldx, ldx, panel, y + m * ldy, ldy, valid, K, n, next, lines);
+                           [&](int64_t m, int64_t n, const PassShare& next, auto ahead) {
+    rows_fma<kMaxRows, decltype(ahead)::value>(x + m * ldx, ldx, panel, y + m * ldy, ldy, valid, K, n, next);
   });
 };
 
@@ -570,13 +596,14 @@ constexpr int64_t kMaxRowsF = kMaxRows;  // rows of x per register tile
 
 template <int MT, bool Ahead>
 inline void tile_f32(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid, int64_t K,
-                     const char* next, int64_t next_lines) {
+                     const PassShare& next) {
   __m512 lo[MT], hi[MT];
   for (int j = 0; j < MT; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
+  L2Ahead<Ahead> ahead(next);
   for (int64_t k = 0; k < K; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAheadF) * kPanelF), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAheadF) * kPanelF + 16), _MM_HINT_T0);
-    prefetch_l2<Ahead>(next, k, next_lines);
+    ahead.step(k);
     const __m512 w0 = _mm512_loadu_ps(panel + k * kPanelF), w1 = _mm512_loadu_ps(panel + k * kPanelF + 16);
     for (int j = 0; j < MT; ++j) {
       const __m512 xv = _mm512_set1_ps(x[j * ldx + k]);
@@ -613,16 +640,17 @@ inline void store8(float* dst, __m256 v, int64_t valid) {
 // too and stores every sum to the stack on every k, which halved the FMA rate.
 template <int MT, int NV, bool Ahead>
 inline void tile_f32(const float* x, int64_t ldx, const float* w, float* y, int64_t ldy, int64_t valid, int64_t K,
-                     const char* next, int64_t next_lines) {
+                     const PassShare& next) {
   __m256 acc[MT][NV];
 #pragma GCC unroll 8
   for (int j = 0; j < MT; ++j)
 #pragma GCC unroll 4
     for (int c = 0; c < NV; ++c) acc[j][c] = _mm256_setzero_ps();
+  L2Ahead<Ahead> ahead(next);
   for (int64_t k = 0; k < K; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAheadF) * kPanelF), _MM_HINT_T0);
     if constexpr (NV == 4) _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAheadF) * kPanelF + 16), _MM_HINT_T0);
-    prefetch_l2<Ahead>(next, k, next_lines);
+    ahead.step(k);
     __m256 wv[NV];
 #pragma GCC unroll 4
     for (int c = 0; c < NV; ++c) wv[c] = _mm256_loadu_ps(w + k * kPanelF + 8 * c);
@@ -641,10 +669,10 @@ inline void tile_f32(const float* x, int64_t ldx, const float* w, float* y, int6
 
 template <int MT, int NV, bool Ahead>
 void rows_of_f32(const float* x, int64_t ldx, const float* w, float* y, int64_t ldy, int64_t valid, int64_t K,
-                 int64_t rows, const char* next, int64_t next_lines) {
+                 int64_t rows, const PassShare& next) {
   if constexpr (MT > 0) {
-    if (rows == MT) return tile_f32<MT, NV, Ahead>(x, ldx, w, y, ldy, valid, K, next, next_lines);
-    rows_of_f32<MT - 1, NV, Ahead>(x, ldx, w, y, ldy, valid, K, rows, next, next_lines);
+    if (rows == MT) return tile_f32<MT, NV, Ahead>(x, ldx, w, y, ldy, valid, K, next);
+    rows_of_f32<MT - 1, NV, Ahead>(x, ldx, w, y, ldy, valid, K, rows, next);
   }
 }
 
@@ -653,23 +681,23 @@ void rows_of_f32(const float* x, int64_t ldx, const float* w, float* y, int64_t 
 const auto f32_rows = [](const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid,
                          int64_t K, int64_t rows) {
   if (rows <= kWholePanelRows)
-    return rows_of_f32<kWholePanelRows, 4, false>(x, ldx, panel, y, ldy, valid, K, rows, nullptr, 0);
+    return rows_of_f32<kWholePanelRows, 4, false>(x, ldx, panel, y, ldy, valid, K, rows, PassShare{});
   const int64_t halves = valid > 16 ? 2 : 1, tiles = (rows + kMaxRowsF - 1) / kMaxRowsF;
   const NextPanel next(valid > kPanelF ? panel + K * kPanelF : nullptr, 2 * K, halves * tiles, K);
   for (int64_t h = 0, i = 0; h < halves; ++h)
     for (int64_t m = 0; m < rows; m += kMaxRowsF, ++i)
       rows_of_f32<kMaxRowsF, 2, true>(x + m * ldx, ldx, panel + 16 * h, y + m * ldy + 16 * h, ldy, valid - 16 * h, K,
-                                      std::min(kMaxRowsF, rows - m), next.at(i), next.lines_of(i));
+                                      std::min(kMaxRowsF, rows - m), next.pass(i));
 };
 #endif
 
 #if defined(__AVX512F__)
 template <int MT, bool Ahead>
 void rows_of_f32(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid, int64_t K,
-                 int64_t rows, const char* next, int64_t next_lines) {
+                 int64_t rows, const PassShare& next) {
   if constexpr (MT > 0) {
-    if (rows == MT) return tile_f32<MT, Ahead>(x, ldx, panel, y, ldy, valid, K, next, next_lines);
-    rows_of_f32<MT - 1, Ahead>(x, ldx, panel, y, ldy, valid, K, rows, next, next_lines);
+    if (rows == MT) return tile_f32<MT, Ahead>(x, ldx, panel, y, ldy, valid, K, next);
+    rows_of_f32<MT - 1, Ahead>(x, ldx, panel, y, ldy, valid, K, rows, next);
   }
 }
 
@@ -677,9 +705,8 @@ void rows_of_f32(const float* x, int64_t ldx, const float* panel, float* y, int6
 const auto f32_rows = [](const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid,
                          int64_t K, int64_t rows) {
   const NextPanel next(valid > kPanelF ? panel + K * kPanelF : nullptr, 2 * K, (rows + kMaxRowsF - 1) / kMaxRowsF, K);
-  tile_row_block<kMaxRowsF>(rows, next, [&](int64_t m, int64_t n, const char* ahead_at, int64_t lines, auto ahead) {
-    rows_of_f32<kMaxRowsF, decltype(ahead)::value>(x + m * ldx, ldx, panel, y + m * ldy, ldy, valid, K, n, ahead_at,
-                                                   lines);
+  tile_row_block<kMaxRowsF>(rows, next, [&](int64_t m, int64_t n, const PassShare& share, auto ahead) {
+    rows_of_f32<kMaxRowsF, decltype(ahead)::value>(x + m * ldx, ldx, panel, y + m * ldy, ldy, valid, K, n, share);
   });
 };
 #endif
