@@ -1,4 +1,4 @@
-"""The fused CPU ops one at a time, cache-warm: panel GEMMs by row count, batch-16 attention, the sampler ops.
+"""The fused CPU ops one at a time: panel GEMMs by row count, a step's linears, batch-16 attention, the sampler ops.
 
 What a decode step is made of, timed alone so a kernel change is seen without the rest of the step's noise.
 Run it under `bench.cpu_caps` to time the code another CPU class runs:
@@ -7,7 +7,10 @@ Run it under `bench.cpu_caps` to time the code another CPU class runs:
     python -m bench.cpu_caps avx2 python -m bench.cpu_ops     # the AVX2 build, every library capped
 
 Panel GEMMs: the SmolLM2 MLP's 1536 x 576 and 576 x 1536 in the dtype this build serves (bf16 where it has
-AVX512-BF16, else fp32), best of `--repeats` runs of many calls. Attention: 16 sequences of `--positions`
+AVX512-BF16, else fp32), best of `--repeats` runs of many calls, cache-warm. A step's linears: every projection of
+the default model's `--step-layers` layers and its LM head, called in a decode step's order at each of
+`--step-rows`, so every weight comes from DRAM as in a step (the weights' bytes over the time next to the
+measured bandwidth say how close the GEMMs stream; at 16 fp32 rows they are near the FMA peak too). Attention: 16 sequences of `--positions`
 cached positions, 30 layers' caches in turn (so each call reads from memory, as a step's layers do): an fp32 model
 over an fp32 cache and over an fp16 one (`engine.kv_cache_dtype: float16`), and a bf16 model over its bf16 cache;
 then the same with uneven contexts (half the sequences at an eighth of `--positions`, half at the rest of twice it).
@@ -25,11 +28,13 @@ import torch
 
 from bench.harness import machine_facts, publish
 from server.models import fused_ops
+from server.models.hugepages import into_huge_pages
 from server.models.packed_linear import panels_available
 
 RESULTS = Path(__file__).parent / "results"
 GEMMS = ((1536, 576), (576, 1536))
-HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS, SEQS, VOCAB = 9, 3, 64, 16, 30, 16, 49152
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS, SEQS, VOCAB, HIDDEN = 9, 3, 64, 16, 30, 16, 49152, 576
+STEP_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # a layer's qkv, o, gate/up, down: (N, K)
 ATTENTION_DTYPES = ((torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16))
 
 
@@ -46,12 +51,17 @@ def best_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
     return best * 1e6
 
 
+def panel_ops() -> tuple[torch.dtype, Callable, Callable]:
+    """The dtype this build's panels serve (bf16 where it has AVX512-BF16, else fp32) and its pack and GEMM ops."""
+    ops = torch.ops.neuronmm
+    if panels_available(torch.device("cpu"), torch.bfloat16):
+        return torch.bfloat16, ops.pack_panels, ops.panel_linear
+    return torch.float32, ops.pack_panels_f32, ops.panel_linear_f32
+
+
 def gemm_rows(rows_list: list[int], repeats: int) -> list[dict]:
     """µs and GFLOP/s of the panel GEMM per shape and row count, in the dtype this build's panels serve."""
-    ops = torch.ops.neuronmm
-    bf16 = panels_available(torch.device("cpu"), torch.bfloat16)
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    pack, gemm = (ops.pack_panels, ops.panel_linear) if bf16 else (ops.pack_panels_f32, ops.panel_linear_f32)
+    dtype, pack, gemm = panel_ops()
     gen = torch.Generator().manual_seed(0)
     out = []
     for n, k in GEMMS:
@@ -61,6 +71,29 @@ def gemm_rows(rows_list: list[int], repeats: int) -> list[dict]:
             us = best_us(lambda: gemm(x, panels, n), max(20, 20000 // rows), repeats)
             out.append({"dtype": str(dtype).removeprefix("torch."), "n": n, "k": k, "rows": rows, "us": us,
                         "gflops": 2 * rows * n * k / us / 1e3})
+    return out
+
+
+def step_linears(rows_list: list[int], repeats: int, layers: int = LAYERS) -> list[dict]:
+    """ms, GB/s and GFLOP/s of one decode step's linears (`layers` layers' qkv, o, gate/up and down, then the LM
+    head) at each row count, called in the step's order over weights in huge pages, so each call reads from DRAM."""
+    dtype, pack, gemm = panel_ops()
+    gen = torch.Generator().manual_seed(0)
+    shapes = [shape for _ in range(layers) for shape in STEP_SHAPES] + [(VOCAB, HIDDEN)]
+    panels = into_huge_pages([pack(torch.randn(n, k, generator=gen).mul(0.02).to(dtype)) for n, k in shapes])
+    weight_bytes = sum(n * k for n, k in shapes) * dtype.itemsize
+    out = []
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {k for _, k in shapes}}
+
+        def step() -> None:
+            for (n, k), p in zip(shapes, panels):
+                gemm(xs[k], p, n)
+
+        ms = best_us(step, 1, repeats) / 1e3
+        out.append({"dtype": str(dtype).removeprefix("torch."), "layers": layers, "rows": rows, "ms": ms,
+                    "weight_mb": weight_bytes / 1e6, "gb_s": weight_bytes / ms / 1e6,
+                    "gflops": 2 * rows * weight_bytes / dtype.itemsize / ms / 1e6})
     return out
 
 
@@ -116,6 +149,9 @@ def markdown(report: dict) -> str:
              "| GEMM | dtype | rows | µs | GFLOP/s |", "|---|---|---:|---:|---:|"]
     lines += [f"| {g['n']} x {g['k']} | {g['dtype']} | {g['rows']} | {g['us']:.1f} | {g['gflops']:.0f} |"
               for g in report["gemm"]]
+    lines += ["", "| a step's linears | dtype | rows | ms | weights MB | GB/s | GFLOP/s |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {s['layers']} layers + LM head | {s['dtype']} | {s['rows']} | {s['ms']:.2f} | {s['weight_mb']:.0f} | "
+              f"{s['gb_s']:.1f} | {s['gflops']:.0f} |" for s in report["step_linears"]]
     for a in report["attention"]:
         lines += ["", f"Attention, {a['layers']} layers x sequences at {a['contexts']} positions "
                       f"({a['dtype']} model, {a['cache_dtype']} cache): {a['ms']:.2f} ms, {a['cache_gb_s']:.1f} GB/s of "
@@ -128,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry: time the ops, print a table, save JSON and markdown."""
     p = argparse.ArgumentParser(prog="bench.cpu_ops", description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 128, 512])
+    p.add_argument("--step-rows", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--step-layers", type=int, default=LAYERS)
     p.add_argument("--positions", type=int, default=320)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=str(RESULTS / "cpu_ops.json"))
@@ -135,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if not fused_ops.load():
         p.exit(2, "bench.cpu_ops: the fused CPU ops could not be built here (see the log above)\n")
     report = {**machine_facts(), "torch_threads": torch.get_num_threads(), "gemm": gemm_rows(args.rows, args.repeats),
+              "step_linears": step_linears(args.step_rows, args.repeats, args.step_layers),
               "attention": [attention_ms(contexts_of(args.positions, uneven), args.repeats, *dtypes)
                             for uneven in (False, True) for dtypes in ATTENTION_DTYPES],
               "sampler": sampler_us(args.repeats)}

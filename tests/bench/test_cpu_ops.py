@@ -13,11 +13,17 @@ from server.models import fused_ops
 @pytest.mark.skipif(not fused_ops.load(), reason="no C++ compiler: the fused ops cannot be built")
 def test_the_report_holds_every_op(tmp_path):
     out = tmp_path / "ops.json"
-    assert cpu_ops.main(["--rows", "1", "5", "--positions", "40", "--repeats", "1", "--out", str(out)]) == 0
+    assert cpu_ops.main(["--rows", "1", "5", "--step-rows", "3", "--step-layers", "1", "--positions", "40",
+                         "--repeats", "1", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert [(g["n"], g["k"], g["rows"]) for g in report["gemm"]] == [(1536, 576, 1), (1536, 576, 5),
                                                                       (576, 1536, 1), (576, 1536, 5)]
     assert all(g["us"] > 0 and g["dtype"] in ("bfloat16", "float32") for g in report["gemm"])
+    [step] = report["step_linears"]
+    assert (step["layers"], step["rows"], step["dtype"]) == (1, 3, report["gemm"][0]["dtype"])
+    n_by_k = sum(n * k for n, k in cpu_ops.STEP_SHAPES) + cpu_ops.VOCAB * cpu_ops.HIDDEN
+    assert step["weight_mb"] == pytest.approx(n_by_k * (2 if step["dtype"] == "bfloat16" else 4) / 1e6)
+    assert step["ms"] > 0 and step["gflops"] == pytest.approx(2 * 3 * n_by_k / step["ms"] / 1e6)
     pairs = [("float32", "float32"), ("float32", "float16"), ("bfloat16", "bfloat16")]
     assert [(a["dtype"], a["cache_dtype"], a["contexts"]) for a in report["attention"]] == (
         [(*pair, "16 x 40") for pair in pairs] + [(*pair, "8 x 5 + 8 x 75") for pair in pairs])
