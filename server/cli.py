@@ -56,6 +56,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     flag("--chat-template", help="a Jinja file, or `hermes_tools` (bundled ChatML with tool calls)")
     flag("--tool-call-parser", help="how the model writes tool calls (default: hermes)")
     flag("--strict-fields", action="store_true", help="400 for unknown request fields (default: ignore, log)")
+    flag("--stream-interval", type=int,
+         help="tokens per streamed chunk after the first (default 1: each token as it comes)")
     flag("--num-threads", type=int)
     flag("--shutdown-grace-s", type=float,
          help="on SIGTERM, how long in-flight requests may take before they are cut off")
@@ -111,6 +113,7 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict]:
         "neuron.tp_degree": args.tensor_parallel_size, "server.chat_template": args.chat_template,
         "server.tool_call_parser": args.tool_call_parser, "server.strict_fields": args.strict_fields or None,
         "engine.num_threads": args.num_threads, "server.shutdown_grace_s": args.shutdown_grace_s,
+        "server.stream_interval": args.stream_interval,
     })
     return config, overrides
 

@@ -88,6 +88,7 @@ class OpenAIServing:
         self.model_names = [cfg.model.name, *cfg.server.model_aliases]
         self.max_model_len = cfg.engine.max_model_len
         self.strict_fields = cfg.server.strict_fields
+        self.stream_interval = cfg.server.stream_interval
         self.metrics = metrics
         try:
             self.tool_parser = get_tool_parser(cfg.server.tool_call_parser)
@@ -433,9 +434,12 @@ class OpenAIServing:
     # ---- streaming -------------------------------------------------------------------------
     async def _stream(self, gens, n: int, num_prompt_tokens: int, include_usage: bool, rid: str, obj: str,
                       make_choice) -> AsyncIterator[str]:
-        """SSE lines: one chunk per output, an error chunk if the engine fails, then [DONE]."""
+        """SSE lines: a chunk per output (with a stream interval above 1, a choice's first token, then a chunk per
+        that many tokens and the last), an error chunk if the engine fails, then [DONE]."""
         created = int(time.time())
         completion_tokens, cached_tokens = {}, {}
+        held: dict[tuple[int, int], SeqOutput] = {}  # a choice's outputs not sent yet (stream interval > 1)
+        sent_tokens: dict[tuple[int, int], int] = {}  # a choice's output tokens sent so far
         outputs = _merged(gens, n)
         try:
             async for offset, item in outputs:
@@ -444,7 +448,15 @@ class OpenAIServing:
                         500, item.error if isinstance(item, SeqOutput) else str(item), code="engine_error")
                     yield f"data: {json.dumps(err.body())}\n\n"
                     break
-                completion_tokens[(offset, item.index)] = item.num_output_tokens
+                choice = (offset, item.index)
+                if choice in held:
+                    item = held.pop(choice).followed_by(item)
+                if (item.finish_reason is None and choice in sent_tokens
+                        and item.num_output_tokens - sent_tokens[choice] < self.stream_interval):
+                    held[choice] = item
+                    continue
+                sent_tokens[choice] = item.num_output_tokens
+                completion_tokens[choice] = item.num_output_tokens
                 cached_tokens[offset] = max(cached_tokens.get(offset, 0), item.num_cached_tokens)
                 if item.finish_reason is not None:
                     self.metrics.observe_request(item.num_prompt_tokens, item.num_output_tokens)

@@ -44,6 +44,18 @@ class SeqOutput:
     # with the first token, when asked: one entry per prompt token (None for the first, which has no context)
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
+    def followed_by(self, later: SeqOutput) -> SeqOutput:
+        """This output and the same sequence's next one as one delta (the API's --stream-interval sends them so)."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else [*(self.logprobs or []),
+                                                                                  *(later.logprobs or [])]
+        return SeqOutput(request_id=later.request_id, index=later.index, text=self.text + later.text,
+                         token_ids=[*self.token_ids, *later.token_ids], logprobs=logprobs,
+                         finish_reason=later.finish_reason, num_prompt_tokens=later.num_prompt_tokens,
+                         num_output_tokens=later.num_output_tokens, error=later.error,
+                         num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens),
+                         prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None
+                         else later.prompt_logprobs)
+
 
 @dataclass
 class Sequence:

@@ -79,6 +79,13 @@ def test_vllm_style_serve_flags_map_onto_the_config(tmp_path):
     assert (hub.model.source, hub.model.hf_id) == ("hf", "HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
+def test_stream_interval_flag():
+    assert _serve_config([]).server.stream_interval == 1
+    assert _serve_config(["--stream-interval", "8"]).server.stream_interval == 8
+    with pytest.raises(ConfigError, match="server.stream_interval"):
+        _serve_config(["--stream-interval", "0"])
+
+
 @pytest.mark.parametrize("dtype, expected", [("auto", "auto"), ("bfloat16", "bfloat16"), ("float32", "float32"),
                                              ("float16", "float16"), ("half", "float16")])
 def test_dtype_flag(dtype, expected):
