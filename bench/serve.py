@@ -137,10 +137,13 @@ async def run_level(url: str, model: str, prompts: list[list[int]], concurrency:
     }
 
 
+STREAM_PREFIX = "neuronmm stream "  # a served system streaming a chunk per N tokens: "neuronmm stream N"
+
+
 def neuronmm_systems(config: str, compressed: str | None, port: int, fp32: bool = False,
-                     kv_cache_dtype: str | None = None) -> list[System]:
-    """neuronmm dense greedy, dense sampled, compressed greedy (when an artifact is given), fp32 and another KV cache
-    dtype (when asked)."""
+                     kv_cache_dtype: str | None = None, stream_interval: int = 1) -> list[System]:
+    """neuronmm dense greedy, dense sampled, compressed greedy (when an artifact is given), fp32, another KV cache
+    dtype and a coarser stream (`--stream-interval` above 1) when asked."""
     serve = [*NEURONMM, "serve", "--config", config, "--port", str(port)]
     systems = [System("neuronmm", serve), System("neuronmm sampled", serve, sampled=True)]
     if compressed:
@@ -149,7 +152,14 @@ def neuronmm_systems(config: str, compressed: str | None, port: int, fp32: bool 
         systems.append(System("neuronmm fp32", [*serve, "--dtype", "float32"]))
     if kv_cache_dtype:
         systems.append(System(f"neuronmm kv {kv_cache_dtype}", [*serve, "--kv-cache-dtype", kv_cache_dtype]))
+    if stream_interval > 1:
+        systems.append(System(f"{STREAM_PREFIX}{stream_interval}", [*serve, "--stream-interval", str(stream_interval)]))
     return systems
+
+
+def tokens_per_chunk(system: str) -> int:
+    """How many tokens a streamed chunk of `system` holds after the first (its stream interval; 1 for the rest)."""
+    return int(system.removeprefix(STREAM_PREFIX)) if system.startswith(STREAM_PREFIX) else 1
 
 
 def peer_systems(model_dir: Path, port: int, parallel: int) -> list[System]:
@@ -209,6 +219,8 @@ def workload_args(system: str, compressed: str | None) -> list[str] | None:
     """bench.engine_workload's model arguments for a served neuronmm system (None: it has no engine-only twin)."""
     if system.startswith("neuronmm kv "):
         return ["--kv-cache-dtype", system.removeprefix("neuronmm kv ")]
+    if system.startswith(STREAM_PREFIX):
+        return []  # the same engine as "neuronmm": only the HTTP side differs
     return {"neuronmm": [], "neuronmm compressed": ["--compressed", compressed] if compressed else None,
             "neuronmm fp32": ["--dtype", "float32"]}.get(system)
 
@@ -252,11 +264,12 @@ def markdown(report: dict) -> str:
     if report.get("engine_workload"):
         lines += ["", "The same workload through the engine in-process (bench.engine_workload: no HTTP, no client), run right "
                   "before and right after the served run; served / engine = what the serving side adds to a decode step, "
-                  "against the mean of the two:", "",
-                  "| model | c | engine tok/s | decode step p50 ms, before / after | served ITL p50 ms | served / engine |",
+                  "against the mean of the two (a token's ITL: a chunk's over its tokens where the stream sends several):",
+                  "", "| model | c | engine tok/s | decode step p50 ms, before / after | served ITL p50 ms | served / engine |",
                   "|---|---:|---:|---:|---:|---:|"]
         for r in report["engine_workload"]:
             itl = served.get((r["system"], r["concurrency"]), {}).get("itl_ms_p50", float("nan"))
+            itl /= tokens_per_chunk(r["system"])
             steps = f"{r['decode_step_ms_p50_before']:.1f} / {r['decode_step_ms_p50_after']:.1f}"
             lines.append(f"| {r['system']} | {r['concurrency']} | {r['output_tok_s']:.1f} | {steps} | "
                          f"{itl:.1f} | {itl / r['decode_step_ms_p50']:.2f} |")
@@ -275,6 +288,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also serve in fp32 (what a CPU without native bf16 runs), against llama-server f32")
     p.add_argument("--kv-cache-dtype", choices=["float16", "bfloat16", "float32"],
                    help="also serve the config's model with this KV cache dtype (float16 under fp32: llama.cpp's default)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="also serve the config's model streaming a chunk per this many tokens (server --stream-interval)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
@@ -290,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     port = free_port()
-    systems = (neuronmm_systems(args.config, args.compressed, port, args.fp32, args.kv_cache_dtype)
+    systems = (neuronmm_systems(args.config, args.compressed, port, args.fp32, args.kv_cache_dtype, args.stream_interval)
                if "neuronmm" in args.systems else [])
     peers = peer_systems(model_dir, port, max(args.concurrency)) if "llama-server" in args.systems else []
     peer_note = "" if peers or "llama-server" not in args.systems else (

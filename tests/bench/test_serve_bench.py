@@ -26,6 +26,22 @@ def test_another_kv_cache_dtype_is_one_more_served_system():
     assert systems[-1].command[-2:] == ["--kv-cache-dtype", "float16"] and not systems[-1].sampled
 
 
+def test_a_coarser_stream_is_one_more_system_on_the_same_engine_and_its_itl_is_per_token():
+    systems = neuronmm_systems("c.yaml", None, 8000, stream_interval=4)
+    assert systems[-1].name == "neuronmm stream 4" and systems[-1].command[-2:] == ["--stream-interval", "4"]
+    assert workload_args("neuronmm stream 4", None) == []
+    assert [s.name for s in neuronmm_systems("c.yaml", None, 8000, stream_interval=1)] == [
+        s.name for s in neuronmm_systems("c.yaml", None, 8000)]
+    twin = bracket([{"system": "neuronmm stream 4", "concurrency": 16, "decode_step_ms_p50": 20.0, "output_tok_s": 600.0}],
+                   [{"system": "neuronmm stream 4", "concurrency": 16, "decode_step_ms_p50": 20.0, "output_tok_s": 600.0}])
+    report = {"serve": [{"system": "neuronmm stream 4", "concurrency": 16, "output_tok_s": 550.0, "ttft_ms_p50": 300,
+                         "ttft_ms_p99": 400, "tpot_ms_p50": 22.0, "tpot_ms_p99": 25.0, "itl_ms_p50": 84.0,
+                         "itl_ms_p99": 90.0}],
+              "memory_bandwidth_gbs": 25.0, "engine_step": [], "engine_workload": twin, "peer_note": ""}
+    row = next(line for line in markdown(report).splitlines() if line.startswith("| neuronmm stream 4 | 16 | 600.0"))
+    assert row.split("|")[5:7] == [" 21.0 ", " 1.05 "]
+
+
 def test_sampled_and_peer_systems_have_none():
     assert workload_args("neuronmm sampled", None) is None  # the same model as "neuronmm"
     assert workload_args("llama-server bf16", None) is None
