@@ -9,9 +9,9 @@ Run it under `bench.cpu_caps` to time the code another CPU class runs:
 Panel GEMMs: the SmolLM2 MLP's 1536 x 576 and 576 x 1536 in the dtype this build serves (bf16 where it has
 AVX512-BF16, else fp32), best of `--repeats` runs of many calls, cache-warm. A step's linears: every projection of
 the default model's `--step-layers` layers and its LM head, called in a decode step's order at each of
-`--step-rows`, so every weight comes from DRAM as in a step (the weights' bytes over the time next to the
-measured bandwidth say how close the GEMMs stream; at 16 fp32 rows they are near the FMA peak too). Attention: 16 sequences of `--positions`
-cached positions, 30 layers' caches in turn (so each call reads from memory, as a step's layers do): an fp32 model
+`--step-rows`, so every weight comes from DRAM as in a step (the weights' bytes over the time, next to the
+measured bandwidth, say how close the GEMMs stream; at 16 fp32 rows the FMAs take as long as the bytes).
+Attention: 16 sequences of `--positions` cached positions, 30 layers' caches in turn (so each call reads from memory, as a step's layers do): an fp32 model
 over an fp32 cache and over an fp16 one (`engine.kv_cache_dtype: float16`), and a bf16 model over its bf16 cache;
 then the same with uneven contexts (half the sequences at an eighth of `--positions`, half at the rest of twice it).
 Sampler: 16 rows of a 49,152-token vocabulary.
@@ -149,7 +149,8 @@ def markdown(report: dict) -> str:
              "| GEMM | dtype | rows | µs | GFLOP/s |", "|---|---|---:|---:|---:|"]
     lines += [f"| {g['n']} x {g['k']} | {g['dtype']} | {g['rows']} | {g['us']:.1f} | {g['gflops']:.0f} |"
               for g in report["gemm"]]
-    lines += ["", "| a step's linears | dtype | rows | ms | weights MB | GB/s | GFLOP/s |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines += ["", "| a step's linears | dtype | rows | ms | weights MB | GB/s | GFLOP/s |",
+              "|---|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {s['layers']} layers + LM head | {s['dtype']} | {s['rows']} | {s['ms']:.2f} | {s['weight_mb']:.0f} | "
               f"{s['gb_s']:.1f} | {s['gflops']:.0f} |" for s in report["step_linears"]]
     for a in report["attention"]:

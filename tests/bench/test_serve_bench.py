@@ -32,8 +32,8 @@ def test_a_coarser_stream_is_one_more_system_on_the_same_engine_and_its_itl_is_p
     assert workload_args("neuronmm stream 4", None) == []
     assert [s.name for s in neuronmm_systems("c.yaml", None, 8000, stream_interval=1)] == [
         s.name for s in neuronmm_systems("c.yaml", None, 8000)]
-    twin = bracket([{"system": "neuronmm stream 4", "concurrency": 16, "decode_step_ms_p50": 20.0, "output_tok_s": 600.0}],
-                   [{"system": "neuronmm stream 4", "concurrency": 16, "decode_step_ms_p50": 20.0, "output_tok_s": 600.0}])
+    run = {"system": "neuronmm stream 4", "concurrency": 16, "decode_step_ms_p50": 20.0, "output_tok_s": 600.0}
+    twin = bracket([run], [dict(run)])
     report = {"serve": [{"system": "neuronmm stream 4", "concurrency": 16, "output_tok_s": 550.0, "ttft_ms_p50": 300,
                          "ttft_ms_p99": 400, "tpot_ms_p50": 22.0, "tpot_ms_p99": 25.0, "itl_ms_p50": 84.0,
                          "itl_ms_p99": 90.0}],

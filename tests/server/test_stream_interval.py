@@ -30,7 +30,8 @@ def test_completion_chunks_hold_interval_tokens_and_the_same_text(client):
     assert "".join(c.choices[0].text for c in texts) == full.text
     assert [t for c in texts for t in c.choices[0].logprobs.token_logprobs] == pytest.approx(
         full.logprobs.token_logprobs, abs=1e-5)
-    assert texts[-1].choices[0].finish_reason == "length" and all(c.choices[0].finish_reason is None for c in texts[:-1])
+    assert texts[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in texts[:-1])
     assert chunks[-1].usage.completion_tokens == TOKENS
 
 
