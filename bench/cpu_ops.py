@@ -11,9 +11,9 @@ AVX512-BF16, else fp32), best of `--repeats` runs of many calls, cache-warm. A s
 the default model's `--step-layers` layers and its LM head, called in a decode step's order at each of
 `--step-rows`, so every weight comes from DRAM as in a step (the weights' bytes over the time, next to the
 measured bandwidth, say how close the GEMMs stream; at 16 fp32 rows the FMAs take as long as the bytes).
-Attention: 16 sequences of `--positions` cached positions, 30 layers' caches in turn (so each call reads from memory, as a step's layers do): an fp32 model
-over an fp32 cache and over an fp16 one (`engine.kv_cache_dtype: float16`), and a bf16 model over its bf16 cache;
-then the same with uneven contexts (half the sequences at an eighth of `--positions`, half at the rest of twice it).
+Attention: 16 sequences of `--positions` cached positions, 30 layers' caches in turn (so each call reads from
+memory, as a step's layers do): an fp32 model over an fp32 cache and over an fp16 one
+(`engine.kv_cache_dtype: float16`), and a bf16 model over its bf16 cache; then the same with uneven contexts (half the sequences at an eighth of `--positions`, half at the rest of twice it).
 Sampler: 16 rows of a 49,152-token vocabulary.
 """
 
