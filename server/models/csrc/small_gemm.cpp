@@ -177,7 +177,8 @@ class L2Ahead {
 template <int64_t TileRows, typename Tile>
 inline void tile_row_block(int64_t rows, const NextPanel& next, const Tile& tile) {
   if (rows <= TileRows) return tile(0, rows, PassShare{}, std::false_type{});
-  for (int64_t m = 0, i = 0; m < rows; m += TileRows, ++i) tile(m, std::min(TileRows, rows - m), next.pass(i), std::true_type{});
+  for (int64_t m = 0, i = 0; m < rows; m += TileRows, ++i)
+    tile(m, std::min(TileRows, rows - m), next.pass(i), std::true_type{});
 }
 
 // y [M, N] = x · Wᵀ for one panel-packed weight (dtype and panel layout checked by the caller).
