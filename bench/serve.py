@@ -305,8 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     port = free_port()
-    systems = (neuronmm_systems(args.config, args.compressed, port, args.fp32, args.kv_cache_dtype, args.stream_interval)
-               if "neuronmm" in args.systems else [])
+    systems = (neuronmm_systems(args.config, args.compressed, port, args.fp32, args.kv_cache_dtype,
+                                args.stream_interval) if "neuronmm" in args.systems else [])
     peers = peer_systems(model_dir, port, max(args.concurrency)) if "llama-server" in args.systems else []
     peer_note = "" if peers or "llama-server" not in args.systems else (
         f"llama-server not found in {PEERS}: run ../shared/peers/llama-server.sh to compare (ours ran alone).")

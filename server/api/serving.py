@@ -437,9 +437,8 @@ class OpenAIServing:
         """SSE lines: a chunk per output (with a stream interval above 1, a choice's first token, then a chunk per
         that many tokens and the last), an error chunk if the engine fails, then [DONE]."""
         created = int(time.time())
-        completion_tokens, cached_tokens = {}, {}
+        completion_tokens, cached_tokens = {}, {}  # a choice's output tokens sent so far; a prompt's cached ones
         held: dict[tuple[int, int], SeqOutput] = {}  # a choice's outputs not sent yet (stream interval > 1)
-        sent_tokens: dict[tuple[int, int], int] = {}  # a choice's output tokens sent so far
         outputs = _merged(gens, n)
         try:
             async for offset, item in outputs:
@@ -451,11 +450,10 @@ class OpenAIServing:
                 choice = (offset, item.index)
                 if choice in held:
                     item = held.pop(choice).followed_by(item)
-                if (item.finish_reason is None and choice in sent_tokens
-                        and item.num_output_tokens - sent_tokens[choice] < self.stream_interval):
+                if (item.finish_reason is None and choice in completion_tokens
+                        and item.num_output_tokens - completion_tokens[choice] < self.stream_interval):
                     held[choice] = item
                     continue
-                sent_tokens[choice] = item.num_output_tokens
                 completion_tokens[choice] = item.num_output_tokens
                 cached_tokens[offset] = max(cached_tokens.get(offset, 0), item.num_cached_tokens)
                 if item.finish_reason is not None:
