@@ -19,6 +19,7 @@ _PLUGIN_MODULES = ("compression.cli", "compression.evaluation.cli", "compression
 
 _DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float32": "float32", "float16": "float16",
            "half": "float16", "float": "float32"}  # vLLM's spellings
+_KV_DTYPES = {**_DTYPES, "fp8": "fp8", "fp8_e4m3": "fp8_e4m3"}
 
 
 def _env_default(flag: str) -> str | None:
@@ -50,8 +51,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     flag("--max-num-seqs", type=int)
     flag("--max-num-batched-tokens", type=int)
     flag("--dtype", choices=sorted(_DTYPES))
-    flag("--kv-cache-dtype", choices=sorted(_DTYPES),
-         help="auto: the model's dtype; float16 or bfloat16 under a float32 model halve the cache")
+    flag("--kv-cache-dtype", choices=sorted(_KV_DTYPES),
+         help="auto: the model's dtype; float16 or bfloat16 under a float32 model halve the cache; fp8 (e4m3) halves "
+              "it again under float32 or bfloat16")
     flag("--tensor-parallel-size", type=int, help="NeuronCores to shard over (backend neuron)")
     flag("--chat-template", help="a Jinja file, or `hermes_tools` (bundled ChatML with tool calls)")
     flag("--tool-call-parser", help="how the model writes tool calls (default: hermes)")
@@ -107,7 +109,7 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict]:
         "server.model_aliases": names[1:] or None, "server.host": args.host, "server.port": args.port,
         "server.api_key": args.api_key, "model.compressed": args.compressed,
         "model.dtype": _DTYPES.get(args.dtype, args.dtype),  # an unknown one fails the config check
-        "engine.kv_cache_dtype": _DTYPES.get(args.kv_cache_dtype, args.kv_cache_dtype),
+        "engine.kv_cache_dtype": _KV_DTYPES.get(args.kv_cache_dtype, args.kv_cache_dtype),
         "engine.max_model_len": args.max_model_len, "engine.max_num_seqs": args.max_num_seqs,
         "engine.max_num_batched_tokens": args.max_num_batched_tokens,
         "neuron.tp_degree": args.tensor_parallel_size, "server.chat_template": args.chat_template,

@@ -57,8 +57,9 @@ class EngineConfig(_Strict):
     block_size: int = Field(16, ge=1, le=1024, description="KV cache positions per block (paged backends)")
     kv_cache_gib: float | None = Field(None, gt=0, description="KV block pool size; default: max_num_seqs x max_model_len")
     # auto: the model's dtype. float16 / bfloat16 under a float32 model halve the bytes attention reads a step
-    # and the pool's size per token (llama.cpp's default cache is f16 whatever the weights' precision).
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # and the pool's size per token (llama.cpp's default cache is f16 whatever the weights' precision); fp8
+    # (e4m3, no scales: vLLM's `--kv-cache-dtype fp8`) halves them again under a float32 or bfloat16 model.
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3"] = "auto"
     enable_prefix_caching: bool = Field(True, description="share cached prompt-prefix blocks between requests")
 
 

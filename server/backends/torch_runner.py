@@ -19,17 +19,22 @@ from server.models.packed_linear import pack_linears, packing_available, panels_
 log = logging.getLogger(__name__)
 
 _NARROW_CACHES = (torch.float16, torch.bfloat16)
+_FP8_NAMES = ("fp8", "fp8_e4m3")  # vLLM's spellings of an e4m3 cache
+_FP8_MODELS = (torch.float32, torch.bfloat16)
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype for `engine.kv_cache_dtype`: auto is the model's; fp16 / bf16 also under an fp32 model."""
+    """The KV cache's dtype for `engine.kv_cache_dtype`: auto is the model's; fp16 / bf16 also under an fp32 model;
+    fp8 (e4m3fn) under an fp32 or bf16 model."""
     if name == "auto":
         return model_dtype
-    chosen = getattr(torch, name)
-    if chosen != model_dtype and not (model_dtype == torch.float32 and chosen in _NARROW_CACHES):
+    chosen = torch.float8_e4m3fn if name in _FP8_NAMES else getattr(torch, name)
+    allowed = (chosen == model_dtype or (model_dtype == torch.float32 and chosen in _NARROW_CACHES)
+               or (chosen == torch.float8_e4m3fn and model_dtype in _FP8_MODELS))
+    if not allowed:
         model = str(model_dtype).removeprefix("torch.")
         raise ConfigError(f"engine.kv_cache_dtype: {name} under a {model} model is not supported "
-                          f"(auto, {model}, or float16 / bfloat16 under float32)")
+                          f"(auto, {model}, float16 / bfloat16 under float32, or fp8 under float32 / bfloat16)")
     return chosen
 
 

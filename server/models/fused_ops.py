@@ -111,6 +111,16 @@ def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
+def as_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of `cache_dtype` stores it: rounded; fp8 e4m3fn saturated at +-448 (not every device's cast does)."""
+    if cache_dtype == torch.float8_e4m3fn:
+        x = x.clamp(-_FP8_MAX, _FP8_MAX)
+    return x.to(cache_dtype)
+
+
+_FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
 def attention_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                   seq_index: torch.Tensor, context_lens: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -122,10 +132,10 @@ def attention_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q = rotate_ref(q.reshape(num_tokens, num_heads, head_dim), cos, sin)
     k = rotate_ref(k.reshape(num_tokens, num_kv_heads, head_dim), cos, sin)
-    # the cache may be narrower than the model (fp16 / bf16 under fp32): stored rounded, read back widened
-    k_cache[slot_mapping // block_size, :, slot_mapping % block_size] = k.to(k_cache.dtype)
-    v_cache[slot_mapping // block_size, :, slot_mapping % block_size] = (
-        v.reshape(num_tokens, num_kv_heads, head_dim).to(v_cache.dtype))
+    # the cache may be narrower than the model (fp16 / bf16 under fp32, fp8): stored rounded, read back widened
+    k_cache[slot_mapping // block_size, :, slot_mapping % block_size] = as_cache(k, k_cache.dtype)
+    v_cache[slot_mapping // block_size, :, slot_mapping % block_size] = as_cache(
+        v.reshape(num_tokens, num_kv_heads, head_dim), v_cache.dtype)
     # every token against the longest context of the batch, keys past its own masked out
     max_len = max(int(context_lens.max()), 1)
     positions = torch.arange(max_len, device=qkv.device)

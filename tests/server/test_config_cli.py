@@ -92,14 +92,17 @@ def test_dtype_flag(dtype, expected):
     assert _serve_config(["--dtype", dtype]).model.dtype == expected
 
 
-@pytest.mark.parametrize("flag, expected", [(None, "auto"), ("half", "float16"), ("bfloat16", "bfloat16")])
+@pytest.mark.parametrize("flag, expected", [(None, "auto"), ("half", "float16"), ("bfloat16", "bfloat16"),
+                                            ("fp8", "fp8"), ("fp8_e4m3", "fp8_e4m3")])
 def test_kv_cache_dtype_flag(flag, expected):
     assert _serve_config(["--kv-cache-dtype", flag] if flag else []).engine.kv_cache_dtype == expected
 
 
 @pytest.mark.parametrize("dtype, kv_cache_dtype, ok", [
     ("float32", "float16", True), ("float32", "bfloat16", True), ("bfloat16", "bfloat16", True),
-    ("bfloat16", "float16", False), ("bfloat16", "float32", False), ("float16", "bfloat16", False)])
+    ("float32", "fp8", True), ("bfloat16", "fp8_e4m3", True),
+    ("bfloat16", "float16", False), ("bfloat16", "float32", False), ("float16", "bfloat16", False),
+    ("float16", "fp8", False)])
 def test_a_kv_cache_dtype_the_kernels_lack_stops_the_start(dtype, kv_cache_dtype, ok):
     from server.backends import check_backend_available
 

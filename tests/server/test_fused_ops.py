@@ -128,7 +128,7 @@ def test_vectorised_attention_matches_reference(dtype, head_dim, num_kv_heads, g
     torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
 
 
-NARROW_CACHES = [torch.float16, torch.bfloat16]
+NARROW_CACHES = [torch.float16, torch.bfloat16, torch.float8_e4m3fn]
 
 
 @pytest.mark.parametrize("cache_dtype", NARROW_CACHES)
@@ -162,8 +162,52 @@ def test_vectorised_attention_over_a_narrow_cache_matches_reference(cache_dtype,
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 3, 3), (16, 2, 2)])
+@pytest.mark.parametrize("threads", [1, 8], ids=["items-of-all-kv-heads", "items-of-one-kv-head"])
+def test_attention_over_an_fp8_cache_under_bf16_matches_reference(head_dim, num_kv_heads, group, threads):
+    """A bf16 model over an fp8 cache: stored as torch's cast stores it (saturating), attended like the reference."""
+    torch.set_num_threads(threads)
+    case = _decode_case(torch.bfloat16, head_dim, num_kv_heads, group, 16, [1, 15, 16, 17, 40, 71],
+                        torch.float8_e4m3fn)
+    case["qkv"][:2] *= 1000  # beyond fp8's +-448: saturated, not NaN
+    ref_case = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    out, _ = torch.ops.neuronmm.attention(*case.values())
+    ref_out, _ = fused_ops.attention_ref(*ref_case.values())
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(case[name].view(torch.uint8), ref_case[name].view(torch.uint8))
+        assert not case[name].float().isnan().any()
+    torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_fp8_cache_is_read_back_exactly(dtype):
+    """Every finite e4m3fn value, subnormals and +-448 included, read back by the vector paths as torch widens it:
+    keys all zero weigh 16 positions equally, and each value column holds one code among zeros, so a token's output
+    is that code / 16 (exact in fp32 and bf16)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    codes = codes[~codes.isnan()]  # 254 finite codes
+    num_seqs, head_dim, block_size = 4, 64, 16
+    column = torch.zeros(num_seqs * head_dim)
+    column[:codes.numel()] = codes
+    case = _decode_case(dtype, head_dim, 1, 1, block_size, [16] * num_seqs, torch.float8_e4m3fn)
+    case["k_cache"].zero_()
+    v = torch.zeros(case["v_cache"].shape)
+    qkv = case["qkv"].float()
+    qkv[:, head_dim:] = 0  # the new token's key and value: zero
+    for s in range(num_seqs):
+        row = int(case["slot_mapping"][s]) // block_size
+        v[int(case["block_tables"][s, 0]), 0, s % (block_size - 1)] = column[s * head_dim:(s + 1) * head_dim]
+        assert row == int(case["block_tables"][s, 0])  # one block a sequence: the codes sit beside its new token
+    case["v_cache"] = v.to(torch.float8_e4m3fn)
+    case["qkv"] = qkv.to(dtype)
+    out, _ = torch.ops.neuronmm.attention(*case.values())
+    expected = (column / 16).view(num_seqs, head_dim).to(dtype)
+    assert torch.equal(out, expected)
+
+
 def test_attention_rejects_a_cache_wider_or_other_than_the_model():
-    for dtype, cache_dtype in [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16)]:
+    for dtype, cache_dtype in [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16),
+                               (torch.float16, torch.float8_e4m3fn)]:
         case = _cache_case(dtype, 4, 4, cache_dtype)
         with pytest.raises(RuntimeError, match="fp16 / bf16 under fp32"):
             torch.ops.neuronmm.attention(*case.values())

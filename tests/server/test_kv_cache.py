@@ -58,3 +58,25 @@ def test_a_narrow_cache_under_an_fp32_model_keeps_its_logits(tiny_model_dir, fus
     assert not torch.equal(half, wide)  # the cache did round
     tol = 5e-4 if cache_dtype == "float16" else 4e-3  # measured: 5e-5 and 4e-4 on logits of magnitude ~1
     torch.testing.assert_close(half, wide, rtol=tol, atol=tol)
+
+
+@KERNELS
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_fp8_cache_keeps_the_models_greedy_tokens_and_its_logits_close(tiny_model_dir, fused, dtype):
+    """engine.kv_cache_dtype fp8 (e4m3): a byte a value, under an fp32 or a bf16 model; logits over a prefill and
+    decode steps stay near the model-dtype cache's, and their argmax is the same."""
+    prompt = list(range(300, 340))
+    runs = {}
+    for name in ("auto", "fp8"):
+        runner = TorchRunner(tiny_model_dir, 64, dtype, num_threads=1, fused_kernels=fused, kv_cache_dtype=name)
+        runner.load()
+        runner.allocate_kv_blocks(8, 16)
+        logits = [runner.execute([SeqChunk(-1, prompt, 0, block_table=[0, 1, 2, 3])])]
+        logits += [runner.execute([SeqChunk(-1, [400 + i], 40 + i, block_table=[0, 1, 2, 3])]) for i in range(4)]
+        runs[name] = (runner, torch.cat(logits))
+    (model_cache, exact), (fp8, rounded) = runs["auto"], runs["fp8"]
+    assert fp8.cache.k[0].dtype == torch.float8_e4m3fn
+    assert fp8.kv_bytes_per_token() * getattr(torch, dtype).itemsize == model_cache.kv_bytes_per_token()
+    assert not torch.equal(rounded, exact)  # the cache did round
+    assert torch.equal(rounded.argmax(-1), exact.argmax(-1))
+    torch.testing.assert_close(rounded, exact, rtol=0, atol=0.03)  # measured: 5e-3 (fp32), 9e-3 (bf16); logits ~1.3

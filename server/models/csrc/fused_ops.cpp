@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -41,6 +42,15 @@ inline float load_f(c10::BFloat16 v) {
   return f;
 }
 inline float load_f(c10::Half v) { return static_cast<float>(v); }
+inline float load_f(c10::Float8_e4m3fn v) { return static_cast<float>(v); }
+
+// A value as the cache stores it. fp8 (e4m3fn, `engine.kv_cache_dtype: fp8`) saturates at its largest finite value,
+// +-448, as torch's own cast does: c10's conversion would make anything beyond it a NaN.
+template <typename C>
+inline C to_cache(float v) {
+  if constexpr (std::is_same_v<C, c10::Float8_e4m3fn>) v = std::min(std::max(v, -448.f), 448.f);
+  return static_cast<C>(v);
+}
 
 // q·k and acc += p·v over one head (fp32 q and acc, k and v in the cache dtype). Written with AVX-512
 // where the CPU has it (the compiler does not vectorise the bf16 widening in these loops by itself).
@@ -61,6 +71,14 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// fp8 e4m3fn -> fp32 exactly: its sign and low 7 bits, moved into an fp16's places (sign 15, exponent from 10), are an
+// fp16 of the same mantissa whose exponent bias is 8 short (15 against 7), subnormals included; times 2^8 is the value.
+inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+}
 template <typename T>
 inline float dot_head_avx512(const float* q, const T* k, int64_t d) {
   __m512 acc = _mm512_setzero_ps();
@@ -109,8 +127,8 @@ inline void axpy_head(float p, const c10::BFloat16* v, float* acc, int64_t d) {
 // block's keys, each value row widened once for the whole group (a store-to-load chain through memory per
 // key made the old axpy loop latency-bound). D16 = head_dim / 16.
 template <typename T>
-constexpr bool kVectorAttention =
-    std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
+constexpr bool kVectorAttention = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> ||
+                                   std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::Float8_e4m3fn>;
 
 // lane i of the result: the sum of v[i]'s lanes
 inline __m512 hsum16(const __m512* v) {
@@ -245,11 +263,18 @@ inline __m256 load8(const c10::BFloat16* p) {
 }
 #if defined(__F16C__)
 inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// fp8 e4m3fn as the AVX-512 load16 widens it: moved into an fp16's places, then times 2^8
+inline __m256 load8(const c10::Float8_e4m3fn* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+}
 #endif
 template <typename C>
 constexpr bool kAvx2Attention = std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>
 #if defined(__F16C__)
-                                || std::is_same_v<C, c10::Half>
+                                || std::is_same_v<C, c10::Half> || std::is_same_v<C, c10::Float8_e4m3fn>
 #endif
     ;
 
@@ -539,7 +564,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // k, v into the cache at the token's slot, then attend each token with context_lens[t] > 0 over the
 // first context_lens[t] positions of its sequence (block_tables[seq_index[t]]). Tokens with
 // context_lens[t] == 0 are left for the caller (their output rows are zero). T is the model's dtype, C the
-// cache's: T itself, or fp16 / bf16 under an fp32 model (half the bytes to read a step, as llama.cpp's f16 cache).
+// cache's: T itself, fp16 / bf16 under an fp32 model (half the bytes to read a step, as llama.cpp's f16 cache), or
+// fp8 e4m3fn under either (a byte a value, vLLM's `--kv-cache-dtype fp8` without scales).
 constexpr int64_t kPrefetchBlocks = 2;  // how far ahead (in cache blocks) attention prefetches keys and values
 
 template <typename T, typename C>
@@ -573,7 +599,8 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
       float rot = i < half ? -load_f(x[i + half]) : load_f(x[i - half]);
       float a = round_to<T>(load_f(x[i]) * load_f(c[i]));
       float b = round_to<T>(round_to<T>(rot) * load_f(s[i]));
-      dst[i] = static_cast<D>(round_to<T>(a + b));
+      if constexpr (std::is_same_v<D, T>) dst[i] = static_cast<D>(round_to<T>(a + b));
+      else dst[i] = to_cache<D>(round_to<T>(a + b));
     }
   };
   at::parallel_for(0, num_tokens, 1, [&](int64_t b, int64_t e) {
@@ -590,7 +617,7 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
         if constexpr (std::is_same_v<T, C>) {
           std::memcpy(vc + at_, v + h * head_dim, head_dim * sizeof(T));
         } else {
-          for (int64_t i = 0; i < head_dim; ++i) vc[at_ + i] = static_cast<C>(load_f(v[h * head_dim + i]));
+          for (int64_t i = 0; i < head_dim; ++i) vc[at_ + i] = to_cache<C>(load_f(v[h * head_dim + i]));
         }
       }
     }
@@ -758,9 +785,11 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& qkv, const at::Te
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim, "attention: bad rotary tables");
   const auto dtype = qkv.scalar_type(), cache_dtype = k_cache.scalar_type();
   TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype, "attention: qkv and rotary tables must share a dtype");
+  const bool fp8 = cache_dtype == at::kFloat8_e4m3fn && (dtype == at::kFloat || dtype == at::kBFloat16);
   TORCH_CHECK(v_cache.scalar_type() == cache_dtype &&
-                  (cache_dtype == dtype || (dtype == at::kFloat && (cache_dtype == at::kHalf || cache_dtype == at::kBFloat16))),
-              "attention: the cache holds qkv's dtype, or fp16 / bf16 under fp32 qkv");
+                  (cache_dtype == dtype || fp8 ||
+                   (dtype == at::kFloat && (cache_dtype == at::kHalf || cache_dtype == at::kBFloat16))),
+              "attention: the cache holds qkv's dtype, fp16 / bf16 under fp32 qkv, or fp8 e4m3fn under fp32 / bf16");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && block_tables.scalar_type() == at::kInt &&
                   seq_index.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "attention: index dtypes are int64 slots, int32 tables/seq_index/context_lens");
@@ -772,7 +801,11 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& qkv, const at::Te
                                                      block_tables.contiguous(), seq_index.contiguous(),
                                                      context_lens.contiguous(), num_heads, num_kv_heads, scale, q_rot, out);
   };
-  if (cache_dtype == at::kHalf && dtype == at::kFloat) {
+  if (fp8 && dtype == at::kFloat) {
+    run(float{}, c10::Float8_e4m3fn{});
+  } else if (fp8) {
+    run(c10::BFloat16{}, c10::Float8_e4m3fn{});
+  } else if (cache_dtype == at::kHalf && dtype == at::kFloat) {
     run(float{}, c10::Half{});
   } else if (cache_dtype == at::kBFloat16 && dtype == at::kFloat) {
     run(float{}, c10::BFloat16{});
