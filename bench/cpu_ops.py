@@ -13,7 +13,7 @@ the default model's `--step-layers` layers and its LM head, called in a decode s
 measured bandwidth, say how close the GEMMs stream; at 16 fp32 rows the FMAs take as long as the bytes).
 Attention: 16 sequences of `--positions` cached positions, 30 layers' caches in turn (so each call reads from
 memory, as a step's layers do): an fp32 model over an fp32 cache and over an fp16 one
-(`engine.kv_cache_dtype: float16`), and a bf16 model over its bf16 cache; then the same with uneven contexts (half the sequences at an eighth of `--positions`, half at the rest of twice it).
+(`engine.kv_cache_dtype: float16`), a bf16 model over its bf16 cache and over an fp8 one (`fp8`); then the same with uneven contexts (half the sequences at an eighth of `--positions`, half at the rest of twice it).
 Sampler: 16 rows of a 49,152-token vocabulary.
 """
 
@@ -35,7 +35,8 @@ RESULTS = Path(__file__).parent / "results"
 GEMMS = ((1536, 576), (576, 1536))
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS, SEQS, VOCAB, HIDDEN = 9, 3, 64, 16, 30, 16, 49152, 576
 STEP_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # a layer's qkv, o, gate/up, down: (N, K)
-ATTENTION_DTYPES = ((torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16))
+ATTENTION_DTYPES = ((torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16),
+                    (torch.bfloat16, torch.float8_e4m3fn))
 
 
 def best_us(fn: Callable[[], object], calls: int, repeats: int) -> float:

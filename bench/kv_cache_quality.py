@@ -1,7 +1,7 @@
 """What a narrower KV cache costs in quality: WikiText-2 perplexity and greedy agreement through the serving runner.
 
-`engine.kv_cache_dtype: float16` (or bfloat16) under a float32 model stores keys and values rounded and attention
-reads them widened. This scores the same evenly spaced WikiText-2 windows through `TorchRunner` (the fused
+`engine.kv_cache_dtype: float16` (or bfloat16) under a float32 model, or fp8 (e4m3) under a float32 or bfloat16 one,
+stores keys and values rounded and attention reads them widened. This scores the same evenly spaced WikiText-2 windows through `TorchRunner` (the fused
 attention reads every position back from the cache, so the rounding reaches every score) once per cache dtype,
 and decodes greedy continuations of prompts cut from other windows, counting where each leaves the
 full-precision cache's tokens.

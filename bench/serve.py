@@ -286,7 +286,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="which to run: neuronmm (dense, sampled, compressed) and/or llama-server")
     p.add_argument("--fp32", action="store_true",
                    help="also serve in fp32 (what a CPU without native bf16 runs), against llama-server f32")
-    p.add_argument("--kv-cache-dtype", choices=["float16", "bfloat16", "float32"],
+    p.add_argument("--kv-cache-dtype", choices=["float16", "bfloat16", "float32", "fp8"],
                    help="also serve the config's model with this KV cache dtype (float16 under fp32: llama.cpp's default)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="also serve the config's model streaming a chunk per this many tokens (server --stream-interval)")

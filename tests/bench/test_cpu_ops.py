@@ -24,7 +24,7 @@ def test_the_report_holds_every_op(tmp_path):
     n_by_k = sum(n * k for n, k in cpu_ops.STEP_SHAPES) + cpu_ops.VOCAB * cpu_ops.HIDDEN
     assert step["weight_mb"] == pytest.approx(n_by_k * (2 if step["dtype"] == "bfloat16" else 4) / 1e6)
     assert step["ms"] > 0 and step["gflops"] == pytest.approx(2 * 3 * n_by_k / step["ms"] / 1e6)
-    pairs = [("float32", "float32"), ("float32", "float16"), ("bfloat16", "bfloat16")]
+    pairs = [("float32", "float32"), ("float32", "float16"), ("bfloat16", "bfloat16"), ("bfloat16", "float8_e4m3fn")]
     assert [(a["dtype"], a["cache_dtype"], a["contexts"]) for a in report["attention"]] == (
         [(*pair, "16 x 40") for pair in pairs] + [(*pair, "8 x 5 + 8 x 75") for pair in pairs])
     assert all(a["positions"] == 40 for a in report["attention"])  # the uneven batch holds as many positions

@@ -37,8 +37,8 @@ MAX_LEN = 256
 FP32_TIE = 1e-4
 
 
-def _runner(model_dir, device: str, dtype: str = "float32", compressed=None) -> TorchRunner:
-    runner = TorchRunner(model_dir, MAX_LEN, dtype, device, compressed)
+def _runner(model_dir, device: str, dtype: str = "float32", compressed=None, kv_cache_dtype: str = "auto") -> TorchRunner:
+    runner = TorchRunner(model_dir, MAX_LEN, dtype, device, compressed, kv_cache_dtype=kv_cache_dtype)
     runner.load()
     return runner
 
@@ -94,6 +94,21 @@ def test_prefill_logits_on_cuda_match_the_cpu(tiny_model_dir):
     gpu = _prompt_logits(_runner(tiny_model_dir, "cuda"), ids)
     assert gpu.shape == cpu.shape == (len(ids), cpu.shape[1])
     torch.testing.assert_close(gpu, cpu, rtol=0, atol=1e-4)
+
+
+def test_an_fp8_kv_cache_on_cuda_gives_the_cpus_logits(tiny_model_dir):
+    """engine.kv_cache_dtype fp8 on CUDA (the torch path: a saturating cast, SDPA over the widened cache) against the
+    CPU's fused kernel over the same rounded cache; both apart from the fp32 cache's logits."""
+    ids = load_tokenizer(tiny_model_dir)(PROMPTS[2]).input_ids
+    cpu = _prompt_logits(_runner(tiny_model_dir, "cpu", kv_cache_dtype="fp8"), ids)
+    gpu_runner = _runner(tiny_model_dir, "cuda", kv_cache_dtype="fp8")
+    assert gpu_runner.cache_dtype == torch.float8_e4m3fn
+    gpu = _prompt_logits(gpu_runner, ids)
+    exact = _prompt_logits(_runner(tiny_model_dir, "cpu"), ids)
+    assert not gpu.isnan().any()
+    # a key a float ulp apart on the two devices may round to neighbouring fp8 codes: a looser bound than fp32's
+    torch.testing.assert_close(gpu, cpu, rtol=0, atol=2e-3)
+    assert (gpu - exact).abs().max() > 10 * (gpu - cpu).abs().max()
 
 
 def test_auto_dtype_on_cuda_is_half_precision_and_tracks_fp32(tiny_model_dir):
