@@ -150,12 +150,15 @@ def test_attention_over_a_narrow_cache_under_fp32_matches_reference(cache_dtype,
 
 @pytest.mark.parametrize("cache_dtype", NARROW_CACHES)
 @pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 3, 3), (128, 2, 3)])
+@pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("threads", [1, 8], ids=["items-of-all-kv-heads", "items-of-one-kv-head"])
 def test_vectorised_attention_over_a_narrow_cache_matches_reference(cache_dtype, head_dim, num_kv_heads, group,
-                                                                    threads):
-    """The same on the vector paths (16-key runs on AVX-512, 8-key runs on AVX2), whose loads widen the cache."""
+                                                                    block_size, threads):
+    """The same on the vector paths (16-key runs on AVX-512, 8-key runs on AVX2), whose loads widen the cache (an fp8
+    cache's keys and AVX2 values once for a group's heads, 16 rows at a time: blocks of 32 take two)."""
     torch.set_num_threads(threads)
-    case = _decode_case(torch.float32, head_dim, num_kv_heads, group, 16, [1, 15, 16, 17, 40, 71], cache_dtype)
+    case = _decode_case(torch.float32, head_dim, num_kv_heads, group, block_size, [1, 15, 16, 17, 40, 71],
+                        cache_dtype)
     ref_case = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
     out, _ = torch.ops.neuronmm.attention(*case.values())
     ref_out, _ = fused_ops.attention_ref(*ref_case.values())

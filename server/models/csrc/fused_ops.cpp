@@ -73,10 +73,10 @@ inline __m512 load16(const c10::BFloat16* p) {
 inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 // fp8 e4m3fn -> fp32 exactly: its sign and low 7 bits, moved into an fp16's places (sign 15, exponent from 10), are an
 // fp16 of the same mantissa whose exponent bias is 8 short (15 against 7), subnormals included; times 2^8 is the value.
+// Sign-extended and shifted left 7, the byte's sign lands on bits 15 and 14: the mask clears 14 (0xBF80).
 inline __m512 load16(const c10::Float8_e4m3fn* p) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
-                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
   return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
 }
 template <typename T>
@@ -188,6 +188,29 @@ inline __m512 dot16_keys_bf16(const c10::BFloat16* q, const c10::BFloat16* k, __
 }
 #endif
 
+// An fp8 cache's 16 keys of one head widened once for all the query heads that share them (dot16_keys widens per
+// head: three times the conversions under SmolLM2's groups, which made the smaller cache the slower one): to fp32, or to
+// bf16 (exact: every e4m3 value is one) for VDPBF16PS under a bf16 model. Prefetches `ahead` as dot16_keys does.
+template <int D16>
+inline void widen16_keys(const c10::Float8_e4m3fn* k, float* dst, const c10::Float8_e4m3fn* ahead) {
+  for (int j = 0; j < 16; ++j) {
+    prefetch_row<c10::Float8_e4m3fn, D16>(ahead, j);
+    for (int d = 0; d < D16; ++d) _mm512_storeu_ps(dst + (j * D16 + d) * 16, load16(k + (j * D16 + d) * 16));
+  }
+}
+#if defined(__AVX512BF16__)
+template <int D16>
+inline void widen16_keys(const c10::Float8_e4m3fn* k, c10::BFloat16* dst, const c10::Float8_e4m3fn* ahead) {
+  for (int j = 0; j < 16; ++j) {
+    prefetch_row<c10::Float8_e4m3fn, D16>(ahead, j);
+    for (int d = 0; d < D16; d += 2) {  // cvtne2ps_pbh: its second operand fills the low half
+      const __m512bh pair = _mm512_cvtne2ps_pbh(load16(k + (j * D16 + d + 1) * 16), load16(k + (j * D16 + d) * 16));
+      _mm512_storeu_si512(dst + (j * D16 + d) * 16, (__m512i)pair);
+    }
+  }
+}
+#endif
+
 // acc[h] += sum_j p[h * stride + j] * v[j] for NH query heads over `len` value rows
 template <typename T, int D16, int NH>
 inline void pv_heads(const float* p, int64_t stride, const T* v, int64_t len, float* acc, const T* ahead) {
@@ -265,9 +288,8 @@ inline __m256 load8(const c10::BFloat16* p) {
 inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 // fp8 e4m3fn as the AVX-512 load16 widens it: moved into an fp16's places, then times 2^8
 inline __m256 load8(const c10::Float8_e4m3fn* p) {
-  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7),
-                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+  const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
   return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
 }
 #endif
@@ -306,6 +328,21 @@ inline __m256 dot8_keys64_avx2(const float* q, const C* k, const C* ahead) {
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
   const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// `rows` rows of an fp8 cache's 64-wide head widened to fp32 once for the query heads that share them (the AVX2 loops
+// widen per head: three times the conversions under SmolLM2's groups), prefetching `ahead` a row per row.
+// Widened once (below) rather than per query head: fp8, whose conversion takes five instructions. An fp16 cache's
+// vcvtph2ps reads its operand from memory, and widening it once was slower (a batch-16 AVX2 step at 768 positions).
+template <typename C>
+constexpr bool kWidenOnce = std::is_same_v<C, c10::Float8_e4m3fn>;
+template <typename C>
+inline void widen_rows64(const C* k, int64_t rows, float* dst, const C* ahead) {
+  for (int64_t j = 0; j < rows; ++j) {
+    prefetch_row64(ahead, j);
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(dst + j * 64 + 8 * c, load8(k + j * 64 + 8 * c));
+  }
 }
 
 // acc += sum_j p[j] * v[j] over `len` value rows of one 64-wide head, the sums in 8 registers for the whole run
@@ -645,6 +682,7 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   };
   neuronmm::balanced_for(items, [&](int64_t item) { return cost_before[item]; }, [&](const auto& next) {
     std::vector<float> scores, acc(item_heads * head_dim), q(item_heads * head_dim), inv(item_heads);
+    std::vector<float> widened(16 * head_dim);  // an fp8 cache's keys, widened once for their query heads
     const auto run_item = [&](int64_t item, int64_t following) {  // following: the thread's next item, or -1
       const int64_t t = item / items_per_token, kv0 = item % items_per_token * heads_per_item;
       const int64_t h0 = kv0 * group;  // first query head of the item
@@ -682,6 +720,29 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
           if constexpr (kVectorAttention<C>) {
             if (head_dim == 64 || head_dim == 128) {
               for (; j + 16 <= len; j += 16) {
+                if constexpr (std::is_same_v<C, c10::Float8_e4m3fn>) {
+                  const C* keys = kb + j * head_dim;
+                  const C* ahead = j == 0 ? next_k : nullptr;
+#if defined(__AVX512BF16__)
+                  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+                    auto* kw = reinterpret_cast<c10::BFloat16*>(widened.data());
+                    const __m512 sc = _mm512_set1_ps(static_cast<float>(scale));
+                    if (head_dim == 64) widen16_keys<4>(keys, kw, ahead); else widen16_keys<8>(keys, kw, ahead);
+                    for (int64_t g = k * group; g < (k + 1) * group; ++g)
+                      _mm512_storeu_ps(scores.data() + g * n + start + j,
+                                       head_dim == 64 ? dot16_keys_bf16<2>(qp + g * head_dim, kw, sc)
+                                                      : dot16_keys_bf16<4>(qp + g * head_dim, kw, sc));
+                    continue;
+                  }
+#endif
+                  float* kw = widened.data();
+                  if (head_dim == 64) widen16_keys<4>(keys, kw, ahead); else widen16_keys<8>(keys, kw, ahead);
+                  for (int64_t g = k * group; g < (k + 1) * group; ++g)
+                    _mm512_storeu_ps(scores.data() + g * n + start + j,
+                                     head_dim == 64 ? dot16_keys<float, 4>(q.data() + g * head_dim, kw)
+                                                    : dot16_keys<float, 8>(q.data() + g * head_dim, kw));
+                  continue;
+                }
                 for (int64_t g = k * group; g < (k + 1) * group; ++g) {
                   const C* ahead = g == k * group && j == 0 ? next_k : nullptr;  // once per block, with the first head
                   const C* keys = kb + j * head_dim;
@@ -704,12 +765,20 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
 #elif defined(__AVX2__) && defined(__FMA__)
           if constexpr (kAvx2Attention<C>) {
             if (head_dim == 64) {
-              for (; j + 8 <= len; j += 8)
+              for (; j + 8 <= len; j += 8) {
+                if constexpr (kWidenOnce<C>) {
+                  widen_rows64(kb + j * head_dim, 8, widened.data(), next_k ? next_k + j * head_dim : nullptr);
+                  for (int64_t g = k * group; g < (k + 1) * group; ++g)
+                    _mm256_storeu_ps(scores.data() + g * n + start + j,
+                                     dot8_keys64_avx2<float>(q.data() + g * head_dim, widened.data(), nullptr));
+                  continue;
+                }
                 for (int64_t g = k * group; g < (k + 1) * group; ++g) {
                   const C* ahead = g == k * group && next_k ? next_k + j * head_dim : nullptr;  // once a row
                   const __m256 r = dot8_keys64_avx2(q.data() + g * head_dim, kb + j * head_dim, ahead);
                   _mm256_storeu_ps(scores.data() + g * n + start + j, r);
                 }
+              }
             }
           }
 #endif
@@ -746,6 +815,16 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
           if constexpr (kAvx2Attention<C>) {
             if (head_dim == 64) {
+              if constexpr (kWidenOnce<C>) {
+                for (int64_t r0 = 0; r0 < len; r0 += 16) {  // `widened` holds 16 rows
+                  const int64_t rows = std::min<int64_t>(16, len - r0);
+                  widen_rows64(vb + r0 * head_dim, rows, widened.data(), next_v ? next_v + r0 * head_dim : nullptr);
+                  for (int64_t g = k * group; g < (k + 1) * group; ++g)
+                    pv_head64_avx2(scores.data() + g * n + start + r0, widened.data(), rows, acc.data() + g * head_dim,
+                                   static_cast<const float*>(nullptr));
+                }
+                continue;
+              }
               for (int64_t g = k * group; g < (k + 1) * group; ++g)
                 pv_head64_avx2(scores.data() + g * n + start, vb, len, acc.data() + g * head_dim,
                                g == k * group ? next_v : nullptr);
