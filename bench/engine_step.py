@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--compressed", help="a compressed artifact folder to apply (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-dtype", help="override the config's engine.kv_cache_dtype (e.g. fp8)")
     p.add_argument("--no-panel-gemm", action="store_true", help="oneDNN's packed GEMM even where the panel GEMM applies")
     p.add_argument("--python-layers", action="store_true",
                    help="run the layers through the Python loop even where the C++ layer loop (csrc/decoder.cpp) applies")
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--ab-rounds needs --compressed (the artifact to compare with the dense model)")
 
     cfg = load_config(args.config)
+    if args.kv_cache_dtype:
+        cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"kv_cache_dtype": args.kv_cache_dtype})})
     model_dir = resolve_model_dir(cfg.model, Path(cfg.cache_dir).expanduser())
     compressed = args.compressed or cfg.model.compressed
     runner = _load_runner(model_dir, cfg, args, compressed)

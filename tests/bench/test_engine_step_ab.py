@@ -42,3 +42,19 @@ def test_python_layers_turns_the_cpp_layer_loop_off(tiny_model_dir, python_layer
                               python_layers=python_layers)
     runner = engine_step._load_runner(tiny_model_dir, cfg, args, None)
     assert runner.model.use_decoder_plan is not python_layers
+
+
+def test_kv_cache_dtype_overrides_the_configs_and_is_recorded(tiny_model_dir, tmp_path):
+    import json
+
+    import yaml
+
+    from support import tiny_config
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(tiny_model_dir).model_dump(mode="json")))
+    out = tmp_path / "step.json"
+    assert engine_step.main(["--config", str(config), "--kv-cache-dtype", "fp8", "--batch-sizes", "2",
+                             "--context", "8", "--steps", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["kv_cache_dtype"] == "float8_e4m3fn" and report["rows"][0]["step_ms_p50"] > 0

@@ -208,6 +208,28 @@ def test_an_fp8_cache_is_read_back_exactly(dtype):
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_fp8_cache_stores_every_value_as_torch_rounds_it(threads):
+    """The vector store's rounding against torch's cast, where it can go wrong: every code, every midpoint between two
+    (ties go to the even code), a float either side of each midpoint, subnormals, beyond +-448 (saturated), signs."""
+    torch.set_num_threads(threads)
+    codes = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float()[:-1]  # 0 .. 448, NaN dropped
+    mids = (codes[:-1] + codes[1:]) / 2
+    values = torch.cat([codes, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9)),
+                        torch.tensor([449.0, 464.0, 465.0, 1e6, 3e38, 1e-12, 2.0 ** -10, 3 * 2.0 ** -11])])
+    values = torch.cat([values, -values])
+    head_dim, num_kv_heads = 64, 2
+    per_token = num_kv_heads * head_dim
+    values = torch.cat([values, torch.zeros(-values.numel() % per_token)]).view(-1, per_token)
+    case = _decode_case(torch.float32, head_dim, num_kv_heads, 1, 16, [1] * values.shape[0], torch.float8_e4m3fn)
+    case["qkv"][:, -per_token:] = values  # the new values, stored as they are (keys are rotated first)
+    ref_case = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    torch.ops.neuronmm.attention(*case.values())
+    fused_ops.attention_ref(*ref_case.values())
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(case[name].view(torch.uint8), ref_case[name].view(torch.uint8)), name
+
+
 def test_attention_rejects_a_cache_wider_or_other_than_the_model():
     for dtype, cache_dtype in [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16),
                                (torch.float16, torch.float8_e4m3fn)]:
