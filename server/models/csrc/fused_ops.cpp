@@ -21,6 +21,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -42,7 +43,16 @@ inline float load_f(c10::BFloat16 v) {
   return f;
 }
 inline float load_f(c10::Half v) { return static_cast<float>(v); }
-inline float load_f(c10::Float8_e4m3fn v) { return static_cast<float>(v); }
+// fp8 by a table of its 256 values (c10's conversion is bit work per value; the attention's scalar tails read
+// a few positions of every sequence through it)
+inline float load_f(c10::Float8_e4m3fn v) {
+  static const std::array<float, 256> values = [] {
+    std::array<float, 256> table{};
+    for (int code = 0; code < 256; ++code) table[code] = static_cast<float>(c10::Float8_e4m3fn(code, c10::Float8_e4m3fn::from_bits()));
+    return table;
+  }();
+  return values[v.x];
+}
 
 // A value as the cache stores it. fp8 (e4m3fn, `engine.kv_cache_dtype: fp8`) saturates at its largest finite value,
 // +-448, as torch's own cast does: c10's conversion would make anything beyond it a NaN.
@@ -156,6 +166,23 @@ inline void axpy_head(float p, const float* v, float* acc, int64_t d) {
 }
 template <>
 inline void axpy_head(float p, const c10::BFloat16* v, float* acc, int64_t d) {
+  if (d % 16 != 0) {
+    for (int64_t i = 0; i < d; ++i) acc[i] += p * load_f(v[i]);
+    return;
+  }
+  axpy_head_avx512(p, v, acc, d);
+}
+template <>
+inline float dot_head(const float* q, const c10::Float8_e4m3fn* k, int64_t d) {
+  if (d % 16 != 0) {
+    float dot = 0.f;
+    for (int64_t i = 0; i < d; ++i) dot += q[i] * load_f(k[i]);
+    return dot;
+  }
+  return dot_head_avx512(q, k, d);
+}
+template <>
+inline void axpy_head(float p, const c10::Float8_e4m3fn* v, float* acc, int64_t d) {
   if (d % 16 != 0) {
     for (int64_t i = 0; i < d; ++i) acc[i] += p * load_f(v[i]);
     return;
