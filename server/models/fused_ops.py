@@ -112,7 +112,8 @@ def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def as_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """x as a cache of `cache_dtype` stores it: rounded; fp8 e4m3fn saturated at +-448 (not every device's cast does)."""
+    """x as a cache of `cache_dtype` stores it: rounded; fp8 e4m3fn saturated at +-448, as the fused op's store does
+    (explicitly, rather than resting on what this torch version's cast does past 448)."""
     if cache_dtype == torch.float8_e4m3fn:
         x = x.clamp(-_FP8_MAX, _FP8_MAX)
     return x.to(cache_dtype)

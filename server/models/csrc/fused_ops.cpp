@@ -55,7 +55,7 @@ inline float load_f(c10::Float8_e4m3fn v) {
 }
 
 // A value as the cache stores it. fp8 (e4m3fn, `engine.kv_cache_dtype: fp8`) saturates at its largest finite value,
-// +-448, as torch's own cast does: c10's conversion would make anything beyond it a NaN.
+// +-448, as torch's cast does; clamped here so that does not rest on the c10 version's conversion past 448.
 template <typename C>
 inline C to_cache(float v) {
   if constexpr (std::is_same_v<C, c10::Float8_e4m3fn>) v = std::min(std::max(v, -448.f), 448.f);
@@ -399,12 +399,13 @@ inline __m256 dot8_keys64_avx2(const float* q, const C* k, const C* ahead) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// `rows` rows of an fp8 cache's 64-wide head widened to fp32 once for the query heads that share them (the AVX2 loops
-// widen per head: three times the conversions under SmolLM2's groups), prefetching `ahead` a row per row.
-// Widened once (below) rather than per query head: fp8, whose conversion takes five instructions. An fp16 cache's
-// vcvtph2ps reads its operand from memory, and widening it once was slower (a batch-16 AVX2 step at 768 positions).
+// Caches whose rows the AVX2 loops widen once for a group's query heads rather than once per head: fp8, whose
+// conversion takes five instructions. An fp16 cache's vcvtph2ps reads its operand from memory, and widening it once
+// was slower (a batch-16 AVX2 step at 768 positions).
 template <typename C>
 constexpr bool kWidenOnce = std::is_same_v<C, c10::Float8_e4m3fn>;
+
+// `rows` rows of a 64-wide head widened to fp32 into `dst`, prefetching `ahead` a row per row.
 template <typename C>
 inline void widen_rows64(const C* k, int64_t rows, float* dst, const C* ahead) {
   for (int64_t j = 0; j < rows; ++j) {
@@ -760,7 +761,7 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   };
   neuronmm::balanced_for(items, [&](int64_t item) { return cost_before[item]; }, [&](const auto& next) {
     std::vector<float> scores, acc(item_heads * head_dim), q(item_heads * head_dim), inv(item_heads);
-    std::vector<float> widened(16 * head_dim);  // an fp8 cache's keys, widened once for their query heads
+    std::vector<float> widened(16 * head_dim);  // 16 rows of an fp8 cache, widened once for a group's query heads
     const auto run_item = [&](int64_t item, int64_t following) {  // following: the thread's next item, or -1
       const int64_t t = item / items_per_token, kv0 = item % items_per_token * heads_per_item;
       const int64_t h0 = kv0 * group;  // first query head of the item
