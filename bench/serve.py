@@ -162,16 +162,19 @@ def tokens_per_chunk(system: str) -> int:
     return int(system.removeprefix(STREAM_PREFIX)) if system.startswith(STREAM_PREFIX) else 1
 
 
-def peer_systems(model_dir: Path, port: int, parallel: int) -> list[System]:
-    """llama-server at bf16 and f32, as a llama.cpp user runs it; empty when the peer is not built."""
+def peer_systems(model_dir: Path, port: int, parallel: int, seq_len: int = 256, kv_q8: bool = False) -> list[System]:
+    """llama-server at bf16 and f32, as a llama.cpp user runs it, each of `parallel` slots holding `seq_len` tokens
+    (and a margin); with `kv_q8` also bf16 over its 8-bit cache (`-ctk q8_0 -ctv q8_0`, which needs flash attention),
+    the counterpart of our fp8 cache. Empty when the peer is not built."""
     server = PEERS / "llama-server"
+    variants = [("bf16", []), ("f32", [])] + ([("bf16", ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"])] if kv_q8 else [])
     systems = []
-    for dtype in ("bf16", "f32"):
+    for dtype, extra in variants:
         gguf = PEERS / f"{model_dir.name}-{dtype}.gguf"
         if server.is_file() and gguf.is_file():
-            systems.append(System(f"llama-server {dtype}", [
-                str(server), "-m", str(gguf), "-t", str(os.cpu_count()), "-c", str(parallel * 320),
-                "-np", str(parallel), "--port", str(port), "--log-disable"]))
+            systems.append(System(f"llama-server {dtype}{' kv q8_0' if extra else ''}", [
+                str(server), "-m", str(gguf), "-t", str(os.cpu_count()), "-c", str(parallel * (seq_len + 64)),
+                "-np", str(parallel), "--port", str(port), "--log-disable", *extra]))
     return systems
 
 
@@ -287,7 +290,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fp32", action="store_true",
                    help="also serve in fp32 (what a CPU without native bf16 runs), against llama-server f32")
     p.add_argument("--kv-cache-dtype", choices=["float16", "bfloat16", "float32", "fp8"],
-                   help="also serve the config's model with this KV cache dtype (float16 under fp32: llama.cpp's default)")
+                   help="also serve the config's model with this KV cache dtype (float16 under fp32: llama.cpp's default; "
+                        "fp8 adds llama-server bf16 over its q8_0 cache)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="also serve the config's model streaming a chunk per this many tokens (server --stream-interval)")
     p.add_argument("--input-len", type=int, default=128)
@@ -307,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     systems = (neuronmm_systems(args.config, args.compressed, port, args.fp32, args.kv_cache_dtype,
                                 args.stream_interval) if "neuronmm" in args.systems else [])
-    peers = peer_systems(model_dir, port, max(args.concurrency)) if "llama-server" in args.systems else []
+    peers = (peer_systems(model_dir, port, max(args.concurrency), args.input_len + args.output_len,
+                          kv_q8=args.kv_cache_dtype == "fp8") if "llama-server" in args.systems else [])
     peer_note = "" if peers or "llama-server" not in args.systems else (
         f"llama-server not found in {PEERS}: run ../shared/peers/llama-server.sh to compare (ours ran alone).")
     num_prompts = 1 + sum(max(4, 2 * c) for c in args.concurrency)  # the first warms the server

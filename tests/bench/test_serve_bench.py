@@ -42,6 +42,22 @@ def test_a_coarser_stream_is_one_more_system_on_the_same_engine_and_its_itl_is_p
     assert row.split("|")[5:7] == [" 21.0 ", " 1.05 "]
 
 
+def test_peer_slots_hold_the_workload_and_an_fp8_run_adds_the_peers_8_bit_cache(tmp_path, monkeypatch):
+    import bench.serve as serve
+
+    monkeypatch.setattr(serve, "PEERS", tmp_path)
+    model_dir = tmp_path / "model"
+    for name in ("llama-server", "model-bf16.gguf", "model-f32.gguf"):
+        (tmp_path / name).write_text("")
+    plain = serve.peer_systems(model_dir, 8000, 16, seq_len=1024 + 128)
+    assert [s.name for s in plain] == ["llama-server bf16", "llama-server f32"]
+    assert plain[0].command[plain[0].command.index("-c") + 1] == str(16 * (1024 + 128 + 64))  # every slot fits its prompt
+    with_q8 = serve.peer_systems(model_dir, 8000, 16, kv_q8=True)
+    assert with_q8[-1].name == "llama-server bf16 kv q8_0"
+    assert with_q8[-1].command[-6:] == ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]
+    assert serve.peer_systems(tmp_path / "absent", 8000, 16) == []
+
+
 def test_sampled_and_peer_systems_have_none():
     assert workload_args("neuronmm sampled", None) is None  # the same model as "neuronmm"
     assert workload_args("llama-server bf16", None) is None
