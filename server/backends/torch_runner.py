@@ -73,7 +73,7 @@ class TorchRunner:
         if self.pack_weights and packing_available(self.device, self.dtype):
             pack_linears(self.model, use_panels=self.panel_gemm and panels_available(self.device, self.dtype))
         if self.fused_kernels:
-            self.model.use_kernels(kernels_for(self.device))
+            self.model.use_kernels(kernels_for(self.device, self.dtype))
         if self.device.type == "cpu":
             return_freed_heap()
 

@@ -164,9 +164,8 @@ class Kernels:
     attention: Callable
     # Prefill chunks at least this long are attended by SDPA (a GEMM over the chunk) instead of token by
     # token; None: never. The torch reference attends token by token through a padded gather, so SDPA wins
-    # early. The fused CPU op beats CPU SDPA at every chunk length measured (a 4 x 128-token prefill step
-    # 165 -> 139 ms, a 2,000-token prompt 1.70 -> 1.42 s): SDPA's flash kernel costs ~290 us a layer for a
-    # 128-token chunk, and it needs the chunk's keys gathered out of the paged cache first.
+    # early. The fused CPU op attends a short chunk faster than CPU SDPA (whose flash kernel costs ~290 us a layer
+    # for a 128-token chunk, after gathering the keys out of the paged cache); see kernels_for for long ones.
     sdpa_min_chunk: int | None = 32
     # All layers of a step in one call (csrc/decoder.cpp), for a model whose projections are all panel GEMMs;
     # None: the layers run through the ops above, from Python.
@@ -176,11 +175,20 @@ class Kernels:
 REFERENCE_KERNELS = Kernels(rms_norm_ref, add_rms_norm_ref, silu_mul_ref, attention_ref)
 
 
-def kernels_for(device: torch.device) -> Kernels:
-    """The fused CPU ops on a CPU that can build them, else the torch references."""
+# A bf16 model's prefill chunks from this long go to SDPA under the fused ops: torch's bf16 flash kernel runs its
+# GEMMs on the CPU's bf16 units, and from 512-token chunks it beats the fused op's token-by-token attention (a
+# 1,024-token prompt 470 -> 340 ms, 512 tokens 160 -> 135 ms, 256 level, 128 slower: 40 -> 47 ms; AMX machine). An
+# fp32 model keeps the fused op at every length (AVX2 build, 512 / 1,024 tokens: SDPA level or slower).
+_BF16_SDPA_MIN_CHUNK = 256
+
+
+def kernels_for(device: torch.device, dtype: torch.dtype | None = None) -> Kernels:
+    """The fused CPU ops on a CPU that can build them (long bf16 prefill chunks through SDPA), else the torch
+    references."""
     if device.type != "cpu" or not load():
         return REFERENCE_KERNELS
     ops = torch.ops.neuronmm
     # the overloads, resolved once (calling the packet resolves one per call, ~1 µs)
     return Kernels(ops.rms_norm.default, ops.add_rms_norm.default, ops.silu_mul.default, ops.attention.default,
-                   sdpa_min_chunk=None, decode_layers=ops.decode_layers.default)
+                   sdpa_min_chunk=_BF16_SDPA_MIN_CHUNK if dtype == torch.bfloat16 else None,
+                   decode_layers=ops.decode_layers.default)

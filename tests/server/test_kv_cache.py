@@ -1,5 +1,7 @@
 """The KV cache is never read where it was not written: uninitialised (NaN) memory cannot leak into outputs."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -80,3 +82,30 @@ def test_an_fp8_cache_keeps_the_models_greedy_tokens_and_its_logits_close(tiny_m
     assert not torch.equal(rounded, exact)  # the cache did round
     assert torch.equal(rounded.argmax(-1), exact.argmax(-1))
     torch.testing.assert_close(rounded, exact, rtol=0, atol=0.03)  # measured: 5e-3 (fp32), 9e-3 (bf16); logits ~1.3
+
+
+def test_a_bf16_models_long_prefill_chunks_go_to_sdpa_beside_the_fused_decodes(tiny_model_dir):
+    """Under the fused CPU ops a bf16 model sends prefill chunks of 256+ tokens to SDPA (faster there), shorter ones
+    and decode tokens to the fused op, in one step: the logits stay the all-fused ones' (bf16 rounding apart)."""
+    from server.models import fused_ops
+
+    if not fused_ops.load():
+        pytest.skip("the fused CPU ops cannot be built here")
+    long_prompt, short_prompt = list(range(300, 600)), list(range(700, 740))
+    runs = {}
+    for name, threshold in (("sdpa", "default"), ("fused", None)):
+        runner = TorchRunner(tiny_model_dir, 512, "bfloat16", num_threads=1)
+        runner.load()
+        if threshold is None:
+            runner.model.use_kernels(dataclasses.replace(runner.model.kernels, sdpa_min_chunk=None))
+        runner.allocate_kv_blocks(64, 16)
+        batch = runner.build_batch([SeqChunk(-1, long_prompt, 0, block_table=list(range(20))),
+                                    SeqChunk(-1, short_prompt, 0, block_table=list(range(20, 23)))])
+        assert len(batch.sdpa_chunks) == (1 if threshold else 0)  # the 300-token chunk only
+        first = runner.execute([SeqChunk(-1, long_prompt, 0, block_table=list(range(20))),
+                                SeqChunk(-1, short_prompt, 0, block_table=list(range(20, 23)))])
+        decode = runner.execute([SeqChunk(-1, [5], 300, block_table=list(range(20))),
+                                 SeqChunk(-1, [6], 40, block_table=list(range(20, 23)))])
+        runs[name] = torch.cat([first, decode]).float()
+    assert torch.equal(runs["sdpa"].argmax(-1), runs["fused"].argmax(-1))
+    torch.testing.assert_close(runs["sdpa"], runs["fused"], rtol=0, atol=0.03)  # measured: 4e-3 on logits ~1.5
