@@ -111,15 +111,15 @@ def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
+_FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
 def as_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """x as a cache of `cache_dtype` stores it: rounded; fp8 e4m3fn saturated at +-448, as the fused op's store does
     (explicitly, rather than resting on what this torch version's cast does past 448)."""
     if cache_dtype == torch.float8_e4m3fn:
         x = x.clamp(-_FP8_MAX, _FP8_MAX)
     return x.to(cache_dtype)
-
-
-_FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 def attention_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

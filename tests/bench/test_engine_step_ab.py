@@ -1,12 +1,15 @@
-"""bench.engine_step --ab-rounds: alternating order and the per-round speed-up (step times stubbed, nothing timed)."""
+"""bench.engine_step: --ab-rounds' alternating order and per-round speed-up (step times stubbed), and the flags that shape its runner."""
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
+import yaml
 
 from bench import engine_step
+from support import tiny_config
 
 
 def test_rounds_alternate_abba_and_speedups_are_neighbouring_ratios(monkeypatch):
@@ -45,12 +48,6 @@ def test_python_layers_turns_the_cpp_layer_loop_off(tiny_model_dir, python_layer
 
 
 def test_kv_cache_dtype_overrides_the_configs_and_is_recorded(tiny_model_dir, tmp_path):
-    import json
-
-    import yaml
-
-    from support import tiny_config
-
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tiny_config(tiny_model_dir).model_dump(mode="json")))
     out = tmp_path / "step.json"

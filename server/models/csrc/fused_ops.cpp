@@ -104,18 +104,6 @@ inline void store_fp8(const float* src, int64_t n, c10::Float8_e4m3fn* dst) {
   for (; i < n; ++i) dst[i] = to_cache<c10::Float8_e4m3fn>(src[i]);
 }
 
-// q·k and acc += p·v over one head (fp32 q and acc, k and v in the cache dtype). Written with AVX-512
-// where the CPU has it (the compiler does not vectorise the bf16 widening in these loops by itself).
-template <typename T>
-inline float dot_head(const float* q, const T* k, int64_t d) {
-  float dot = 0.f;
-  for (int64_t i = 0; i < d; ++i) dot += q[i] * load_f(k[i]);
-  return dot;
-}
-template <typename T>
-inline void axpy_head(float p, const T* v, float* acc, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) acc[i] += p * load_f(v[i]);
-}
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
@@ -143,53 +131,36 @@ inline void axpy_head_avx512(float p, const T* v, float* acc, int64_t d) {
   for (int64_t i = 0; i < d; i += 16)
     _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(pv, load16(v + i), _mm512_loadu_ps(acc + i)));
 }
-template <>
-inline float dot_head(const float* q, const float* k, int64_t d) {
-  return d % 16 == 0 ? dot_head_avx512(q, k, d) : dot_head<float>(q, k, d);
-}
-template <>
-inline float dot_head(const float* q, const c10::BFloat16* k, int64_t d) {
-  if (d % 16 != 0) {
-    float dot = 0.f;
-    for (int64_t i = 0; i < d; ++i) dot += q[i] * load_f(k[i]);
-    return dot;
+// caches whose heads of a multiple of 16 go through the loops above (an fp16 cache's stay scalar)
+template <typename T>
+constexpr bool kHeadAvx512 =
+    std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Float8_e4m3fn>;
+#endif
+
+// q·k and acc += p·v over one head (fp32 q and acc, k and v in the cache dtype). Written with AVX-512
+// where the CPU has it (the compiler does not vectorise the bf16 widening in these loops by itself).
+template <typename T>
+inline float dot_head(const float* q, const T* k, int64_t d) {
+#if defined(__AVX512F__)
+  if constexpr (kHeadAvx512<T>) {
+    if (d % 16 == 0) return dot_head_avx512(q, k, d);
   }
-  return dot_head_avx512(q, k, d);
+#endif
+  float dot = 0.f;
+  for (int64_t i = 0; i < d; ++i) dot += q[i] * load_f(k[i]);
+  return dot;
 }
-template <>
-inline void axpy_head(float p, const float* v, float* acc, int64_t d) {
-  if (d % 16 != 0) {
-    for (int64_t i = 0; i < d; ++i) acc[i] += p * v[i];
-    return;
+template <typename T>
+inline void axpy_head(float p, const T* v, float* acc, int64_t d) {
+#if defined(__AVX512F__)
+  if constexpr (kHeadAvx512<T>) {
+    if (d % 16 == 0) return axpy_head_avx512(p, v, acc, d);
   }
-  axpy_head_avx512(p, v, acc, d);
-}
-template <>
-inline void axpy_head(float p, const c10::BFloat16* v, float* acc, int64_t d) {
-  if (d % 16 != 0) {
-    for (int64_t i = 0; i < d; ++i) acc[i] += p * load_f(v[i]);
-    return;
-  }
-  axpy_head_avx512(p, v, acc, d);
-}
-template <>
-inline float dot_head(const float* q, const c10::Float8_e4m3fn* k, int64_t d) {
-  if (d % 16 != 0) {
-    float dot = 0.f;
-    for (int64_t i = 0; i < d; ++i) dot += q[i] * load_f(k[i]);
-    return dot;
-  }
-  return dot_head_avx512(q, k, d);
-}
-template <>
-inline void axpy_head(float p, const c10::Float8_e4m3fn* v, float* acc, int64_t d) {
-  if (d % 16 != 0) {
-    for (int64_t i = 0; i < d; ++i) acc[i] += p * load_f(v[i]);
-    return;
-  }
-  axpy_head_avx512(p, v, acc, d);
+#endif
+  for (int64_t i = 0; i < d; ++i) acc[i] += p * load_f(v[i]);
 }
 
+#if defined(__AVX512F__)
 // Attention over a block of the cache (fp32, bf16 or fp16) with the running sums in registers. One query head
 // against 16 keys ends in 16 horizontal sums; a transpose-add tree does them together (45 shuffles and adds instead of
 // 16 full reductions). Values: the accumulators of up to 16 / D16 query heads stay in registers across a
