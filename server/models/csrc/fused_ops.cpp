@@ -507,6 +507,13 @@ template <>
 inline float round_to<float>(float v) { return v; }
 
 // ---- rms_norm / add_rms_norm ---------------------------------------------------------------------
+// A norm's weight in x's dtype, contiguous: as it is when it already is (a step makes 60 norm calls; `to` and
+// `contiguous` each go through the dispatcher even when they return their input).
+inline at::Tensor as_dtype_of(const at::Tensor& weight, const at::Tensor& x) {
+  if (weight.scalar_type() == x.scalar_type() && weight.is_contiguous()) return weight;
+  return weight.to(x.scalar_type()).contiguous();
+}
+
 // HF LlamaRMSNorm: y = weight * to_dtype(x_f32 * rsqrt(mean(x_f32^2) + eps)), the product in dtype.
 template <typename T>
 void rms_norm_row(const T* x, const T* w, T* out, int64_t hidden, float eps) {
@@ -526,7 +533,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "rms_norm: x must be contiguous [num_tokens, hidden]");
   auto out = at::empty_like(x);
   const int64_t rows = x.size(0), hidden = x.size(1);
-  auto w = weight.to(x.scalar_type()).contiguous();
+  const auto w = as_dtype_of(weight, x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = w.data_ptr<scalar_t>();
@@ -545,7 +552,7 @@ at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& y, const at::Tensor& we
   TORCH_CHECK(x.scalar_type() == y.scalar_type(), "add_rms_norm: x and y dtypes differ");
   auto out = at::empty_like(x);
   const int64_t rows = x.size(0), hidden = x.size(1);
-  auto w = weight.to(x.scalar_type()).contiguous();
+  const auto w = as_dtype_of(weight, x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* yp = y.data_ptr<scalar_t>();
@@ -722,7 +729,9 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   // An item costs its token's context (a prefill chunk's tokens see from a few to all of the chunk's positions;
   // a batch's sequences differ in length), and a thread that finishes early takes others' items.
   const int64_t items = num_tokens * items_per_token;
-  std::vector<int64_t> cost_before(items + 1, 0);
+  thread_local std::vector<int64_t> cost_scratch;  // the caller's; the workers read it through `cost_before`
+  std::vector<int64_t>& cost_before = cost_scratch;
+  cost_before.assign(items + 1, 0);
   for (int64_t item = 0; item < items; ++item) cost_before[item + 1] = cost_before[item] + 1 + ctx[item / items_per_token];
   // keys or values of KV head kv0 + k of the sequence whose block table is `table`, at positions start.. (within one
   // block)
@@ -731,8 +740,13 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
                     start % block_size) * head_dim;
   };
   neuronmm::balanced_for(items, [&](int64_t item) { return cost_before[item]; }, [&](const auto& next) {
-    std::vector<float> scores, acc(item_heads * head_dim), q(item_heads * head_dim), inv(item_heads);
-    std::vector<float> widened(16 * head_dim);  // 16 rows of an fp8 cache, widened once for a group's query heads
+    // per-thread scratch, kept across calls: a decode step makes 30 of these calls, and fresh buffers each time
+    // were allocations on the thread that every other thread then waited for
+    thread_local std::vector<float> scores, acc, q, inv, widened;
+    acc.resize(item_heads * head_dim);
+    q.resize(item_heads * head_dim);
+    inv.resize(item_heads);
+    widened.resize(16 * head_dim);  // 16 rows of an fp8 cache, widened once for a group's query heads
     const auto run_item = [&](int64_t item, int64_t following) {  // following: the thread's next item, or -1
       const int64_t t = item / items_per_token, kv0 = item % items_per_token * heads_per_item;
       const int64_t h0 = kv0 * group;  // first query head of the item

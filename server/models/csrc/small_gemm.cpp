@@ -751,17 +751,19 @@ at::Tensor factored_impl(const at::Tensor& x, const at::Tensor& first, const std
   }
   check(first, K, width, "factored_linear (first)");
   const auto xc = x.contiguous();
-  auto t = at::empty({M, width}, x.options());
-  auto y = at::empty({M, out_width}, x.options());
-  T* const tp = t.data_ptr<T>();
-  T* const yp = y.data_ptr<T>();
   // The first GEMM as one part per split when every split starts on a panel (32 columns): a part without B
   // then writes its slice of y itself. Otherwise one part writes all of t, and those slices are copied after.
-  bool aligned = true;
-  for (size_t i = 0, col = 0; i + 1 < splits.size(); ++i) {
+  bool aligned = true, any_second = false;
+  for (size_t i = 0, col = 0; i < splits.size(); ++i) {
+    any_second = any_second || seconds[i].has_value();
     col += splits[i];
-    aligned = aligned && col % 32 == 0;
+    aligned = aligned && (i + 1 == splits.size() || col % 32 == 0);
   }
+  auto y = at::empty({M, out_width}, x.options());
+  // t only where something reads it (a dense projection, one part passing through, needs none)
+  auto t = !aligned || any_second ? at::empty({M, width}, x.options()) : at::Tensor();
+  T* const tp = t.defined() ? t.data_ptr<T>() : nullptr;
+  T* const yp = y.data_ptr<T>();
   std::vector<Part<T, T>> firsts, parts;
   std::vector<std::array<int64_t, 3>> copies;  // (column of t, column of y, width) of each slice to copy
   if (!aligned) firsts.push_back({xc.data_ptr<T>(), K, first.data_ptr<T>(), K, width, tp, width});
