@@ -74,7 +74,12 @@ void balanced_for(int64_t count, const CostBefore& cost_before, const Body& body
     }
     return lo;
   };
-  std::unique_ptr<Stretch[]> stretches(new Stretch[threads]);
+  // On the stack for the usual few threads: a decode step makes ~250 of these calls, and an aligned heap
+  // allocation each (with its free) was serial time on the calling thread while the others waited.
+  constexpr int64_t kStackStretches = 8;
+  Stretch on_stack[kStackStretches];
+  const std::unique_ptr<Stretch[]> on_heap(threads > kStackStretches ? new Stretch[threads] : nullptr);
+  Stretch* const stretches = on_heap ? on_heap.get() : on_stack;
   for (int64_t t = 0; t < threads; ++t) stretches[t].reset(start(t), start(t + 1));
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {  // one t per thread (all of them in turn where the region has one thread)
