@@ -690,7 +690,8 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   };
   at::parallel_for(0, num_tokens, 1, [&](int64_t b, int64_t e) {
     constexpr bool fp8 = std::is_same_v<C, c10::Float8_e4m3fn>;
-    std::vector<float> staged(fp8 ? head_dim : 0);  // an fp8 row in fp32 before its vector store
+    thread_local std::vector<float> staged;  // an fp8 row in fp32 before its vector store (kept, as the scratch below)
+    if constexpr (fp8) staged.resize(head_dim);
     for (int64_t t = b; t < e; ++t) {
       const T* src = qkv_p + t * row;
       const T* c = cos_p + t * head_dim;
@@ -729,9 +730,7 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   // An item costs its token's context (a prefill chunk's tokens see from a few to all of the chunk's positions;
   // a batch's sequences differ in length), and a thread that finishes early takes others' items.
   const int64_t items = num_tokens * items_per_token;
-  thread_local std::vector<int64_t> cost_scratch;  // the caller's; the workers read it through `cost_before`
-  std::vector<int64_t>& cost_before = cost_scratch;
-  cost_before.assign(items + 1, 0);
+  std::vector<int64_t> cost_before(items + 1, 0);
   for (int64_t item = 0; item < items; ++item) cost_before[item + 1] = cost_before[item] + 1 + ctx[item / items_per_token];
   // keys or values of KV head kv0 + k of the sequence whose block table is `table`, at positions start.. (within one
   // block)
