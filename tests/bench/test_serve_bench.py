@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import subprocess
 import sys
 
 import pytest
 
-from bench.harness import free_port, run_client
+from bench import serve
+from bench.harness import free_port, run_client, wait_healthy
 from bench.serve import System, bracket, markdown, measure_system, neuronmm_systems, workload_args
 
 
@@ -43,8 +45,6 @@ def test_a_coarser_stream_is_one_more_system_on_the_same_engine_and_its_itl_is_p
 
 
 def test_peer_slots_hold_the_workload_and_an_fp8_run_adds_the_peers_8_bit_cache(tmp_path, monkeypatch):
-    import bench.serve as serve
-
     monkeypatch.setattr(serve, "PEERS", tmp_path)
     model_dir = tmp_path / "model"
     for name in ("llama-server", "model-bf16.gguf", "model-f32.gguf"):
@@ -96,6 +96,14 @@ class H(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         log.write(f"{body['prompt'][0]}\\n"); log.flush()
+        if body["prompt"][0] == 1:  # refused: a 503 with an OpenAI-style body
+            self.send_response(503); self.send_header("content-length", "2"); self.end_headers(); self.wfile.write(b"{}")
+            return
+        if body["prompt"][0] == 2:  # cut off mid-stream: a chunked response that never ends
+            self.protocol_version = "HTTP/1.1"
+            self.send_response(200); self.send_header("transfer-encoding", "chunked"); self.end_headers()
+            self.wfile.write(b"5\\r\\ndata:"); self.wfile.flush(); self.connection.shutdown(2)
+            return
         self.send_response(200); self.send_header("content-type", "text/event-stream"); self.end_headers()
         for text in ("a", "b", "c"):
             self.wfile.write(f"data: {json.dumps({'choices': [{'text': text}]})}\\n\\n".encode())
@@ -124,3 +132,19 @@ def test_the_client_runs_on_uvloop_where_installed():
 
     expected = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     assert run_client(loop_module()).split(".")[0] == expected
+
+
+def test_a_refused_or_cut_off_request_is_an_error_row_not_a_crash(tmp_path):
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(script), str(port), str(tmp_path / "prompts.log")])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, 30)
+        row = run_client(serve.run_level(url, "m", [[5000], [1], [2], [5001]], 2, 3, False))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert (row["completed"], row["output_tokens"]) == (2, 6)
+    assert len(row["errors"]) == 2 and any(e.startswith("HTTP 503") for e in row["errors"])
