@@ -52,7 +52,7 @@ def allocate_kv(cfg: Config, runner) -> PagedKV | SlotKV:
         runner.allocate_kv(e.max_num_seqs)
         return SlotKV(e.max_num_seqs)
     per_seq = -(-e.max_model_len // e.block_size)
-    if e.kv_cache_gib is None:  # as much as max_num_seqs sequences of max_model_len (pages commit as used)
+    if e.kv_cache_gib is None:  # as much as max_num_seqs sequences of max_model_len (committed at start-up)
         num_blocks = e.max_num_seqs * per_seq
     else:
         num_blocks = int(e.kv_cache_gib * 2**30 // (runner.kv_bytes_per_token() * e.block_size))

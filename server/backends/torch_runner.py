@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -82,10 +83,12 @@ class TorchRunner:
 
     def allocate_kv_blocks(self, num_blocks: int, block_size: int) -> None:
         cfg = self.model.config
+        start = time.perf_counter()
         self.cache = KVCache(cfg.num_hidden_layers, num_blocks, cfg.num_key_value_heads, block_size,
                              cfg.head_dim, self.cache_dtype, self.device)
-        log.info("KV cache: %d blocks x %d tokens in %s, %.0f MiB reserved (committed as used)",
-                 num_blocks, block_size, str(self.cache_dtype).removeprefix("torch."), self.cache.nbytes() / 2**20)
+        log.info("KV cache: %d blocks x %d tokens in %s, %.0f MiB allocated in %.2f s",
+                 num_blocks, block_size, str(self.cache_dtype).removeprefix("torch."), self.cache.nbytes() / 2**20,
+                 time.perf_counter() - start)
 
     def kv_bytes_per_token(self) -> int:
         cfg = self.model.config

@@ -189,6 +189,26 @@ def test_grace_period_covers_prestop_and_the_drain(served):
     assert ready["periodSeconds"] * ready["failureThreshold"] <= 15
 
 
+# SmolLM2-135M-Instruct's cache per token in fp32 (K and V, 30 layers, 3 KV heads of 64), the widest `dtype: auto`
+# picks on a CPU (one without native bf16); and what a CPU replica holds beside its pool: an fp32 model served with a
+# 1.5 GiB pool measured 3,349 MiB resident (API process 400, engine core 2,935, its pool 1,536 included), 11-27.
+_FP32_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
+_FP32_REPLICA_BESIDE_POOL = 1813 << 20
+
+
+def test_the_cpu_replicas_kv_pool_fits_its_memory_limit(tmp_path, monkeypatch):
+    """The pool is committed at start-up, so the limit must hold all of it beside the fp32 model from the start."""
+    docs, container, _, cfg = _served("cpu", tmp_path, monkeypatch)
+    limit = container["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi")
+    e = cfg.engine
+    pool = (int(e.kv_cache_gib * 2**30) if e.kv_cache_gib is not None
+            else e.max_num_seqs * -(-e.max_model_len // e.block_size) * e.block_size * _FP32_KV_BYTES_PER_TOKEN)
+    assert pool + _FP32_REPLICA_BESIDE_POOL <= float(limit[:-2]) * 2**30
+    # the pool still holds max_num_seqs sequences of a quarter of max_model_len each, in fp32
+    assert pool >= e.max_num_seqs * e.max_model_len // 4 * _FP32_KV_BYTES_PER_TOKEN
+
+
 def test_startup_budget_covers_the_image_start_period(overlay, served):
     """The startup probe allows at least the start period the Dockerfile's HEALTHCHECK allows."""
     _, container, _, _ = served

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from server.models import hugepages
 from server.models.hugepages import HUGE_PAGE, empty_in_huge_pages, huge_page_buffer, into_huge_pages
 from server.models.llama import KVCache
 
@@ -39,19 +40,56 @@ def test_empty_tensors_need_not_be_zero_but_are_writable():
     assert a.sum() == 24 and b.sum() == -6
 
 
+def _smaps_of(address: int) -> dict[str, list[str]]:
+    """The /proc/self/smaps fields of the mapping that holds `address` (name -> the words after it)."""
+    fields, inside = {}, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            if inside:
+                break
+            low, high = (int(x, 16) for x in head.split("-"))
+            inside = low <= address < high
+        elif inside:
+            fields[head.rstrip(":")] = line.split()[1:]
+    return fields
+
+
+def _process_rss() -> int:
+    """This process's resident bytes (VmRSS): adjacent anonymous mappings merge, so a buffer's own is read as a delta."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+linux_rss = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/self/status (Linux)")
+
+
 @pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not Path("/proc/self/smaps").exists()
                     or not Path("/sys/kernel/mm/transparent_hugepage").is_dir(),
                     reason="needs Linux with transparent huge pages built in (MADV_HUGEPAGE, /proc/self/smaps)")
 def test_the_mapping_is_advised_huge_pages():
     buf = huge_page_buffer(3 * HUGE_PAGE)
-    start = buf.data_ptr()
-    flags = None
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and all(c in "0123456789abcdef-" for c in head):
-            low, high = (int(x, 16) for x in head.split("-"))
-            inside = low <= start < high
-        elif line.startswith("VmFlags:") and inside:
-            flags = line.split()[1:]
-            break
-    assert flags is not None and "hg" in flags  # hg: the VMA carries MADV_HUGEPAGE
+    assert "hg" in _smaps_of(buf.data_ptr())["VmFlags"]  # hg: the VMA carries MADV_HUGEPAGE
+
+
+@linux_rss
+@pytest.mark.parametrize("populate", ["madvise", "touch"])
+def test_a_committed_buffer_is_resident_before_its_first_write(monkeypatch, populate):
+    if populate == "touch":  # a kernel without MADV_POPULATE_WRITE refuses the advice: each page is written instead
+        monkeypatch.setattr(hugepages, "_MADV_POPULATE_WRITE", -1)
+    nbytes = 16 * HUGE_PAGE
+    before = _process_rss()
+    lazy = huge_page_buffer(nbytes)
+    after_lazy = _process_rss()
+    committed = huge_page_buffer(nbytes, commit=True)
+    after_committed = _process_rss()
+    assert after_lazy - before < nbytes // 4
+    assert after_committed - after_lazy >= 0.9 * nbytes
+    assert int(committed.max()) == 0 and lazy.numel() == committed.numel() == nbytes
+
+
+@linux_rss
+def test_the_kv_cache_is_committed_when_made():
+    before = _process_rss()
+    cache = KVCache(num_layers=2, num_blocks=512, num_kv_heads=2, block_size=16, head_dim=64, dtype=torch.bfloat16)
+    assert _process_rss() - before >= 0.9 * cache.nbytes()  # 16 MiB, resident before a value is written
