@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import subprocess
 from pathlib import Path
 
 import torch
@@ -31,6 +33,31 @@ def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
     return bool((cpu_flags() if flags is None else flags) & NATIVE_BF16_FLAGS)
 
 
+ARCH_ENV = "NEURONMM_CPU_ARCH"  # the -march the fused ops are built for, where not this CPU's own
+
+
+def target_arch() -> str:
+    """The -march the fused ops are built for: $NEURONMM_CPU_ARCH, else `native` (this CPU)."""
+    return os.environ.get(ARCH_ENV, "").strip() or "native"
+
+
+def target_has_native_bf16() -> bool:
+    """Whether that target multiplies bf16 natively (AVX512-BF16 or AMX), so the bf16 kernels are built in.
+
+    For -march=native that is this CPU's flags; for a named target (a fleet image built for x86-64-v3, or
+    `bench.cpu_caps avx2`) it is what the compiler enables for it, whatever this CPU has.
+    """
+    arch = target_arch()
+    if arch == "native":
+        return has_native_bf16()
+    try:
+        macros = subprocess.run([os.environ.get("CXX", "g++"), f"-march={arch}", "-dM", "-E", "-x", "c++", os.devnull],
+                                capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False  # no compiler: the fused ops will not build either, and the reference path is fp32's
+    return "__AVX512BF16__" in macros or "__AMX_BF16__" in macros
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -39,7 +66,7 @@ def resolve_dtype(name: str, device: torch.device, flags: frozenset[str] | None 
     """The torch dtype for a config's `model.dtype`; `auto` picks the fastest one that keeps quality.
 
     auto: on CPU bf16 where the CPU has native bf16 dot products and the fused ops are built for a target that
-    uses them (`target_bf16`; default: ask fused_ops), else fp32 (emulated bf16 is slower than fp32); on CUDA
+    uses them (`target_bf16`; default: target_has_native_bf16()), else fp32 (emulated bf16 is slower than fp32); on CUDA
     bf16 where supported, else fp16.
     """
     if name != "auto":
@@ -49,7 +76,7 @@ def resolve_dtype(name: str, device: torch.device, flags: frozenset[str] | None 
         reason = "CUDA device"
     elif not has_native_bf16(flags):
         chosen, reason = torch.float32, "CPU lacks AVX512-BF16/AMX, bf16 would be emulated"
-    elif not (_target_has_native_bf16() if target_bf16 is None else target_bf16):
+    elif not (target_has_native_bf16() if target_bf16 is None else target_bf16):
         chosen, reason = torch.float32, "the fused ops' -march lacks AVX512-BF16/AMX, bf16 would be emulated"
     else:
         chosen, reason = torch.bfloat16, "CPU has native bf16 dot products"
@@ -57,8 +84,3 @@ def resolve_dtype(name: str, device: torch.device, flags: frozenset[str] | None 
         log.info("dtype auto -> %s (%s)", str(chosen).removeprefix("torch."), reason)
     return chosen
 
-
-def _target_has_native_bf16() -> bool:
-    from server.models import fused_ops  # it reads this module's flags: imported here, not at the top
-
-    return fused_ops.target_has_native_bf16()

@@ -22,14 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils import cpp_extension
 
-from server.models.cpu_features import cpu_flags, has_native_bf16
+from server.models.cpu_features import cpu_flags, target_arch
 
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "fused_ops.cpp", CSRC / "small_gemm.cpp", CSRC / "decoder.cpp", CSRC / "work_split.cpp")
 HEADERS = (CSRC / "work_split.h",)
-ARCH_ENV = "NEURONMM_CPU_ARCH"
 _loaded: bool | None = None
 
 
@@ -38,28 +37,6 @@ def cxxflags() -> list[str]:
     AVX2 code paths, as a CPU without AVX-512 runs them). No FMA contraction: the reference rounds each product,
     and rotary must match it bit for bit."""
     return ["-O3", f"-march={target_arch()}", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
-
-
-def target_arch() -> str:
-    """The -march the fused ops are built for: $NEURONMM_CPU_ARCH, else `native` (this CPU)."""
-    return os.environ.get(ARCH_ENV, "").strip() or "native"
-
-
-def target_has_native_bf16() -> bool:
-    """Whether the build target multiplies bf16 natively (AVX512-BF16 or AMX), so the bf16 kernels are built in.
-
-    For -march=native that is this CPU's flags; for a named target (a fleet image built for x86-64-v3, or
-    `bench.cpu_caps avx2`) it is what the compiler enables for it, whatever this CPU has.
-    """
-    arch = target_arch()
-    if arch == "native":
-        return has_native_bf16()
-    try:
-        macros = subprocess.run([os.environ.get("CXX", "g++"), f"-march={arch}", "-dM", "-E", "-x", "c++", os.devnull],
-                                capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return False  # no compiler: the fused ops will not build either, and the reference path is fp32's
-    return "__AVX512BF16__" in macros or "__AMX_BF16__" in macros
 
 
 def _build_dir(cache_dir: Path) -> Path:

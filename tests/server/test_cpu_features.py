@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from server.models import fused_ops
+from server.models import cpu_features
 from server.models.cpu_features import has_native_bf16, resolve_dtype
 
 CPU = torch.device("cpu")
@@ -46,18 +46,18 @@ def test_the_choice_and_its_reason_are_logged(caplog):
 @pytest.mark.parametrize("arch, expected", [("x86-64-v3", False), ("x86-64-v4", False), ("sapphirerapids", True),
                                             ("cooperlake", True)])
 def test_a_named_target_is_judged_by_what_the_compiler_enables_for_it(monkeypatch, arch, expected):
-    monkeypatch.setenv(fused_ops.ARCH_ENV, arch)
-    assert fused_ops.target_arch() == arch
-    assert fused_ops.target_has_native_bf16() is expected
+    monkeypatch.setenv(cpu_features.ARCH_ENV, arch)
+    assert cpu_features.target_arch() == arch
+    assert cpu_features.target_has_native_bf16() is expected
     flags_seen = []
-    monkeypatch.setattr(fused_ops, "has_native_bf16", lambda: flags_seen.append(1) or True)
-    fused_ops.target_has_native_bf16()
+    monkeypatch.setattr(cpu_features, "has_native_bf16", lambda: flags_seen.append(1) or True)
+    cpu_features.target_has_native_bf16()
     assert not flags_seen  # a named target never falls back to this CPU's flags
 
 
 def test_the_native_target_is_this_cpus_flags(monkeypatch):
-    monkeypatch.delenv(fused_ops.ARCH_ENV, raising=False)
-    assert fused_ops.target_arch() == "native"
+    monkeypatch.delenv(cpu_features.ARCH_ENV, raising=False)
+    assert cpu_features.target_arch() == "native"
     for cpu_has_it in (True, False):
-        monkeypatch.setattr(fused_ops, "has_native_bf16", lambda: cpu_has_it)
-        assert fused_ops.target_has_native_bf16() is cpu_has_it
+        monkeypatch.setattr(cpu_features, "has_native_bf16", lambda: cpu_has_it)
+        assert cpu_features.target_has_native_bf16() is cpu_has_it
