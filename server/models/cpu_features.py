@@ -66,8 +66,8 @@ def resolve_dtype(name: str, device: torch.device, flags: frozenset[str] | None 
     """The torch dtype for a config's `model.dtype`; `auto` picks the fastest one that keeps quality.
 
     auto: on CPU bf16 where the CPU has native bf16 dot products and the fused ops are built for a target that
-    uses them (`target_bf16`; default: target_has_native_bf16()), else fp32 (emulated bf16 is slower than fp32); on CUDA
-    bf16 where supported, else fp16.
+    uses them (`target_bf16`; default: target_has_native_bf16()), else fp32 (emulated bf16 is slower than fp32);
+    on CUDA bf16 where supported, else fp16.
     """
     if name != "auto":
         return _DTYPES[name]
@@ -83,4 +83,3 @@ def resolve_dtype(name: str, device: torch.device, flags: frozenset[str] | None 
     if log_choice:
         log.info("dtype auto -> %s (%s)", str(chosen).removeprefix("torch."), reason)
     return chosen
-

@@ -51,7 +51,7 @@ def _commit(buf: mmap.mmap, tensor: torch.Tensor) -> None:
     measured, in huge pages), else a write to each page (1.1 s)."""
     try:
         buf.madvise(_MADV_POPULATE_WRITE)
-    except (OSError, ValueError) as exc:  # an older kernel: EINVAL
+    except (OSError, ValueError, AttributeError) as exc:  # an older kernel (EINVAL), or no madvise at all
         log.debug("MADV_POPULATE_WRITE refused (%s): touching each page", exc)
         tensor[::mmap.PAGESIZE].zero_()
 
