@@ -8,8 +8,8 @@ memory bandwidth and, per step, the bytes the weights alone take at that bandwid
 and the same workload run through the engine in-process (`bench.engine_workload`, right before and right
 after the served run): served ITL over its decode step is what the serving side adds.
 
-Systems: neuronmm dense (the config as it is), neuronmm with --compressed, greedy and sampled; and
-llama-server at bf16 and f32 when `../shared/peers/llama-server.sh` has built it (otherwise the
+Systems: neuronmm dense (the config as it is; each level greedy, then sampled on the same server), neuronmm with
+--compressed; and llama-server at bf16 and f32 when `../shared/peers/llama-server.sh` has built it (otherwise the
 report says so and runs ours alone; the peer is never a dependency).
 
     python -m bench.serve --compressed artifacts/smollm2-k0.8
@@ -58,7 +58,19 @@ class System:
 
     name: str
     command: list[str]
-    sampled: bool = False  # temperature 0.7 with a seed instead of greedy
+    # each level run again sampled (temperature 0.7, seeded) on the same server right after it, reported as
+    # "<name> sampled": the two are compared level by level, and on a VM whose speed drifts over minutes a
+    # sampled server measured after the greedy one read up to 9 % slower than the sampler costs
+    also_sampled: bool = False
+
+    def num_prompts(self, levels: list[int]) -> int:
+        """Distinct prompts its run takes: one to warm it, then each level's (twice with also_sampled)."""
+        return 1 + (2 if self.also_sampled else 1) * sum(level_size(c) for c in levels)
+
+
+def level_size(concurrency: int) -> int:
+    """Requests a level sends: two waves at its concurrency (at least four)."""
+    return max(4, 2 * concurrency)
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -145,10 +157,10 @@ STREAM_PREFIX = "neuronmm stream "  # a served system streaming a chunk per N to
 
 def neuronmm_systems(config: str, compressed: str | None, port: int, fp32: bool = False,
                      kv_cache_dtype: str | None = None, stream_interval: int = 1) -> list[System]:
-    """neuronmm dense greedy, dense sampled, compressed greedy (when an artifact is given), fp32, another KV cache
-    dtype and a coarser stream (`--stream-interval` above 1) when asked."""
+    """neuronmm dense greedy and sampled (level by level on one server), compressed greedy (when an artifact is
+    given), fp32, another KV cache dtype and a coarser stream (`--stream-interval` above 1) when asked."""
     serve = [*NEURONMM, "serve", "--config", config, "--port", str(port)]
-    systems = [System("neuronmm", serve), System("neuronmm sampled", serve, sampled=True)]
+    systems = [System("neuronmm", serve, also_sampled=True)]
     if compressed:
         systems.append(System("neuronmm compressed", [*serve, "--compressed", compressed]))
     if fp32:
@@ -183,22 +195,25 @@ def peer_systems(model_dir: Path, port: int, parallel: int, seq_len: int = 256, 
 
 def measure_system(system: System, port: int, model: str, prompts: list[list[int]], levels: list[int], output_len: int,
                    log_path: Path) -> list[dict]:
-    """Start the system, warm it with one request, run every level on fresh prompts, stop it."""
+    """Start the system, warm it with one request, run every level on fresh prompts (each also sampled right after
+    it where the system asks), stop it."""
     url = f"http://127.0.0.1:{port}"
+    runs = [(system.name, False)] + ([(f"{system.name} sampled", True)] if system.also_sampled else [])
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(system.command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_healthy(url, 600, lambda: None if proc.poll() is None else f"{system.name} exited: see {log_path}")
             # one request first, not recorded (as vllm bench serve does): the first after start-up runs cold
-            run_client(run_level(url, model, prompts[:1], 1, output_len, system.sampled))
+            run_client(run_level(url, model, prompts[:1], 1, output_len, False))
             rows, offset = [], 1
             for c in levels:
-                n = max(4, 2 * c)
-                row = run_client(run_level(url, model, prompts[offset:offset + n], c, output_len, system.sampled))
-                offset += n  # never the same prompt twice: llama-server would serve it from its prompt cache
-                rows.append({"system": system.name, **row})
-                print(f"{system.name:>22} c={c:<3} {row['output_tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:5.0f} ms"
-                      f"  TPOT p50 {row['tpot_ms_p50']:5.1f} ms  ({row['completed']}/{n} ok)", flush=True)
+                n = level_size(c)
+                for name, sampled in runs:
+                    row = run_client(run_level(url, model, prompts[offset:offset + n], c, output_len, sampled))
+                    offset += n  # never the same prompt twice: llama-server would serve it from its prompt cache
+                    rows.append({"system": name, **row})
+                    print(f"{name:>22} c={c:<3} {row['output_tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:5.0f} ms"
+                          f"  TPOT p50 {row['tpot_ms_p50']:5.1f} ms  ({row['completed']}/{n} ok)", flush=True)
             return rows
         finally:
             proc.terminate()
@@ -318,14 +333,13 @@ def main(argv: list[str] | None = None) -> int:
                           kv_q8=args.kv_cache_dtype == "fp8") if "llama-server" in args.systems else [])
     peer_note = "" if peers or "llama-server" not in args.systems else (
         f"llama-server not found in {PEERS}: run ../shared/peers/llama-server.sh to compare (ours ran alone).")
-    num_prompts = 1 + sum(max(4, 2 * c) for c in args.concurrency)  # the first warms the server
     RESULTS.mkdir(parents=True, exist_ok=True)
     report = {**machine_facts(), "config": args.config, "compressed": args.compressed,
               "input_len": args.input_len, "output_len": args.output_len, "peer_note": peer_note,
               "commands": {s.name: shlex.join(s.command) for s in systems + peers},
               "memory_bandwidth_gbs": read_bandwidth_gbs(2**29), "serve": [], "engine_step": [], "engine_workload": []}
     for i, system in enumerate(systems + peers):
-        prompts = make_prompts(vocab, num_prompts, args.input_len, args.seed + i)
+        prompts = make_prompts(vocab, system.num_prompts(args.concurrency), args.input_len, args.seed + i)
         extra = workload_args(system.name, args.compressed)
         twin = (system.name, extra, args.config, args.concurrency, args.input_len, args.output_len)
         # The engine-only twin runs right before and right after the served run: this shared CPU's speed

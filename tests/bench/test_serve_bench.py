@@ -25,7 +25,7 @@ def test_another_kv_cache_dtype_is_one_more_served_system():
     plain = neuronmm_systems("c.yaml", None, 8000)
     systems = neuronmm_systems("c.yaml", None, 8000, kv_cache_dtype="float16")
     assert [s.name for s in systems] == [s.name for s in plain] + ["neuronmm kv float16"]
-    assert systems[-1].command[-2:] == ["--kv-cache-dtype", "float16"] and not systems[-1].sampled
+    assert systems[-1].command[-2:] == ["--kv-cache-dtype", "float16"] and not systems[-1].also_sampled
 
 
 def test_a_coarser_stream_is_one_more_system_on_the_same_engine_and_its_itl_is_per_token():
@@ -95,7 +95,7 @@ class H(BaseHTTPRequestHandler):
         self.send_response(200); self.send_header("content-length", "0"); self.end_headers()
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        log.write(f"{body['prompt'][0]}\\n"); log.flush()
+        log.write(f"{body['prompt'][0]} {body['temperature']}\\n"); log.flush()
         if body["prompt"][0] == 1:  # refused: a 503 with an OpenAI-style body
             self.send_response(503); self.send_header("content-length", "2"); self.end_headers(); self.wfile.write(b"{}")
             return
@@ -119,7 +119,7 @@ def test_each_system_is_warmed_by_one_unrecorded_request(tmp_path):
     prompts = [[1000 + i] for i in range(1 + 4 + 4)]  # the warm-up, then two levels of four
     system = System("fake", [sys.executable, str(script), str(port), str(log)])
     rows = measure_system(system, port, "m", prompts, [1, 2], 3, tmp_path / "fake.log")
-    seen = [int(line) for line in log.read_text().split()]
+    seen = [int(line.split()[0]) for line in log.read_text().splitlines()]
     assert seen[0] == 1000 and sorted(seen[1:]) == list(range(1001, 1009))  # every prompt once, the warm-up first
     assert [(r["concurrency"], r["num_prompts"], r["completed"], r["output_tokens"]) for r in rows] == [(1, 4, 4, 12),
                                                                                                       (2, 4, 4, 12)]
@@ -148,3 +148,20 @@ def test_a_refused_or_cut_off_request_is_an_error_row_not_a_crash(tmp_path):
         proc.wait(10)
     assert (row["completed"], row["output_tokens"]) == (2, 6)
     assert len(row["errors"]) == 2 and any(e.startswith("HTTP 503") for e in row["errors"])
+
+
+def test_sampled_levels_follow_each_greedy_level_on_the_same_server(tmp_path):
+    script, log = tmp_path / "fake_server.py", tmp_path / "prompts.log"
+    script.write_text(FAKE_SERVER)
+    port = free_port()
+    system = System("fake", [sys.executable, str(script), str(port), str(log)], also_sampled=True)
+    levels = [1, 2]
+    assert system.num_prompts(levels) == 1 + 2 * (4 + 4)
+    prompts = [[1000 + i] for i in range(system.num_prompts(levels))]
+    rows = measure_system(system, port, "m", prompts, levels, 3, tmp_path / "fake.log")
+    assert [(r["system"], r["concurrency"], r["completed"]) for r in rows] == [
+        ("fake", 1, 4), ("fake sampled", 1, 4), ("fake", 2, 4), ("fake sampled", 2, 4)]
+    requests = [line.split() for line in log.read_text().splitlines()]
+    assert sorted(int(first) for first, _ in requests) == list(range(1000, 1017))  # every prompt once
+    temperature = {int(first): float(t) for first, t in requests}
+    assert [temperature[1000 + i] for i in range(17)] == [0.0] + [0.0] * 4 + [0.7] * 4 + [0.0] * 4 + [0.7] * 4
