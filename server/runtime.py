@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from server.backends import create_runner
-from server.config import Config, ConfigError
+from server.config import Config, ConfigError, EngineConfig
 from server.engine.block_manager import PagedKV, SlotKV
 from server.engine.llm_engine import LLMEngine
 from server.engine.sampling_params import SamplingParams
@@ -45,6 +45,14 @@ def eos_token_ids(model_dir: Path, tokenizer) -> set[int]:
     return ids
 
 
+def kv_pool_blocks(e: EngineConfig, bytes_per_token: int) -> int:
+    """Blocks of the paged KV pool (committed at start-up): `kv_cache_gib` of them, else as many as max_num_seqs
+    sequences of max_model_len."""
+    if e.kv_cache_gib is None:
+        return e.max_num_seqs * -(-e.max_model_len // e.block_size)
+    return int(e.kv_cache_gib * 2**30 // (bytes_per_token * e.block_size))
+
+
 def allocate_kv(cfg: Config, runner) -> PagedKV | SlotKV:
     """The KV memory the engine schedules against: a block pool on paged backends, else a slot per sequence."""
     e = cfg.engine
@@ -52,10 +60,7 @@ def allocate_kv(cfg: Config, runner) -> PagedKV | SlotKV:
         runner.allocate_kv(e.max_num_seqs)
         return SlotKV(e.max_num_seqs)
     per_seq = -(-e.max_model_len // e.block_size)
-    if e.kv_cache_gib is None:  # as much as max_num_seqs sequences of max_model_len (committed at start-up)
-        num_blocks = e.max_num_seqs * per_seq
-    else:
-        num_blocks = int(e.kv_cache_gib * 2**30 // (runner.kv_bytes_per_token() * e.block_size))
+    num_blocks = kv_pool_blocks(e, runner.kv_bytes_per_token())
     if num_blocks < per_seq:
         raise ConfigError(f"engine.kv_cache_gib: {num_blocks} blocks of {e.block_size} tokens cannot hold one "
                           f"sequence of max_model_len {e.max_model_len}")

@@ -48,10 +48,14 @@ def target_has_native_bf16() -> bool:
     `bench.cpu_caps avx2`) it is what the compiler enables for it, whatever this CPU has.
     """
     arch = target_arch()
-    if arch == "native":
-        return has_native_bf16()
+    return has_native_bf16() if arch == "native" else _compiler_enables_bf16(os.environ.get("CXX", "g++"), arch)
+
+
+@functools.cache
+def _compiler_enables_bf16(cxx: str, arch: str) -> bool:
+    """Whether `cxx -march=arch` defines AVX512-BF16 or AMX-BF16 (asked once per process: start-up asks twice)."""
     try:
-        macros = subprocess.run([os.environ.get("CXX", "g++"), f"-march={arch}", "-dM", "-E", "-x", "c++", os.devnull],
+        macros = subprocess.run([cxx, f"-march={arch}", "-dM", "-E", "-x", "c++", os.devnull],
                                 capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
         return False  # no compiler: the fused ops will not build either, and the reference path is fp32's

@@ -26,6 +26,7 @@ from server.api.metrics import ServerMetrics
 from server.api.shutdown import _FINAL_TIMEOUT_S
 from server.cli import build_parser, serve_overrides
 from server.config import load_config
+from server.runtime import kv_pool_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "docker" / "k8s"
@@ -202,8 +203,7 @@ def test_the_cpu_replicas_kv_pool_fits_its_memory_limit(tmp_path, monkeypatch):
     limit = container["resources"]["limits"]["memory"]
     assert limit.endswith("Gi")
     e = cfg.engine
-    pool = (int(e.kv_cache_gib * 2**30) if e.kv_cache_gib is not None
-            else e.max_num_seqs * -(-e.max_model_len // e.block_size) * e.block_size * _FP32_KV_BYTES_PER_TOKEN)
+    pool = kv_pool_blocks(e, _FP32_KV_BYTES_PER_TOKEN) * e.block_size * _FP32_KV_BYTES_PER_TOKEN
     assert pool + _FP32_REPLICA_BESIDE_POOL <= float(limit[:-2]) * 2**30
     # the pool still holds max_num_seqs sequences of a quarter of max_model_len each, in fp32
     assert pool >= e.max_num_seqs * e.max_model_len // 4 * _FP32_KV_BYTES_PER_TOKEN
