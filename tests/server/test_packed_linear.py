@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -299,6 +300,25 @@ def test_amx_threshold_is_set_against_the_vector_path_in_use():
     assert gemm_tuning.kernels_from(timings) == gemm_tuning.Bf16Kernels(fma_rows=4, amx_rows=2)
     assert "AMX tiles from 2 rows, VDPBF16PS below" == gemm_tuning.Bf16Kernels(4, 2).describe()
     assert "AMX tiles from 8 rows, fp32 FMAs from 4 rows, VDPBF16PS below" == gemm_tuning.Bf16Kernels(4, 8).describe()
+
+
+def test_paths_are_timed_in_turns_so_a_burst_of_other_work_does_not_pick_the_slower():
+    """Each rep times every path once, and a path's time is its fastest rep: another process busy through the
+    later half of the timing (where a path timed after the other would have had all of its reps) slows both alike
+    and neither's best."""
+    selected, state = [], {"path": None, "calls": 0}
+    cost_s = {"slow": 0.002, "fast": 0.001}
+
+    def use(path):
+        return lambda: (state.update(path=path), selected.append(path))
+
+    def call():
+        state["calls"] += 1
+        time.sleep(cost_s[state["path"]] + (0.01 if state["calls"] > 34 else 0.0))  # the burst: from call 35 on
+
+    us = gemm_tuning._fastest_us({"slow": use("slow"), "fast": use("fast")}, call, reps=30, warmup=2)
+    assert selected[2:8] == ["slow", "fast"] * 3  # after one warm-up selection each, the paths take turns
+    assert us["fast"] < 0.8 * us["slow"] and us["slow"] < 10_000
 
 
 def test_thresholds_from_the_environment(monkeypatch, bf16_paths):
