@@ -8,18 +8,24 @@ side (API process, pipe, SSE, the client on the same cores) adds. `bench.engine_
 forward alone at a fixed context instead.
 
     python -m bench.engine_workload --concurrency 1 16
+
+With --levels-from-stdin it loads the engine, says so (`{"ready": true}` after ROW_PREFIX), then runs one level per
+line read (a concurrency), printing each level's row as one JSON line after ROW_PREFIX: `bench.serve` keeps it beside
+a served system and runs a level right before and right after each served one.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from bench.harness import machine_facts, publish
+from bench.harness import ROW_PREFIX, machine_facts, publish
 from server.config import load_config
 from server.engine.sampling_params import SamplingParams
 from server.runtime import load_runtime
@@ -67,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sampled", action="store_true", help="temperature 0.7, seeded per request (else greedy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS / "engine_workload.json"))
+    p.add_argument("--levels-from-stdin", action="store_true",
+                   help="run one level per concurrency read from stdin, printing its row on stdout (for bench.serve)")
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     cfg = load_config(args.config)
     model = {"compressed": args.compressed} if args.compressed else {}
@@ -80,12 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     engine = load_runtime(cfg).engine
     vocab = engine.runner.vocab_size
     rng = random.Random(args.seed)
-    rows = []
-    for c in args.concurrency:
+
+    def level(c: int) -> dict:
         n = max(4, 2 * c)  # as bench.serve: two waves of requests per level
         prompts = [[rng.randrange(1000, vocab) for _ in range(args.input_len)] for _ in range(n)]
         run_level(engine, prompts[: min(c, 4)], c, 8, args.sampled)  # warm this batch size's shapes
-        rows.append(run_level(engine, prompts, c, args.output_len, args.sampled))
+        return run_level(engine, prompts, c, args.output_len, args.sampled)
+
+    if args.levels_from_stdin:
+        print(ROW_PREFIX + json.dumps({"ready": True}), flush=True)  # loaded (and its GEMM paths timed) by now
+        for line in sys.stdin:
+            print(ROW_PREFIX + json.dumps(level(int(line))), flush=True)
+        return 0
+    rows = [level(c) for c in args.concurrency]
     report = {**machine_facts(), "config": args.config, "compressed": args.compressed,
               "dtype": str(engine.runner.dtype).removeprefix("torch."),
               "kv_cache_dtype": str(engine.runner.cache_dtype).removeprefix("torch."), "input_len": args.input_len,

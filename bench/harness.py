@@ -30,6 +30,9 @@ from server.models.cpu_features import cpu_flags
 
 REPO = Path(__file__).resolve().parent.parent
 NEURONMM = [sys.executable, "-m", "server.cli"]
+# Marks a benchmark child's result line on its stdout (bench.engine_workload --levels-from-stdin, read by bench.serve):
+# anything else a library prints there is passed over.
+ROW_PREFIX = "bench row: "
 # The CPU flags that pick our kernels' paths: what a report records of the machine.
 BENCH_FLAGS = frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"})
 

@@ -5,8 +5,9 @@ token prompts (no request shares a prefix, so no prompt cache helps), EOS ignore
 makes exactly --output-len tokens, at each concurrency level. Reports output tok/s, TTFT, TPOT and ITL
 p50/p99, then the engine-only decode step of the neuronmm models (`bench.engine_step`), the machine's
 memory bandwidth and, per step, the bytes the weights alone take at that bandwidth (the physical floor),
-and the same workload run through the engine in-process (`bench.engine_workload`, right before and right
-after the served run): served ITL over its decode step is what the serving side adds.
+and the same workload run through the engine in-process (`bench.engine_workload`, kept running beside the
+server: each level right before and right after the served level): served ITL over its decode step is what the
+serving side adds.
 
 Systems: neuronmm dense (the config as it is; each level greedy, then sampled on the same server), neuronmm with
 --compressed; and llama-server at bf16 and f32 when `../shared/peers/llama-server.sh` has built it (otherwise the
@@ -27,12 +28,14 @@ import shlex
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
-from bench.harness import NEURONMM, REPO, free_port, machine_facts, publish, run_client, run_logged, wait_healthy
+from bench.harness import (NEURONMM, REPO, ROW_PREFIX, free_port, machine_facts, publish, run_client, run_logged,
+                           wait_healthy)
 from bench.read_bandwidth import read_bandwidth_gbs
 from server.config import load_config
 from server.models.source import resolve_model_dir
@@ -193,10 +196,68 @@ def peer_systems(model_dir: Path, port: int, parallel: int, seq_len: int = 256, 
     return systems
 
 
+class EngineTwin:
+    """A served system's engine-only twin: `bench.engine_workload --levels-from-stdin` in a child process, kept
+    running beside the server, so that each served level is bracketed by engine-only runs of the same level taken
+    right before and right after it (on this shared VM the speed drifts within minutes: a twin run before and after
+    a whole multi-level served run once bracketed a c=16 level by 25.2 and 23.0 ms steps)."""
+
+    def __init__(self, command: list[str], system: str, log_path: Path):
+        self.command, self.system, self.log_path = command, system, log_path
+        self.rows: list[dict] = []  # one bracketed row per served level
+        self._proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "EngineTwin":
+        """Start the twin and wait until its engine is loaded, so that the server starts alone: a twin that loaded
+        beside a starting server once timed its GEMM paths (gemm_tuning) against the server's start-up, chose
+        VDPBF16PS over AMX and stepped at 32 ms where 20 was its speed (the timing now stands up to such a neighbour;
+        the two start-ups still need not share the cores)."""
+        self._log = open(self.log_path, "w")
+        self._proc = subprocess.Popen(self.command, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self._log, text=True)
+        try:
+            self._row()
+        except BaseException:
+            self._proc.kill()
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._proc.stdin.close()  # end of input: the twin returns
+        except BrokenPipeError:
+            pass  # it had exited already
+        self._proc.wait(timeout=60)
+        self._log.close()
+
+    def _row(self) -> dict:
+        """The twin's next row on its stdout (passing over anything else printed there)."""
+        for line in self._proc.stdout:
+            if line.startswith(ROW_PREFIX):
+                return json.loads(line.removeprefix(ROW_PREFIX))
+        raise SystemExit(f"the engine-only twin of {self.system} exited: see {self.log_path}")
+
+    def level(self, concurrency: int) -> dict:
+        """One engine-only run of a level: its row, as bench.engine_workload reports it."""
+        try:
+            self._proc.stdin.write(f"{concurrency}\n")
+            self._proc.stdin.flush()
+        except BrokenPipeError:
+            raise SystemExit(f"the engine-only twin of {self.system} exited: see {self.log_path}") from None
+        return {"system": self.system, **self._row()}
+
+    def around(self, concurrency: int, served: Callable[[], None]) -> None:
+        """Run `served` (one served level) between two engine-only runs of its level; keep their bracketed row."""
+        before = self.level(concurrency)
+        served()
+        self.rows += bracket([before], [self.level(concurrency)])
+
+
 def measure_system(system: System, port: int, model: str, prompts: list[list[int]], levels: list[int], output_len: int,
-                   log_path: Path) -> list[dict]:
+                   log_path: Path, twin: EngineTwin | None = None) -> list[dict]:
     """Start the system, warm it with one request, run every level on fresh prompts (each also sampled right after
-    it where the system asks), stop it."""
+    it where the system asks; with a twin, the greedy level between two engine-only runs of it), stop it."""
     url = f"http://127.0.0.1:{port}"
     runs = [(system.name, False)] + ([(f"{system.name} sampled", True)] if system.also_sampled else [])
     with open(log_path, "wb") as log:
@@ -206,14 +267,24 @@ def measure_system(system: System, port: int, model: str, prompts: list[list[int
             # one request first, not recorded (as vllm bench serve does): the first after start-up runs cold
             run_client(run_level(url, model, prompts[:1], 1, output_len, False))
             rows, offset = [], 1
-            for c in levels:
+
+            def one(name: str, c: int, sampled: bool) -> None:
+                nonlocal offset
                 n = level_size(c)
-                for name, sampled in runs:
-                    row = run_client(run_level(url, model, prompts[offset:offset + n], c, output_len, sampled))
-                    offset += n  # never the same prompt twice: llama-server would serve it from its prompt cache
-                    rows.append({"system": name, **row})
-                    print(f"{name:>22} c={c:<3} {row['output_tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:5.0f} ms"
-                          f"  TPOT p50 {row['tpot_ms_p50']:5.1f} ms  ({row['completed']}/{n} ok)", flush=True)
+                row = run_client(run_level(url, model, prompts[offset:offset + n], c, output_len, sampled))
+                offset += n  # never the same prompt twice: llama-server would serve it from its prompt cache
+                rows.append({"system": name, **row})
+                print(f"{name:>22} c={c:<3} {row['output_tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:5.0f} ms"
+                      f"  TPOT p50 {row['tpot_ms_p50']:5.1f} ms  ({row['completed']}/{n} ok)", flush=True)
+
+            for c in levels:
+                (name, _), *sampled = runs
+                if twin is None:
+                    one(name, c, False)
+                else:
+                    twin.around(c, lambda: one(name, c, False))
+                for name, _ in sampled:
+                    one(name, c, True)
             return rows
         finally:
             proc.terminate()
@@ -246,14 +317,12 @@ def workload_args(system: str, compressed: str | None) -> list[str] | None:
             "neuronmm fp32": ["--dtype", "float32"]}.get(system)
 
 
-def engine_workload(system: str, extra: list[str], config: str, levels: list[int], input_len: int,
-                    output_len: int) -> list[dict]:
-    """bench.engine_workload (the same workload, in-process) in a child process for one neuronmm model."""
-    out = RESULTS / f"engine_workload-{system.replace(' ', '-')}.json"
-    cmd = [*NEURONMM[:2], "bench.engine_workload", "--config", config, "--concurrency", *map(str, levels),
-           "--input-len", str(input_len), "--output-len", str(output_len), "--out", str(out), *extra]
-    run_logged(cmd, RESULTS / "engine_workload.log")
-    return [{"system": system, **r} for r in json.loads(out.read_text())["rows"]]
+def engine_twin(system: str, extra: list[str], config: str, input_len: int, output_len: int) -> EngineTwin:
+    """The engine-only twin (bench.engine_workload: the same workload, in-process) of one served neuronmm model."""
+    cmd = [*NEURONMM[:2], "bench.engine_workload", "--config", config, "--levels-from-stdin",
+           "--input-len", str(input_len), "--output-len", str(output_len), *extra]
+    print("$ " + shlex.join(cmd), flush=True)
+    return EngineTwin(cmd, system, RESULTS / f"engine_workload-{system.replace(' ', '-')}.log")
 
 
 def bracket(before: list[dict], after: list[dict]) -> list[dict]:
@@ -284,7 +353,7 @@ def markdown(report: dict) -> str:
     served = {(r["system"], r["concurrency"]): r for r in report["serve"]}
     if report.get("engine_workload"):
         lines += ["", "The same workload through the engine in-process (bench.engine_workload: no HTTP, no client), run right "
-                  "before and right after the served run; served / engine = what the serving side adds to a decode step, "
+                  "before and right after each served level; served / engine = what the serving side adds to a decode step, "
                   "against the mean of the two (a token's ITL: a chunk's over its tokens where the stream sends several):",
                   "", "| model | c | engine tok/s | decode step p50 ms, before / after | served ITL p50 ms | served / engine |",
                   "|---|---:|---:|---:|---:|---:|"]
@@ -341,14 +410,14 @@ def main(argv: list[str] | None = None) -> int:
     for i, system in enumerate(systems + peers):
         prompts = make_prompts(vocab, system.num_prompts(args.concurrency), args.input_len, args.seed + i)
         extra = workload_args(system.name, args.compressed)
-        twin = (system.name, extra, args.config, args.concurrency, args.input_len, args.output_len)
-        # The engine-only twin runs right before and right after the served run: this shared CPU's speed
-        # drifts over minutes, and the mean of the two brackets the served run's machine state.
-        before = engine_workload(*twin) if extra is not None else None
-        report["serve"] += measure_system(system, port, cfg.model.name, prompts, args.concurrency, args.output_len,
-                                          RESULTS / f"serve-{system.name.replace(' ', '-')}.log")
-        if before is not None:
-            report["engine_workload"] += bracket(before, engine_workload(*twin))
+        log = RESULTS / f"serve-{system.name.replace(' ', '-')}.log"
+        if extra is None:
+            report["serve"] += measure_system(system, port, cfg.model.name, prompts, args.concurrency, args.output_len, log)
+            continue
+        with engine_twin(system.name, extra, args.config, args.input_len, args.output_len) as twin:
+            report["serve"] += measure_system(system, port, cfg.model.name, prompts, args.concurrency, args.output_len,
+                                              log, twin)
+        report["engine_workload"] += twin.rows
     if systems:
         report["engine_step"] = engine_steps(args.config, args.compressed, args.step_batch_sizes)
     return publish(Path(args.out), report, markdown(report))

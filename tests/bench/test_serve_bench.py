@@ -1,4 +1,5 @@
-"""bench.serve: each served neuronmm model beside its engine-only twin (run before and after it); a warm-up first."""
+"""bench.serve: each served neuronmm model beside its engine-only twin (each level run before and after the served one);
+a warm-up first."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import sys
 import pytest
 
 from bench import serve
-from bench.harness import free_port, run_client, wait_healthy
-from bench.serve import System, bracket, markdown, measure_system, neuronmm_systems, workload_args
+from bench.harness import ROW_PREFIX, free_port, run_client, wait_healthy
+from bench.serve import EngineTwin, System, bracket, markdown, measure_system, neuronmm_systems, workload_args
 
 
 def test_each_served_model_has_its_engine_only_twin():
@@ -165,3 +166,49 @@ def test_sampled_levels_follow_each_greedy_level_on_the_same_server(tmp_path):
     assert sorted(int(first) for first, _ in requests) == list(range(1000, 1017))  # every prompt once
     temperature = {int(first): float(t) for first, t in requests}
     assert [temperature[1000 + i] for i in range(17)] == [0.0] + [0.0] * 4 + [0.7] * 4 + [0.0] * 4 + [0.7] * 4
+
+
+# A stand-in engine-only twin: a level per stdin line, logged beside the fake server's requests; its row's decode step
+# counts the levels it has run, after a line of library noise on stdout.
+FAKE_TWIN = f'''
+import json, sys
+log = open(sys.argv[1], "a")
+print({ROW_PREFIX!r} + json.dumps({{"ready": True}}), flush=True)
+for n, line in enumerate(sys.stdin, 1):
+    log.write(f"twin {{int(line)}}\\n"); log.flush()
+    print("some library's own output")
+    print({ROW_PREFIX!r} + json.dumps({{"concurrency": int(line), "decode_step_ms_p50": float(n), "output_tok_s": 1.0}}),
+          flush=True)
+'''
+
+
+def test_the_twin_runs_each_level_right_before_and_after_the_served_greedy_level(tmp_path):
+    server, twin_script, log = tmp_path / "fake_server.py", tmp_path / "fake_twin.py", tmp_path / "events.log"
+    server.write_text(FAKE_SERVER)
+    twin_script.write_text(FAKE_TWIN)
+    port = free_port()
+    system = System("fake", [sys.executable, str(server), str(port), str(log)], also_sampled=True)
+    levels = [1, 2]
+    prompts = [[1000 + i] for i in range(system.num_prompts(levels))]
+    with EngineTwin([sys.executable, str(twin_script), str(log)], "fake", tmp_path / "twin.log") as twin:
+        measure_system(system, port, "m", prompts, levels, 3, tmp_path / "fake.log", twin)
+    events = []
+    for line in log.read_text().splitlines():
+        kind = "twin " + line.split()[1] if line.startswith("twin") else "greedy" if line.endswith(" 0.0") else "sampled"
+        if not events or events[-1] != kind:
+            events.append(kind)
+    assert events == ["greedy",  # the warm-up request
+                      "twin 1", "greedy", "twin 1", "sampled", "twin 2", "greedy", "twin 2", "sampled"]
+    assert [(r["system"], r["concurrency"], r["decode_step_ms_p50_before"], r["decode_step_ms_p50_after"])
+            for r in twin.rows] == [("fake", 1, 1.0, 2.0), ("fake", 2, 3.0, 4.0)]
+
+
+def test_a_twin_that_dies_stops_the_benchmark_with_where_to_look(tmp_path):
+    with pytest.raises(SystemExit, match="twin of fake exited: see .*twin.log"):  # dies while loading
+        with EngineTwin([sys.executable, "-c", "raise SystemExit(3)"], "fake", tmp_path / "twin.log"):
+            pass
+    ready_then_dead = f"print({ROW_PREFIX!r} + '{{}}', flush=True)"
+    with EngineTwin([sys.executable, "-c", ready_then_dead], "fake", tmp_path / "twin.log") as twin:
+        for _ in range(2):  # its stdin closed or a broken pipe by then
+            with pytest.raises(SystemExit, match="twin of fake exited: see .*twin.log"):
+                twin.level(1)
