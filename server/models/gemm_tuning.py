@@ -6,7 +6,8 @@ rows of x every path streams the weight at memory bandwidth; with more rows the 
 and which one is faster depends on the core: on the Emerald Rapids Xeons we measured the FMA path runs ~1.6 x
 faster than VDPBF16PS from 4 rows, and on a Xeon with AMX the tiles run 5-6 x faster than either from 16 rows
 (docs/BENCHMARKS.md). Rather than guess from the CPU model, `tune_bf16_kernels` times each on a decode-sized
-weight at start-up (~50 ms) and sets the row counts from which the FMA and the AMX paths are used.
+weight at start-up (~50 ms; the paths in turns, each by its fastest rep, so that a busy neighbour cannot pick for
+it) and sets the row counts from which the FMA and the AMX paths are used.
 `NEURONMM_BF16_FMA_ROWS` and `NEURONMM_BF16_AMX_ROWS` fix them instead (0: never), for A/B runs.
 """
 
