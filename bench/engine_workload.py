@@ -23,6 +23,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.harness import ROW_PREFIX, machine_facts, publish
@@ -33,28 +34,38 @@ from server.runtime import load_runtime
 RESULTS = Path(__file__).parent / "results"
 
 
-def run_level(engine, prompts: list[list[int]], concurrency: int, output_len: int, sampled: bool) -> dict:
-    """All prompts at one concurrency level; output tok/s and the step times, split by kind."""
+def run_level(engine, prompts: list[list[int]], concurrency: int, output_len: int, sampled: bool,
+              clock: Callable[[], float] = time.perf_counter) -> dict:
+    """All prompts at one concurrency level; output tok/s, the step times split by kind, and each request's TPOT
+    (first to last token over the tokens between, as bench.serve's client times it)."""
     next_prompt, live, out_tokens = 0, 0, 0
     decode_steps, other_steps = [], []
-    start = time.perf_counter()
+    first_at, last_at, tokens = {}, {}, {}  # per request: when its first and its latest token came, and how many
+    start = clock()
     while next_prompt < len(prompts) or engine.has_work():
         while live < concurrency and next_prompt < len(prompts):
             params = SamplingParams(max_tokens=output_len, temperature=0.7 if sampled else 0.0, seed=next_prompt,
                                     ignore_eos=True)
             engine.add_request(f"w{next_prompt}", prompts[next_prompt], params)
             next_prompt, live = next_prompt + 1, live + 1
-        step_start = time.perf_counter()
+        step_start = clock()
         outputs = engine.step()
-        took = time.perf_counter() - step_start
+        step_end = clock()
+        took = step_end - step_start
         out_tokens += sum(len(o.token_ids) for o in outputs)
+        for o in outputs:
+            if o.token_ids:
+                first_at.setdefault(o.request_id, step_end)
+                last_at[o.request_id], tokens[o.request_id] = step_end, o.num_output_tokens
         first_tokens = sum(1 for o in outputs if o.num_output_tokens == 1)
         # a decode step of a full batch: what a served ITL at this concurrency waits for
         (decode_steps if first_tokens == 0 and len(outputs) >= min(concurrency, live) else other_steps).append(took)
         live -= sum(1 for o in outputs if o.finish_reason)
-    duration = time.perf_counter() - start
+    duration = clock() - start
+    tpots = [(last_at[r] - first_at[r]) / (tokens[r] - 1) for r in first_at if tokens[r] > 1]
     return {"concurrency": concurrency, "num_prompts": len(prompts), "sampled": sampled,
             "output_tokens": out_tokens, "output_tok_s": out_tokens / duration, "duration_s": duration,
+            "tpot_ms_p50": 1e3 * statistics.median(tpots) if tpots else float("nan"),
             "decode_step_ms_p50": 1e3 * statistics.median(decode_steps) if decode_steps else float("nan"),
             "num_decode_steps": len(decode_steps), "other_steps_s": sum(other_steps),
             "num_other_steps": len(other_steps)}

@@ -331,6 +331,7 @@ def bracket(before: list[dict], after: list[dict]) -> list[dict]:
     for b, a in zip(before, after, strict=True):
         row = {**b, "decode_step_ms_p50": (b["decode_step_ms_p50"] + a["decode_step_ms_p50"]) / 2,
                "output_tok_s": (b["output_tok_s"] + a["output_tok_s"]) / 2,
+               "tpot_ms_p50": (b.get("tpot_ms_p50", float("nan")) + a.get("tpot_ms_p50", float("nan"))) / 2,
                "decode_step_ms_p50_before": b["decode_step_ms_p50"], "decode_step_ms_p50_after": a["decode_step_ms_p50"]}
         rows.append(row)
     return rows
@@ -354,15 +355,20 @@ def markdown(report: dict) -> str:
     if report.get("engine_workload"):
         lines += ["", "The same workload through the engine in-process (bench.engine_workload: no HTTP, no client), run right "
                   "before and right after each served level; served / engine = what the serving side adds to a decode step, "
-                  "against the mean of the two (a token's ITL: a chunk's over its tokens where the stream sends several):",
-                  "", "| model | c | engine tok/s | decode step p50 ms, before / after | served ITL p50 ms | served / engine |",
-                  "|---|---:|---:|---:|---:|---:|"]
+                  "against the mean of the two (a token's ITL: a chunk's over its tokens where the stream sends several); "
+                  "TPOT, each request's first to last token over the tokens between, the same way in both (it also counts "
+                  "the steps that carry other requests' prompts):",
+                  "", "| model | c | engine tok/s | decode step p50 ms, before / after | served ITL p50 ms | served / engine "
+                  "| TPOT p50 ms, served / engine | TPOT served / engine |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in report["engine_workload"]:
-            itl = served.get((r["system"], r["concurrency"]), {}).get("itl_ms_p50", float("nan"))
-            itl /= tokens_per_chunk(r["system"])
+            row = served.get((r["system"], r["concurrency"]), {})
+            itl = row.get("itl_ms_p50", float("nan")) / tokens_per_chunk(r["system"])
+            tpot, engine_tpot = row.get("tpot_ms_p50", float("nan")), r.get("tpot_ms_p50", float("nan"))
             steps = f"{r['decode_step_ms_p50_before']:.1f} / {r['decode_step_ms_p50_after']:.1f}"
             lines.append(f"| {r['system']} | {r['concurrency']} | {r['output_tok_s']:.1f} | {steps} | "
-                         f"{itl:.1f} | {itl / r['decode_step_ms_p50']:.2f} |")
+                         f"{itl:.1f} | {itl / r['decode_step_ms_p50']:.2f} | {tpot:.1f} / {engine_tpot:.1f} | "
+                         f"{tpot / engine_tpot:.2f} |")
     if report["peer_note"]:
         lines += ["", report["peer_note"]]
     return "\n".join(lines)

@@ -76,13 +76,15 @@ def test_the_engine_only_twin_is_the_mean_of_its_runs_before_and_after():
 
 
 def test_served_over_engine_is_against_the_bracketing_mean():
-    twin = bracket([{"system": "neuronmm", "concurrency": 1, "decode_step_ms_p50": 10.0, "output_tok_s": 90.0}],
-                   [{"system": "neuronmm", "concurrency": 1, "decode_step_ms_p50": 12.0, "output_tok_s": 80.0}])
+    twin = bracket([{"system": "neuronmm", "concurrency": 1, "decode_step_ms_p50": 10.0, "output_tok_s": 90.0,
+                     "tpot_ms_p50": 11.0}],
+                   [{"system": "neuronmm", "concurrency": 1, "decode_step_ms_p50": 12.0, "output_tok_s": 80.0,
+                     "tpot_ms_p50": 13.0}])
     report = {"serve": [{"system": "neuronmm", "concurrency": 1, "output_tok_s": 70.0, "ttft_ms_p50": 100, "ttft_ms_p99": 120,
-                         "tpot_ms_p50": 12.0, "tpot_ms_p99": 13.0, "itl_ms_p50": 12.1, "itl_ms_p99": 14.0}],
+                         "tpot_ms_p50": 12.6, "tpot_ms_p99": 13.0, "itl_ms_p50": 12.1, "itl_ms_p99": 14.0}],
               "memory_bandwidth_gbs": 25.0, "engine_step": [], "engine_workload": twin, "peer_note": ""}
     row = next(line for line in markdown(report).splitlines() if line.startswith("| neuronmm | 1 | 85.0"))
-    assert row.split("|")[4:7] == [" 10.0 / 12.0 ", " 12.1 ", " 1.10 "]
+    assert row.split("|")[4:9] == [" 10.0 / 12.0 ", " 12.1 ", " 1.10 ", " 12.6 / 12.0 ", " 1.05 "]
 
 
 # A stand-in server: answers /health, streams three text chunks per completion, logs each prompt's first token.
