@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.harness import ROW_PREFIX, machine_facts, publish
+from bench.harness import ROW_PREFIX, level_size, machine_facts, publish
 from server.config import load_config
 from server.engine.sampling_params import SamplingParams
 from server.runtime import load_runtime
@@ -102,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
 
     def level(c: int) -> dict:
-        n = max(4, 2 * c)  # as bench.serve: two waves of requests per level
-        prompts = [[rng.randrange(1000, vocab) for _ in range(args.input_len)] for _ in range(n)]
+        prompts = [[rng.randrange(1000, vocab) for _ in range(args.input_len)] for _ in range(level_size(c))]
         run_level(engine, prompts[: min(c, 4)], c, 8, args.sampled)  # warm this batch size's shapes
         return run_level(engine, prompts, c, args.output_len, args.sampled)
 

@@ -33,8 +33,15 @@ NEURONMM = [sys.executable, "-m", "server.cli"]
 # Marks a benchmark child's result line on its stdout (bench.engine_workload --levels-from-stdin, read by bench.serve):
 # anything else a library prints there is passed over.
 ROW_PREFIX = "bench row: "
+
 # The CPU flags that pick our kernels' paths: what a report records of the machine.
 BENCH_FLAGS = frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"})
+
+
+def level_size(concurrency: int) -> int:
+    """Requests a benchmark level sends (bench.serve and its engine-only twin alike): two waves at its concurrency,
+    at least four."""
+    return max(4, 2 * concurrency)
 
 
 def run_client(coro: Coroutine):

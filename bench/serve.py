@@ -34,8 +34,8 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.harness import (NEURONMM, REPO, ROW_PREFIX, free_port, machine_facts, publish, run_client, run_logged,
-                           wait_healthy)
+from bench.harness import (NEURONMM, REPO, ROW_PREFIX, free_port, level_size, machine_facts, publish, run_client,
+                           run_logged, wait_healthy)
 from bench.read_bandwidth import read_bandwidth_gbs
 from server.config import load_config
 from server.models.source import resolve_model_dir
@@ -69,11 +69,6 @@ class System:
     def num_prompts(self, levels: list[int]) -> int:
         """Distinct prompts its run takes: one to warm it, then each level's (twice with also_sampled)."""
         return 1 + (2 if self.also_sampled else 1) * sum(level_size(c) for c in levels)
-
-
-def level_size(concurrency: int) -> int:
-    """Requests a level sends: two waves at its concurrency (at least four)."""
-    return max(4, 2 * concurrency)
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -231,12 +226,15 @@ class EngineTwin:
         self._proc.wait(timeout=60)
         self._log.close()
 
+    def _exited(self) -> SystemExit:
+        return SystemExit(f"the engine-only twin of {self.system} exited: see {self.log_path}")
+
     def _row(self) -> dict:
         """The twin's next row on its stdout (passing over anything else printed there)."""
         for line in self._proc.stdout:
             if line.startswith(ROW_PREFIX):
                 return json.loads(line.removeprefix(ROW_PREFIX))
-        raise SystemExit(f"the engine-only twin of {self.system} exited: see {self.log_path}")
+        raise self._exited()
 
     def level(self, concurrency: int) -> dict:
         """One engine-only run of a level: its row, as bench.engine_workload reports it."""
@@ -244,7 +242,7 @@ class EngineTwin:
             self._proc.stdin.write(f"{concurrency}\n")
             self._proc.stdin.flush()
         except BrokenPipeError:
-            raise SystemExit(f"the engine-only twin of {self.system} exited: see {self.log_path}") from None
+            raise self._exited() from None
         return {"system": self.system, **self._row()}
 
     def around(self, concurrency: int, served: Callable[[], None]) -> None:
@@ -259,7 +257,6 @@ def measure_system(system: System, port: int, model: str, prompts: list[list[int
     """Start the system, warm it with one request, run every level on fresh prompts (each also sampled right after
     it where the system asks; with a twin, the greedy level between two engine-only runs of it), stop it."""
     url = f"http://127.0.0.1:{port}"
-    runs = [(system.name, False)] + ([(f"{system.name} sampled", True)] if system.also_sampled else [])
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(system.command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -278,13 +275,12 @@ def measure_system(system: System, port: int, model: str, prompts: list[list[int
                       f"  TPOT p50 {row['tpot_ms_p50']:5.1f} ms  ({row['completed']}/{n} ok)", flush=True)
 
             for c in levels:
-                (name, _), *sampled = runs
                 if twin is None:
-                    one(name, c, False)
+                    one(system.name, c, False)
                 else:
-                    twin.around(c, lambda: one(name, c, False))
-                for name, _ in sampled:
-                    one(name, c, True)
+                    twin.around(c, lambda: one(system.name, c, False))
+                if system.also_sampled:
+                    one(f"{system.name} sampled", c, True)
             return rows
         finally:
             proc.terminate()
