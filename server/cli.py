@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from server.config import ConfigError
+from server.gc_heap import collections_held
 
 # Subcommands that live in other packages register themselves through `register(subparsers)`.
 _PLUGIN_MODULES = ("compression.cli", "compression.evaluation.cli", "compression.recovery.cli", "bench.cli")
@@ -121,6 +122,13 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict]:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    # No cyclic collections through the imports and checks below, until the app freezes its start-up heap
+    # (server.gc_heap); back on if the start stops early.
+    with collections_held():
+        return _serve(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
     from server.api.app import serve
     from server.api.serving import load_chat_template
     from server.api.tool_parsers import get_tool_parser

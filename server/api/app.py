@@ -31,6 +31,7 @@ from server.backends import check_backend_available
 from server.config import Config
 from server.engine.async_engine import AsyncEngine
 from server.engine.engine_core import EngineCoreClient
+from server.gc_heap import freeze_heap
 from server.models.source import resolve_model_dir
 from server.runtime import Runtime, load_runtime, load_tokenizer
 
@@ -53,8 +54,10 @@ def package_version() -> str:
 class AppState:
     """What the routes share: readiness, the async engine, the serving layer, metrics."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, freeze_startup_heap: bool = False):
         self.cfg = cfg
+        self.freeze_startup_heap = freeze_startup_heap
+        self._heap_frozen = False
         self.metrics = ServerMetrics(cfg.model.name)
         self.ready = False
         self.draining = False
@@ -72,12 +75,28 @@ class AppState:
         self._serve_with(engine, runtime.tokenizer)
 
     def start_engine_process(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Serve from an engine core in its own process, read by `loop`; blocks until its model is loaded and warm."""
-        tokenizer = load_tokenizer(resolve_model_dir(self.cfg.model, self.cfg.cache_path))
+        """Serve from an engine core in its own process, read by `loop`; blocks until its model is loaded and warm.
+
+        The core is spawned first: its imports and load run on the other core while this process reads the
+        tokenizer and freezes its own start-up heap.
+        """
         engine = EngineCoreClient(self.cfg, on_abort=lambda: self.metrics.finished("abort"),
                                   on_step=self.metrics.observe_step)
-        engine.start(loop)
+        engine.spawn()
+        try:
+            tokenizer = load_tokenizer(resolve_model_dir(self.cfg.model, self.cfg.cache_path))
+            self.settle_heap()
+            engine.wait_ready(loop)
+        except BaseException:
+            engine.stop()
+            raise
         self._serve_with(engine, tokenizer)
+
+    def settle_heap(self) -> None:
+        """Freeze this process's start-up heap, once, if asked to (server.gc_heap): the end of the API's start-up."""
+        if self.freeze_startup_heap and not self._heap_frozen:
+            self._heap_frozen = True
+            freeze_heap("api")
 
     def _serve_with(self, engine, tokenizer) -> None:
         self.engine = engine
@@ -331,13 +350,15 @@ def _install_openapi(app: FastAPI) -> None:
     app.openapi = openapi
 
 
-def create_app(cfg: Config, loader: Callable[[Config], Runtime] | None = None) -> FastAPI:
+def create_app(cfg: Config, loader: Callable[[Config], Runtime] | None = None,
+               freeze_startup_heap: bool = False) -> FastAPI:
     """The ASGI app; the model loads in the background after start-up (/health is 503 until warm).
 
     With no `loader` and `server.engine_process` on, the engine runs in its own process; a loader (tests
-    inject faulty ones) loads it into this process instead.
+    inject faulty ones) loads it into this process instead. `freeze_startup_heap` (the server's own process sets
+    it): this process's start-up heap is frozen once loading ends (server.gc_heap).
     """
-    state = AppState(cfg)
+    state = AppState(cfg, freeze_startup_heap)
 
     async def load() -> None:
         try:
@@ -349,6 +370,8 @@ def create_app(cfg: Config, loader: Callable[[Config], Runtime] | None = None) -
         except Exception as exc:  # keep the server up so /health can say why
             state.load_error = f"{exc.__class__.__name__}: {exc}"
             log.error("model failed to load: %s", state.load_error)
+        finally:
+            state.settle_heap()  # (the engine-process path settles it earlier, while the core loads)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -376,7 +399,7 @@ def serve(cfg: Config) -> int:
     # missing SDK is a one-line CLI error rather than a server that never gets healthy.
     check_backend_available(cfg)
     resolve_model_dir(cfg.model, cfg.cache_path)
-    app = create_app(cfg)
+    app = create_app(cfg, freeze_startup_heap=True)
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level)
     GracefulServer(config, app.state.neuronmm, cfg.server.shutdown_grace_s).run()
     return 0

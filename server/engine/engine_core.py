@@ -23,6 +23,7 @@ from server.engine.async_engine import EngineDeadError, QueueFullError, RequestS
 from server.engine.llm_engine import StepStats
 from server.engine.sampling_params import SamplingParams
 from server.engine.sequence import SeqOutput
+from server.gc_heap import startup_heap
 from server.runtime import load_runtime
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ def _core_main(cfg: Config, conn) -> None:
     """Child process: load, warm, then loop: take requests, step, report."""
     logging.basicConfig(level=cfg.server.log_level.upper(), format="%(levelname)s engine-core: %(message)s")
     try:
-        runtime = load_runtime(cfg)
+        with startup_heap("engine core"):
+            runtime = load_runtime(cfg)
     except Exception as exc:  # the parent reports it on /health
         conn.send(("load_error", f"{exc.__class__.__name__}: {exc}"))
         return
@@ -124,18 +126,21 @@ class EngineCoreClient:
         self.num_waiting_requests = 0
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop, timeout_s: float | None = None) -> None:
-        """Spawn the core and block until its model is loaded and warm (RuntimeError if it fails).
-
-        Its reports are then read by `loop` itself, when the pipe is readable: a reader thread would wake
-        once per step and hand each step to the loop through its self-pipe, two more wake-ups per token,
-        each of which preempts an engine thread on a machine whose cores the engine keeps busy.
-        """
+    def spawn(self) -> None:
+        """Start the core process; it imports and loads while this process goes on (`wait_ready` joins it)."""
         ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited OpenMP pool or event loop
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_core_main, args=(self.cfg, child), name="neuronmm-engine-core", daemon=True)
         self._proc.start()
         child.close()
+
+    def wait_ready(self, loop: asyncio.AbstractEventLoop, timeout_s: float | None = None) -> None:
+        """Block until the spawned core's model is loaded and warm (RuntimeError if it fails).
+
+        Its reports are then read by `loop` itself, when the pipe is readable: a reader thread would wake
+        once per step and hand each step to the loop through its self-pipe, two more wake-ups per token,
+        each of which preempts an engine thread on a machine whose cores the engine keeps busy.
+        """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._conn.poll(1.0):
             if not self._proc.is_alive():

@@ -1,0 +1,93 @@
+"""The cyclic collector around a server process's start-up: held off while it starts, then the heap frozen."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from server.api.app import create_app
+from server.engine.engine_core import _core_main
+from server.gc_heap import collections_held, freeze_heap, startup_heap
+from server.runtime import load_runtime
+from support import tiny_config
+
+
+@pytest.fixture(autouse=True)
+def restore_collector():
+    """Each test starts with an enabled collector and nothing frozen, and leaves the process that way."""
+    gc.unfreeze()
+    gc.enable()
+    yield
+    gc.unfreeze()
+    gc.enable()
+
+
+def _cycle() -> None:
+    a = []
+    a.append(a)  # reachable only from itself: only the cyclic collector frees it
+
+
+def test_startup_heap_holds_collections_then_freezes_what_survived():
+    kept = [[] for _ in range(100)]
+    with startup_heap("test"):
+        assert not gc.isenabled()
+        _cycle()
+    assert gc.isenabled()
+    assert gc.get_freeze_count() >= len(kept)
+    assert gc.collect() == 0  # the start-up's garbage went in the collection before the freeze
+
+
+def test_startup_heap_freezes_and_turns_the_collector_on_when_start_up_fails():
+    with pytest.raises(RuntimeError), startup_heap("test"):
+        raise RuntimeError("load failed")
+    assert gc.isenabled() and gc.get_freeze_count() > 0
+
+
+def test_collections_held_until_a_freeze_inside_or_the_end():
+    with collections_held():
+        assert not gc.isenabled()
+        freeze_heap("test")  # a start-up that ends inside the block turns the collector on there
+        assert gc.isenabled()
+    with pytest.raises(ValueError), collections_held():
+        raise ValueError("bad config")  # a start that stops early leaves the collector on
+    assert gc.isenabled()
+
+
+def _wait_until(done, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_the_server_process_freezes_its_heap_once_loaded(tiny_model_dir):
+    app = create_app(tiny_config(tiny_model_dir), load_runtime, freeze_startup_heap=True)
+    with collections_held(), TestClient(app) as client:  # collections_held: as `neuronmm serve` starts it
+        state = app.state.neuronmm
+        _wait_until(lambda: state.ready)
+        assert client.get("/health").status_code == 200
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+
+
+def test_a_failed_load_still_freezes_and_turns_the_collector_back_on(tiny_model_dir):
+    def broken(_cfg):
+        raise RuntimeError("no model")
+
+    app = create_app(tiny_config(tiny_model_dir), broken, freeze_startup_heap=True)
+    with collections_held(), TestClient(app) as client:
+        state = app.state.neuronmm
+        _wait_until(lambda: state.load_error and gc.isenabled())
+        assert state.load_error == "RuntimeError: no model"
+        assert client.get("/health").status_code == 503
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+
+
+def test_engine_core_freezes_its_start_up_heap_before_it_serves(tiny_model_dir):
+    parent, child = mp.Pipe()
+    parent.send(("stop", None))  # read once the core is loaded: it answers "ready" first, then returns
+    _core_main(tiny_config(tiny_model_dir), child)
+    assert parent.recv() == ("ready", None)
+    assert gc.isenabled() and gc.get_freeze_count() > 0
