@@ -32,6 +32,7 @@ from bench.harness import machine_facts
 from server.backends.base import SeqChunk
 from server.backends.torch_runner import TorchRunner
 from server.config import load_config
+from server.gc_heap import startup_heap
 from server.models.gemm_tuning import bf16_kernels
 from server.models.source import resolve_model_dir
 
@@ -136,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"kv_cache_dtype": args.kv_cache_dtype})})
     model_dir = resolve_model_dir(cfg.model, Path(cfg.cache_dir).expanduser())
     compressed = args.compressed or cfg.model.compressed
-    runner = _load_runner(model_dir, cfg, args, compressed)
+    with startup_heap("engine step"):  # the server's engine core runs with its start-up heap frozen (server.gc_heap)
+        runner = _load_runner(model_dir, cfg, args, compressed)
     block_size = cfg.engine.block_size  # the paged cache the server runs
     if args.ab_rounds:
         return _main_ab(args, cfg, model_dir, runner, block_size)
@@ -177,7 +179,8 @@ def _save(out: str, result: dict) -> None:
 
 
 def _main_ab(args, cfg, model_dir: Path, compressed: TorchRunner, block_size: int) -> int:
-    dense = _load_runner(model_dir, cfg, args, None)
+    with startup_heap("engine step, dense"):
+        dense = _load_runner(model_dir, cfg, args, None)
     with torch.inference_mode():
         rows = ab_rows(dense, compressed, args, block_size)
     result = {**_facts(args, compressed, args.compressed, block_size), "ab_rounds": args.ab_rounds,

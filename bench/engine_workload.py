@@ -29,6 +29,7 @@ from pathlib import Path
 from bench.harness import ROW_PREFIX, level_size, machine_facts, publish
 from server.config import load_config
 from server.engine.sampling_params import SamplingParams
+from server.gc_heap import startup_heap
 from server.runtime import load_runtime
 
 RESULTS = Path(__file__).parent / "results"
@@ -97,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update=model)})
     if args.kv_cache_dtype:
         cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"kv_cache_dtype": args.kv_cache_dtype})})
-    engine = load_runtime(cfg).engine
+    with startup_heap("engine workload"):  # as the server's engine core starts (server.gc_heap)
+        engine = load_runtime(cfg).engine
     vocab = engine.runner.vocab_size
     rng = random.Random(args.seed)
 

@@ -6,6 +6,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported (it reads this once)
 
+import gc  # noqa: E402
 import platform  # noqa: E402
 import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -16,6 +17,17 @@ import torch  # noqa: E402
 from bench.harness import make_tiny_model  # noqa: E402
 from server.config import load_config  # noqa: E402
 from server.models.source import resolve_model_dir  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def ordinary_collector():
+    """Every test starts with the cyclic collector on and nothing frozen: a test that runs a start-up (a benchmark's
+    main, an app that freezes its heap: server.gc_heap) would otherwise freeze the suite's objects for good."""
+    gc.unfreeze()
+    gc.enable()
+    yield
+    gc.unfreeze()
+    gc.enable()
 
 
 @pytest.fixture(scope="session")

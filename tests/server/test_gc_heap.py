@@ -16,16 +16,6 @@ from server.runtime import load_runtime
 from support import tiny_config
 
 
-@pytest.fixture(autouse=True)
-def restore_collector():
-    """Each test starts with an enabled collector and nothing frozen, and leaves the process that way."""
-    gc.unfreeze()
-    gc.enable()
-    yield
-    gc.unfreeze()
-    gc.enable()
-
-
 def _cycle() -> None:
     a = []
     a.append(a)  # reachable only from itself: only the cyclic collector frees it
