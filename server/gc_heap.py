@@ -2,11 +2,11 @@
 the start-up heap frozen (as vLLM freezes its heap after warm-up).
 
 Why: a full (generation-2) collection walks every object the collector tracks, and a process that has imported
-torch and transformers and loaded a model tracks ~350,000 of them: 80-125 ms a collection on this project's VMs.
+torch and transformers and loaded a model tracks ~356,000 of them: 80-130 ms a collection on this project's VMs.
 Left alone, each of the two server processes ran six such collections while starting (~0.33 s each) and then one
-now and then while serving, which held every stream for that long (a 110-125 ms gap between two tokens where a
-step takes 19). `gc.freeze()` moves the objects alive at the end of start-up out of the collector's sight, so
-later collections walk only what serving allocates; reference counting still frees them as usual.
+now and then while serving, which held every stream for that long (115-130 ms without a token where a step takes
+19). `gc.freeze()` moves the objects alive at the end of start-up out of the collector's sight, so later
+collections walk only what serving allocates; reference counting still frees them as usual.
 """
 
 from __future__ import annotations
