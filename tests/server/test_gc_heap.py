@@ -9,6 +9,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
+from server.api import app as app_module
 from server.api.app import create_app
 from server.engine.engine_core import _core_main
 from server.gc_heap import collections_held, freeze_heap, startup_heap
@@ -81,3 +82,42 @@ def test_engine_core_freezes_its_start_up_heap_before_it_serves(tiny_model_dir):
     _core_main(tiny_config(tiny_model_dir), child)
     assert parent.recv() == ("ready", None)
     assert gc.isenabled() and gc.get_freeze_count() > 0
+
+
+class _FakeCore:
+    """Stands in for EngineCoreClient: records the calls, and what the API's heap was when the core was waited on."""
+
+    def __init__(self, fail: bool):
+        self.calls, self.fail, self.frozen_at_wait = [], fail, None
+
+    def __call__(self, cfg, on_abort=None, on_step=None):
+        return self
+
+    def spawn(self):
+        self.calls.append("spawn")
+
+    def wait_ready(self, loop):
+        self.calls.append("wait_ready")
+        self.frozen_at_wait = gc.get_freeze_count()
+        if self.fail:
+            raise RuntimeError("engine core exited with code 1 while loading")
+
+    def stop(self):
+        self.calls.append("stop")
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_api_spawns_the_core_then_freezes_its_heap_while_the_core_loads(tiny_model_dir, monkeypatch, fail):
+    core = _FakeCore(fail)
+    monkeypatch.setattr(app_module, "EngineCoreClient", core)
+    monkeypatch.setattr(app_module.AppState, "_serve_with", lambda self, engine, tokenizer: None)
+    state = app_module.AppState(tiny_config(tiny_model_dir), freeze_startup_heap=True)
+    with collections_held():
+        if fail:
+            with pytest.raises(RuntimeError, match="while loading"):
+                state.start_engine_process(loop=None)
+        else:
+            state.start_engine_process(loop=None)
+        assert gc.isenabled()  # the API's start-up ended at the freeze, before the core was ready
+    assert core.frozen_at_wait > 0
+    assert core.calls == ["spawn", "wait_ready"] + (["stop"] if fail else [])
