@@ -51,6 +51,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     flag("--max-model-len", type=int)
     flag("--max-num-seqs", type=int)
     flag("--max-num-batched-tokens", type=int)
+    flag("--max-prefill-tokens-while-decoding", type=int,
+         help="the most prompt tokens a step takes beside running decodes (bounds how long a newcomer holds the streams)")
     flag("--dtype", choices=sorted(_DTYPES))
     flag("--kv-cache-dtype", choices=sorted(_KV_DTYPES),
          help="auto: the model's dtype; float16 or bfloat16 under a float32 model halve the cache; fp8 (e4m3) halves "
@@ -113,6 +115,7 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict]:
         "engine.kv_cache_dtype": _KV_DTYPES.get(args.kv_cache_dtype, args.kv_cache_dtype),
         "engine.max_model_len": args.max_model_len, "engine.max_num_seqs": args.max_num_seqs,
         "engine.max_num_batched_tokens": args.max_num_batched_tokens,
+        "engine.max_prefill_tokens_while_decoding": args.max_prefill_tokens_while_decoding,
         "neuron.tp_degree": args.tensor_parallel_size, "server.chat_template": args.chat_template,
         "server.tool_call_parser": args.tool_call_parser, "server.strict_fields": args.strict_fields or None,
         "engine.num_threads": args.num_threads, "server.shutdown_grace_s": args.shutdown_grace_s,

@@ -50,6 +50,9 @@ class EngineConfig(_Strict):
 
     max_num_seqs: int = Field(16, ge=1, le=1024)
     max_num_batched_tokens: int = Field(512, ge=16)
+    max_prefill_tokens_while_decoding: int | None = Field(
+        None, ge=1, description="the most prompt tokens a step takes beside running decodes (None: the whole budget); "
+        "a smaller number bounds how long a newcomer's prompt holds every stream")
     max_model_len: int = Field(2048, ge=16)
     max_queue: int = Field(256, ge=0, description="waiting requests beyond this get 429")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default: all cores")

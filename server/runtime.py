@@ -74,12 +74,13 @@ def build_engine(cfg: Config, runner, tokenizer, eos_ids: set[int]) -> LLMEngine
     if e.max_num_batched_tokens < e.max_num_seqs:
         raise ConfigError("engine.max_num_batched_tokens must be >= engine.max_num_seqs")
     kv = allocate_kv(cfg, runner)
-    log.info("engine limits: max_num_seqs=%d max_num_batched_tokens=%d max_model_len=%d max_queue=%d",
-             e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len, e.max_queue)
+    log.info("engine limits: max_num_seqs=%d max_num_batched_tokens=%d (prompt tokens beside decodes: %s) "
+             "max_model_len=%d max_queue=%d", e.max_num_seqs, e.max_num_batched_tokens,
+             e.max_prefill_tokens_while_decoding or "all", e.max_model_len, e.max_queue)
     log.info("KV: %s, prefix caching %s", f"{kv.stats.num_blocks} blocks of {kv.block_size} tokens"
              if kv.block_size else f"{kv.stats.num_blocks} slots", "on" if kv.enable_prefix_caching else "off")
     return LLMEngine(runner, tokenizer, e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len, kv, eos_ids,
-                     e.seed)
+                     e.seed, e.max_prefill_tokens_while_decoding)
 
 
 def warm_up(engine: LLMEngine, prompt_ids: list[int]) -> None:

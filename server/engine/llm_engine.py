@@ -41,13 +41,14 @@ class LLMEngine:
     """Owns the scheduler and the backend; `step()` runs one batched forward."""
 
     def __init__(self, runner: ModelRunner, tokenizer, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, kv: PagedKV | SlotKV, eos_token_ids: set[int] | None = None, seed: int = 0):
+                 max_model_len: int, kv: PagedKV | SlotKV, eos_token_ids: set[int] | None = None, seed: int = 0,
+                 max_prefill_tokens_while_decoding: int | None = None):
         self.runner = runner
         # seeds for requests that bring none: drawn from the engine's seed, so a run replays
         self._seeds = torch.Generator().manual_seed(seed)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, kv)
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, kv, max_prefill_tokens_while_decoding)
         self.eos_token_ids = frozenset(eos_token_ids or ())
         self.seqs: dict[str, list[Sequence]] = {}
         self.observers: list[StepObserver] = []

@@ -34,14 +34,17 @@ class Scheduler:
     making room in the KV cache for it, and preempting the newest sequence (freed, requeued at the
     front, recomputed later) when none is left; then running prefills continue; then waiting sequences
     are admitted while slots, budget and KV blocks last. Long prompts are cut into chunks of whatever
-    budget remains (chunked prefill); a prompt prefix found in the prefix cache is not computed again.
+    budget remains (chunked prefill), at most `max_prefill_tokens_while_decoding` of them in a step that
+    also decodes; a prompt prefix found in the prefix cache is not computed again.
     """
 
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, kv: PagedKV | SlotKV):
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, kv: PagedKV | SlotKV,
+                 max_prefill_tokens_while_decoding: int | None = None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token each)")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -69,6 +72,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks = [ScheduledTokens(s, 1) for s in self._decodes_with_room()]
         budget -= len(chunks)
+        if chunks and self.max_prefill_tokens_while_decoding is not None:
+            # a step beside running streams holds every one of them: keep its prompt tokens few (Sarathi-Serve's
+            # stall-free batching); with nothing decoding, a prompt gets the whole budget
+            budget = min(budget, self.max_prefill_tokens_while_decoding)
         for seq in [s for s in self.running if s.num_tokens - s.num_computed > 1]:
             if budget <= 0:
                 break

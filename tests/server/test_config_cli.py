@@ -86,6 +86,13 @@ def test_stream_interval_flag():
         _serve_config(["--stream-interval", "0"])
 
 
+def test_max_prefill_tokens_while_decoding_flag():
+    assert _serve_config([]).engine.max_prefill_tokens_while_decoding is None  # off: a step takes its whole budget
+    assert _serve_config(["--max-prefill-tokens-while-decoding", "64"]).engine.max_prefill_tokens_while_decoding == 64
+    with pytest.raises(ConfigError, match="engine.max_prefill_tokens_while_decoding"):
+        _serve_config(["--max-prefill-tokens-while-decoding", "0"])
+
+
 @pytest.mark.parametrize("dtype, expected", [("auto", "auto"), ("bfloat16", "bfloat16"), ("float32", "float32"),
                                              ("float16", "float16"), ("half", "float16")])
 def test_dtype_flag(dtype, expected):

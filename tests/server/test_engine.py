@@ -98,6 +98,31 @@ def test_prefill_and_decode_share_a_forward(parts):
     assert kinds == [("a", 1), ("b", 30)]
 
 
+def test_prompt_tokens_beside_decodes_are_capped_and_the_results_do_not_change(parts):
+    """max_prefill_tokens_while_decoding: a step that decodes takes few prompt tokens; one that does not, its budget."""
+    prompt = list(range(10, 50))
+    results = []
+    for cap in (None, 8):
+        engine = make_engine(parts, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=cap)
+        engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=20, **GREEDY))
+        engine.add_request("c", list(range(60, 100)), SamplingParams(max_tokens=3, **GREEDY))
+        first = sorted((c.seq.request_id, c.num_tokens) for c in engine.scheduler.schedule())
+        assert first == [("a", 3), ("c", 40)]  # nothing decodes yet: the whole budget, cap or not
+        engine = make_engine(parts, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=cap)
+        engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=20, **GREEDY))
+        engine.step()  # a: prefill; from here on it decodes
+        engine.add_request("b", prompt, SamplingParams(max_tokens=5, **GREEDY))
+        kinds = sorted((c.seq.request_id, c.num_tokens) for c in engine.scheduler.schedule())
+        assert kinds == [("a", 1), ("b", 40 if cap is None else cap)]
+        engine = make_engine(parts, max_num_batched_tokens=64, max_prefill_tokens_while_decoding=cap)
+        engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=20, **GREEDY))
+        engine.step()
+        engine.add_request("b", prompt, SamplingParams(max_tokens=5, **GREEDY))
+        outs = run_all(engine)
+        results.append({r: [t for o in outs[r] for t in o.token_ids] for r in ("a", "b")})
+    assert results[0] == results[1]
+
+
 def test_max_num_seqs_limits_running_and_queue_drains(parts):
     engine = make_engine(parts, max_num_seqs=2)
     for i in range(5):
