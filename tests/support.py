@@ -1,5 +1,5 @@
 """Test helpers shared by several folders: a Config for the tiny model, a live in-process uvicorn server, pytest
-in a fresh process."""
+in a fresh process, waiting for a condition."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -84,3 +85,11 @@ def pytest_in_subprocess(config, targets: list[str], env: dict[str, str],
     plugin_args = [arg for name in plugins if name != "no:cacheprovider" for arg in ("-p", name)]
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin_args, *targets],
                           env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 20.0) -> None:
+    """Poll `cond` until it holds; an AssertionError if it does not within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)

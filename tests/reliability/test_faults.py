@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 
 import httpx
 import pytest
 
 import server.engine.llm_engine as llm_engine_module
 from server.backends.base import SeqChunk
-from support import live_server, tiny_config
+from support import live_server, tiny_config, wait_for
 
 POISON_TOKEN = 7
 MAX_TOKENS = 12
@@ -65,13 +64,6 @@ def _waiting(live) -> int:
     return live.state.runtime.engine.scheduler.num_waiting
 
 
-def _wait_for(cond, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
-
-
 def _complete(live, prompt, **extra) -> httpx.Response:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True, **extra}
     return httpx.post(f"{live.url}/v1/completions", json=body, timeout=60)
@@ -89,10 +81,10 @@ def _scenario(live, poison: dict):
             return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
 
     bystander = pool.submit(stream)
-    _wait_for(lambda: _running(live) == 1)
+    wait_for(lambda: _running(live) == 1)
     # both slots busy; the fault fires only once the two queued requests are waiting (not in the step)
     poisoned = pool.submit(_complete, live, max_tokens=400, **poison)
-    _wait_for(lambda: _running(live) == 2)
+    wait_for(lambda: _running(live) == 2)
     queued = [pool.submit(_complete, live, [20 + i, 21, 22]) for i in range(2)]
     results = poisoned.result(), bystander.result(), [q.result() for q in queued]
     pool.shutdown()
@@ -108,7 +100,7 @@ def _assert_only_the_step_failed(live, results) -> None:
     assert "choices" in json.loads(events[0])
     for resp in queued:  # not in the step: served in full
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == MAX_TOKENS
-    _wait_for(lambda: _running(live) == 0 and _waiting(live) == 0)
+    wait_for(lambda: _running(live) == 0 and _waiting(live) == 0)
     slots = live.state.runtime.engine.scheduler.kv
     assert slots.num_free == slots.capacity and live.state.engine.is_alive
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
-import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -14,7 +13,7 @@ from server.api.app import create_app
 from server.engine.engine_core import _core_main
 from server.gc_heap import collections_held, freeze_heap, startup_heap
 from server.runtime import load_runtime
-from support import tiny_config
+from support import tiny_config, wait_for
 
 
 def _cycle() -> None:
@@ -48,17 +47,11 @@ def test_collections_held_until_a_freeze_inside_or_the_end():
     assert gc.isenabled()
 
 
-def _wait_until(done, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done() and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 def test_the_server_process_freezes_its_heap_once_loaded(tiny_model_dir):
     app = create_app(tiny_config(tiny_model_dir), load_runtime, freeze_startup_heap=True)
     with collections_held(), TestClient(app) as client:  # collections_held: as `neuronmm serve` starts it
         state = app.state.neuronmm
-        _wait_until(lambda: state.ready)
+        wait_for(lambda: state.ready)
         assert client.get("/health").status_code == 200
         assert gc.isenabled() and gc.get_freeze_count() > 0
 
@@ -70,7 +63,7 @@ def test_a_failed_load_still_freezes_and_turns_the_collector_back_on(tiny_model_
     app = create_app(tiny_config(tiny_model_dir), broken, freeze_startup_heap=True)
     with collections_held(), TestClient(app) as client:
         state = app.state.neuronmm
-        _wait_until(lambda: state.load_error and gc.isenabled())
+        wait_for(lambda: state.load_error and gc.isenabled())
         assert state.load_error == "RuntimeError: no model"
         assert client.get("/health").status_code == 503
         assert gc.isenabled() and gc.get_freeze_count() > 0
