@@ -28,6 +28,16 @@ def _env_default(flag: str) -> str | None:
     return os.environ.get("NEURONMM_" + flag.lstrip("-").upper().replace("-", "_"))
 
 
+def _prefill_cap(text: str) -> int | str:
+    """--max-prefill-tokens-while-decoding: auto, off, or a count (the config checks its range)."""
+    if text in ("auto", "off"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto, off or a number of tokens, got {text!r}") from None
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible server",
                        description="Flags override the config; each also reads NEURONMM_<FLAG> from the environment.")
@@ -51,8 +61,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     flag("--max-model-len", type=int)
     flag("--max-num-seqs", type=int)
     flag("--max-num-batched-tokens", type=int)
-    flag("--max-prefill-tokens-while-decoding", type=int,
-         help="the most prompt tokens a step takes beside running decodes (bounds how long a newcomer holds the streams)")
+    flag("--max-prefill-tokens-while-decoding", type=_prefill_cap, metavar="{auto,off,N}",
+         help="the most prompt tokens a step takes beside running decodes (bounds how long a newcomer holds the "
+              "streams); auto: 128 for a model in fp32 on a CPU, off elsewhere")
     flag("--dtype", choices=sorted(_DTYPES))
     flag("--kv-cache-dtype", choices=sorted(_KV_DTYPES),
          help="auto: the model's dtype; float16 or bfloat16 under a float32 model halve the cache; fp8 (e4m3) halves "

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from server.errors import ConfigError, first_error
 
@@ -50,8 +50,11 @@ class EngineConfig(_Strict):
 
     max_num_seqs: int = Field(16, ge=1, le=1024)
     max_num_batched_tokens: int = Field(512, ge=16)
-    max_prefill_tokens_while_decoding: int | None = Field(
-        None, ge=1, description="the most prompt tokens a step takes beside running decodes (None: the whole budget); "
+    # auto: runtime.FP32_CPU_PREFILL_CAP where the model runs in fp32 on a CPU, where a prompt token costs ~0.5-1 ms and a
+    # 512-token chunk held every stream 0.3-0.5 s; off elsewhere (bf16 prefills 512 tokens in ~0.1 s, and a cap
+    # cost 2-7 % of the throughput there). off (or null): a step's whole budget.
+    max_prefill_tokens_while_decoding: int | Literal["auto", "off"] | None = Field(
+        "auto", description="the most prompt tokens a step takes beside running decodes (auto, off, or a number); "
         "a smaller number bounds how long a newcomer's prompt holds every stream")
     max_model_len: int = Field(2048, ge=16)
     max_queue: int = Field(256, ge=0, description="waiting requests beyond this get 429")
@@ -64,6 +67,16 @@ class EngineConfig(_Strict):
     # (e4m3, no scales: vLLM's `--kv-cache-dtype fp8`) halves them again under a float32 or bfloat16 model.
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3"] = "auto"
     enable_prefix_caching: bool = Field(True, description="share cached prompt-prefix blocks between requests")
+
+    @field_validator("max_prefill_tokens_while_decoding", mode="before")
+    @classmethod
+    def _cap_or_word(cls, cap: Any) -> Any:
+        if cap is False:  # YAML reads a bare `off` as false
+            return "off"
+        ok = cap in (None, "auto", "off") or (isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1)
+        if not ok:
+            raise ValueError(f"expected auto, off or a number of tokens >= 1, got {cap!r}")
+        return cap
 
 
 class ServerConfig(_Strict):

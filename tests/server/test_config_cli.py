@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from server.cli import main
-from server.config import ConfigError, load_config
+from server.config import DEFAULT_CONFIG, ConfigError, load_config
 
 
 def test_default_config_loads():
@@ -86,11 +86,35 @@ def test_stream_interval_flag():
         _serve_config(["--stream-interval", "0"])
 
 
-def test_max_prefill_tokens_while_decoding_flag():
-    assert _serve_config([]).engine.max_prefill_tokens_while_decoding is None  # off: a step takes its whole budget
-    assert _serve_config(["--max-prefill-tokens-while-decoding", "64"]).engine.max_prefill_tokens_while_decoding == 64
+def test_max_prefill_tokens_while_decoding_flag(capsys):
+    cap = lambda argv: _serve_config(argv).engine.max_prefill_tokens_while_decoding  # noqa: E731
+    assert cap([]) == "auto"  # resolved for the runner at start-up (runtime.prefill_cap_while_decoding)
+    assert cap(["--max-prefill-tokens-while-decoding", "64"]) == 64
+    assert cap(["--max-prefill-tokens-while-decoding", "off"]) == "off"
     with pytest.raises(ConfigError, match="engine.max_prefill_tokens_while_decoding"):
-        _serve_config(["--max-prefill-tokens-while-decoding", "0"])
+        cap(["--max-prefill-tokens-while-decoding", "0"])
+    with pytest.raises(SystemExit):
+        cap(["--max-prefill-tokens-while-decoding", "some"])
+    assert "expected auto, off or a number of tokens, got 'some'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, expected", [("auto", "auto"), ("off", "off"), ("false", "off"), ("null", None),
+                                             ("96", 96)])
+def test_max_prefill_tokens_while_decoding_in_yaml(tmp_path, value, expected):
+    """A bare `off` is YAML's false: it means off too."""
+    path = tmp_path / "c.yaml"
+    path.write_text(DEFAULT_CONFIG.read_text().replace("max_prefill_tokens_while_decoding: auto",
+                                                       f"max_prefill_tokens_while_decoding: {value}"))
+    assert load_config(path).engine.max_prefill_tokens_while_decoding == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "true", "sometimes"])
+def test_max_prefill_tokens_while_decoding_refuses(tmp_path, value):
+    path = tmp_path / "c.yaml"
+    path.write_text(DEFAULT_CONFIG.read_text().replace("max_prefill_tokens_while_decoding: auto",
+                                                       f"max_prefill_tokens_while_decoding: {value}"))
+    with pytest.raises(ConfigError, match="max_prefill_tokens_while_decoding: .*expected auto, off or a number"):
+        load_config(path)
 
 
 @pytest.mark.parametrize("dtype, expected", [("auto", "auto"), ("bfloat16", "bfloat16"), ("float32", "float32"),

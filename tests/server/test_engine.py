@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from server.backends.base import SeqChunk
 from server.engine.sampling_params import SamplingParams
-from server.runtime import build_engine, eos_token_ids, load_tokenizer
+from server.config import EngineConfig
+from server.runtime import FP32_CPU_PREFILL_CAP, build_engine, eos_token_ids, load_tokenizer, prefill_cap_while_decoding
 from support import tiny_config
 
 
@@ -121,6 +124,32 @@ def test_prompt_tokens_beside_decodes_are_capped_and_the_results_do_not_change(p
         outs = run_all(engine)
         results.append({r: [t for o in outs[r] for t in o.token_ids] for r in ("a", "b")})
     assert results[0] == results[1]
+
+
+@pytest.fixture(scope="module")
+def fp32_parts(tiny_model_dir, parts):
+    from server.backends import create_runner
+
+    cfg = tiny_config(tiny_model_dir)
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": "float32"})})
+    runner = create_runner(cfg, tiny_model_dir)
+    runner.load()
+    return cfg, runner, parts[2]
+
+
+@pytest.mark.parametrize("setting, expected", [("auto", FP32_CPU_PREFILL_CAP), ("off", None), (None, None), (48, 48)])
+def test_the_prefill_cap_the_engine_gets(fp32_parts, setting, expected):
+    """auto resolves for the runner: a model in fp32 on the CPU is capped."""
+    engine = make_engine(fp32_parts, max_prefill_tokens_while_decoding=setting)
+    assert engine.scheduler.max_prefill_tokens_while_decoding == expected
+
+
+@pytest.mark.parametrize("device, dtype, expected", [("cpu", torch.float32, FP32_CPU_PREFILL_CAP),
+                                                     ("cpu", torch.bfloat16, None), ("cuda", torch.float32, None)])
+def test_auto_caps_a_model_in_fp32_on_a_cpu_only(device, dtype, expected):
+    runner = SimpleNamespace(device=torch.device(device), dtype=dtype)
+    assert prefill_cap_while_decoding(EngineConfig(), runner) == expected
+    assert prefill_cap_while_decoding(EngineConfig(), SimpleNamespace()) is None  # a runner that says neither (Neuron)
 
 
 def test_max_num_seqs_limits_running_and_queue_drains(parts):
