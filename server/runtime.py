@@ -72,8 +72,8 @@ def allocate_kv(cfg: Config, runner) -> PagedKV | SlotKV:
 
 # Prompt tokens a step takes beside running decodes when the model runs in fp32 on a CPU (`auto`). There a prompt
 # token costs ~1 ms under AVX2 and ~0.5 ms under AVX-512, and a step with a 512-token chunk held every stream for
-# 0.3-0.5 s; with 128, ITL p99 fell 2.5-2.9x and TTFT p50 3.2-3.4x at the same throughput on both (c = 16 and 32;
-# TTFT p99 8-18 % longer: the last of a wave of prompts waits behind the others' chunks).
+# 0.3-0.5 s; with 128, ITL p99 fell 2.5-2.9x and TTFT p50 3.2-3.4x at the same throughput (within 1.2 %) on both
+# (c = 16 and 32; TTFT p99 7-22 % longer: the last of a wave of prompts waits behind the others' chunks).
 FP32_CPU_PREFILL_CAP = 128
 
 
