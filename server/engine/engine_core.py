@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import signal
 import time
 import uuid
 from dataclasses import dataclass
@@ -49,7 +50,12 @@ class _StepReport:
 
 
 def _core_main(cfg: Config, conn) -> None:
-    """Child process: load, warm, then loop: take requests, step, report."""
+    """Child process: load, warm, then loop: take requests, step, report; until told to stop or the API is gone."""
+    # The API process owns shutdown: it drains its in-flight requests, then sends "stop". A terminal's Ctrl+C (and a
+    # service manager's SIGTERM to the whole process group) reaches this process too, and dying here would fail the
+    # requests being drained (and print a KeyboardInterrupt from wherever the loop was).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=cfg.server.log_level.upper(), format="%(levelname)s engine-core: %(message)s")
     try:
         with startup_heap("engine core"):
@@ -60,6 +66,14 @@ def _core_main(cfg: Config, conn) -> None:
     engine = runtime.engine
     stats: list[StepStats] = []
     engine.observers.append(stats.append)
+    try:
+        _serve_requests(engine, conn, stats)
+    except (EOFError, BrokenPipeError):  # the API process is gone (killed): nobody to serve
+        log.info("the API process closed its pipe: exiting")
+
+
+def _serve_requests(engine, conn, stats: list[StepStats]) -> None:
+    """Say ready, then take requests, step and report each step until "stop" (EOFError: the pipe closed)."""
     conn.send(("ready", None))
     last_counts = None
     while True:
@@ -166,8 +180,8 @@ class EngineCoreClient:
         except EngineDeadError:
             pass
         self._proc.join(timeout)
-        if self._proc.is_alive():
-            self._proc.terminate()
+        if self._proc.is_alive():  # stuck in a step: it ignores SIGTERM (see _core_main)
+            self._proc.kill()
             self._proc.join(timeout)
 
     @property

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing as mp
+import os
+import signal
 import time
 
 import httpx
 import pytest
 
+from server.engine.engine_core import _Add, _core_main
+from server.engine.sampling_params import SamplingParams
 from support import live_server, tiny_config
 
 
@@ -83,3 +88,51 @@ def test_engine_death_fails_requests_and_health(tiny_model_dir):
         assert httpx.get(f"{live.url}/health").status_code == 503
         resp = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
         assert resp.status_code == 503 and resp.json()["error"]["message"]
+
+
+def _spawn_core(cfg):
+    """The engine core alone, as EngineCoreClient.spawn starts it; returns (process, our end of its pipe) once ready."""
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_core_main, args=(cfg, theirs), daemon=True)
+    proc.start()
+    theirs.close()
+    assert ours.poll(120), "the engine core did not come up"
+    assert ours.recv() == ("ready", None)
+    return proc, ours
+
+
+def test_the_core_leaves_shutdown_to_the_api(tiny_model_dir):
+    """Ctrl+C in a terminal (and a service manager's SIGTERM to the group) reach the core too: it keeps serving, so
+    the API can drain its requests, and exits cleanly when told to stop."""
+    proc, conn = _spawn_core(tiny_config(tiny_model_dir, max_model_len=256))
+    try:
+        os.kill(proc.pid, signal.SIGINT)
+        os.kill(proc.pid, signal.SIGTERM)
+        conn.send(("add", _Add("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), 1)))
+        tokens, finished = [], False
+        while not finished:
+            assert conn.poll(30), "no step report"
+            for out in conn.recv()[1].outputs:
+                if out.request_id == "r":
+                    tokens += out.token_ids
+                    finished = out.finish_reason is not None
+        assert len(tokens) == 4 and proc.is_alive()
+        conn.send(("stop", None))
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_the_core_exits_when_the_api_is_gone(tiny_model_dir):
+    """A killed API process closes its end of the pipe: the core exits by itself, without a traceback (code 0)."""
+    proc, conn = _spawn_core(tiny_config(tiny_model_dir, max_model_len=256))
+    try:
+        conn.close()
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
