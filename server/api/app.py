@@ -243,6 +243,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError):
         err = exc.errors()[0]
+        if err.get("type") == "json_invalid":  # its loc is ("body", character offset): no field to name
+            where = err.get("loc", ())[-1]
+            reason = (err.get("ctx") or {}).get("error", "JSON decode error")
+            return error_response(400, f"request body is not valid JSON: {reason} (at character {where})")
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
         msg = err.get("msg", "invalid request")

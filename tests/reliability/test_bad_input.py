@@ -118,7 +118,10 @@ def test_bad_request_is_a_400_naming_the_field(live, path, body, param):
 ])
 def test_malformed_body_is_a_4xx_error(live, name, raw):
     status = 404 if name == "lone surrogate in model" else 400
-    _error(_post(live, "/v1/completions", content=raw, headers=JSON), status)
+    err = _error(_post(live, "/v1/completions", content=raw, headers=JSON), status)
+    if name in ("not json", "truncated"):  # says what is wrong and where, and names no field
+        assert err["message"].startswith("request body is not valid JSON: ") and "at character" in err["message"]
+        assert err["param"] is None
 
 
 def test_chat_lone_surrogate_is_a_400(live):
