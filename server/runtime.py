@@ -97,7 +97,7 @@ def build_engine(cfg: Config, runner, tokenizer, eos_ids: set[int]) -> LLMEngine
     kv = allocate_kv(cfg, runner)
     cap = prefill_cap_while_decoding(e, runner)
     auto = e.max_prefill_tokens_while_decoding == "auto"
-    beside = "all" if cap is None else f"{cap} (auto: fp32 on CPU)" if auto else str(cap)
+    beside = "all" if cap is None else f"{cap}, auto for fp32 on a CPU" if auto else str(cap)
     log.info("engine limits: max_num_seqs=%d max_num_batched_tokens=%d (prompt tokens beside decodes: %s) "
              "max_model_len=%d max_queue=%d", e.max_num_seqs, e.max_num_batched_tokens, beside, e.max_model_len,
              e.max_queue)
