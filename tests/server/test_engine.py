@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from server.backends.base import SeqChunk
-from server.engine.sampling_params import SamplingParams
 from server.config import EngineConfig
+from server.engine.sampling_params import SamplingParams
 from server.runtime import FP32_CPU_PREFILL_CAP, build_engine, eos_token_ids, load_tokenizer, prefill_cap_while_decoding
 from support import tiny_config
 
