@@ -65,6 +65,7 @@ class AppState:
         self.load_error: str | None = None
         self.runtime: Runtime | None = None  # only when the engine runs in this process
         self.engine: AsyncEngine | EngineCoreClient | None = None
+        self.starting_engine: EngineCoreClient | None = None  # an engine core spawned, not yet serving
         self.serving: OpenAIServing | None = None
 
     def start(self, runtime: Runtime) -> None:
@@ -83,6 +84,7 @@ class AppState:
         engine = EngineCoreClient(self.cfg, on_abort=lambda: self.metrics.finished("abort"),
                                   on_step=self.metrics.observe_step)
         engine.spawn()
+        self.starting_engine = engine  # a shutdown while it loads stops it (lifespan)
         try:
             tokenizer = load_tokenizer(resolve_model_dir(self.cfg.model, self.cfg.cache_path))
             self.settle_heap()
@@ -373,7 +375,10 @@ def create_app(cfg: Config, loader: Callable[[Config], Runtime] | None = None,
             log.info("ready: serving %s on the %s backend", cfg.model.name, cfg.backend)
         except Exception as exc:  # keep the server up so /health can say why
             state.load_error = f"{exc.__class__.__name__}: {exc}"
-            log.error("model failed to load: %s", state.load_error)
+            if state.draining:  # the shutdown stopped the engine core while it loaded
+                log.info("start-up stopped by the shutdown")
+            else:
+                log.error("model failed to load: %s", state.load_error)
         finally:
             state.settle_heap()  # (the engine-process path settles it earlier, while the core loads)
 
@@ -383,8 +388,9 @@ def create_app(cfg: Config, loader: Callable[[Config], Runtime] | None = None,
         yield
         state.draining = True
         task.cancel()
-        if state.engine:
-            state.engine.stop()
+        engine = state.engine or state.starting_engine
+        if engine:
+            engine.stop()
 
     app = FastAPI(title="neuronmm", version=package_version(), lifespan=lifespan)
     app.state.neuronmm = state

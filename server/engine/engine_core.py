@@ -12,12 +12,14 @@ the serving layer does not know which one it talks to.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing as mp
 import signal
 import time
 import uuid
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 
 from server.config import Config
 from server.engine.async_engine import EngineDeadError, QueueFullError, RequestStream
@@ -49,13 +51,18 @@ class _StepReport:
     num_waiting_requests: int
 
 
+_SHUTDOWN_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
 def _core_main(cfg: Config, conn) -> None:
     """Child process: load, warm, then loop: take requests, step, report; until told to stop or the API is gone."""
     # The API process owns shutdown: it drains its in-flight requests, then sends "stop". A terminal's Ctrl+C (and a
     # service manager's SIGTERM to the whole process group) reaches this process too, and dying here would fail the
-    # requests being drained (and print a KeyboardInterrupt from wherever the loop was).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # requests being drained (and print a KeyboardInterrupt from wherever the loop was). They were blocked since
+    # this process began (EngineCoreClient.spawn), its imports included; ignored now, a pending one is dropped.
+    for sig in _SHUTDOWN_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SHUTDOWN_SIGNALS)
     logging.basicConfig(level=cfg.server.log_level.upper(), format="%(levelname)s engine-core: %(message)s")
     try:
         with startup_heap("engine core"):
@@ -145,8 +152,19 @@ class EngineCoreClient:
         ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited OpenMP pool or event loop
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_core_main, args=(self.cfg, child), name="neuronmm-engine-core", daemon=True)
-        self._proc.start()
+        # Born with SIGINT and SIGTERM blocked (a signal mask survives the exec), so a Ctrl+C during its imports
+        # cannot interrupt it either: _core_main then ignores them (shutdown is this process's). The resource
+        # tracker is started first: starting it unblocks both in this thread, which would undo the block.
+        resource_tracker.ensure_running()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _SHUTDOWN_SIGNALS)
+        try:
+            self._proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()
+        # A core that ignores SIGTERM outlives multiprocessing's exit handler (terminate, then join: forever) if
+        # this process exits without stop(); this handler, registered later, runs first.
+        atexit.register(self._kill)
 
     def wait_ready(self, loop: asyncio.AbstractEventLoop, timeout_s: float | None = None) -> None:
         """Block until the spawned core's model is loaded and warm (RuntimeError if it fails).
@@ -169,18 +187,26 @@ class EngineCoreClient:
         loop.call_soon_threadsafe(loop.add_reader, self._conn.fileno(), self._on_readable)
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop the core: told to, once it serves (its loop reads "stop" between steps); killed if it is still
+        loading (it reads nothing until ready, and there is nothing to drain) or does not stop within `timeout`."""
         if self._proc is None:
             return
         self._stopping = True
+        serving = self._loop is not None
         if self._reading:
             self._loop.remove_reader(self._conn.fileno())
             self._reading = False
-        try:
-            self._send(("stop", None))
-        except EngineDeadError:
-            pass
-        self._proc.join(timeout)
-        if self._proc.is_alive():  # stuck in a step: it ignores SIGTERM (see _core_main)
+        if serving:
+            try:
+                self._send(("stop", None))
+            except EngineDeadError:
+                pass
+            self._proc.join(timeout)
+        self._kill(timeout)
+
+    def _kill(self, timeout: float = 5.0) -> None:
+        """SIGKILL the core if it is still running (it ignores SIGTERM: see _core_main)."""
+        if self._proc is not None and self._proc.is_alive():
             self._proc.kill()
             self._proc.join(timeout)
 

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from server.engine.engine_core import _Add, _core_main
+from server.engine.engine_core import EngineCoreClient, _Add, _core_main
 from server.engine.sampling_params import SamplingParams
 from support import live_server, tiny_config
 
@@ -136,3 +136,29 @@ def test_the_core_exits_when_the_api_is_gone(tiny_model_dir):
     finally:
         if proc.is_alive():
             proc.kill()
+
+
+def test_a_spawned_core_ignores_signals_from_its_first_instant(tiny_model_dir):
+    """spawn() starts the core with SIGINT and SIGTERM blocked, before its imports (a Ctrl+C while the server starts
+    reaches it too); it comes up, and stop() ends it cleanly."""
+    client = EngineCoreClient(tiny_config(tiny_model_dir, max_model_len=256))
+    loop = asyncio.new_event_loop()
+    client.spawn()
+    try:
+        os.kill(client._proc.pid, signal.SIGINT)
+        os.kill(client._proc.pid, signal.SIGTERM)
+        client.wait_ready(loop, timeout_s=120)
+        assert client._proc.is_alive()
+    finally:
+        client.stop()
+        loop.close()
+    assert client._proc.exitcode == 0
+
+
+def test_stopping_a_core_that_is_still_loading_kills_it_at_once(tiny_model_dir):
+    """Nothing to drain, and it reads no message until it is ready: stop() does not wait out its timeout."""
+    client = EngineCoreClient(tiny_config(tiny_model_dir, max_model_len=256))
+    client.spawn()
+    start = time.monotonic()
+    client.stop(timeout=30)
+    assert client._proc.exitcode == -signal.SIGKILL and time.monotonic() - start < 10
