@@ -190,12 +190,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; exit code 2 with one line for a bad config or input."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
-    except ConfigError as exc:
-        print(f"neuronmm {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        args = build_parser().parse_args(argv)  # (imports every subcommand's module: seconds)
+        try:
+            return int(args.func(args) or 0)
+        except ConfigError as exc:
+            print(f"neuronmm {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+    except KeyboardInterrupt:  # Ctrl+C before a command handles SIGINT itself (serve: while importing): one line
+        print("neuronmm: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from server import cli
 from server.cli import main
 from server.config import DEFAULT_CONFIG, ConfigError, load_config
 
@@ -188,3 +189,13 @@ def test_bad_gemm_thresholds_stop_the_start_with_one_line(capsys, monkeypatch, v
     assert main(["serve", "--port", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{var} must be a row count >= 0" in err[0]
+
+
+def test_ctrl_c_before_a_command_handles_it_is_one_line(capsys, monkeypatch):
+    """serve imports for seconds before its server handles SIGINT: a Ctrl+C there exits 130 without a traceback."""
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_run_serve", interrupted)
+    assert main(["serve", "--port", "0"]) == 130
+    assert capsys.readouterr().err.strip() == "neuronmm: interrupted"
