@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -90,23 +91,28 @@ def test_engine_death_fails_requests_and_health(tiny_model_dir):
         assert resp.status_code == 503 and resp.json()["error"]["message"]
 
 
-def _spawn_core(cfg):
-    """The engine core alone, as EngineCoreClient.spawn starts it; returns (process, our end of its pipe) once ready."""
+@contextmanager
+def _spawned_core(cfg):
+    """The engine core alone, as EngineCoreClient.spawn starts it: (process, our end of its pipe) once it is ready;
+    killed on the way out if still running."""
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
     proc = ctx.Process(target=_core_main, args=(cfg, theirs), daemon=True)
     proc.start()
     theirs.close()
-    assert ours.poll(120), "the engine core did not come up"
-    assert ours.recv() == ("ready", None)
-    return proc, ours
+    try:
+        assert ours.poll(120), "the engine core did not come up"
+        assert ours.recv() == ("ready", None)
+        yield proc, ours
+    finally:
+        if proc.is_alive():
+            proc.kill()
 
 
 def test_the_core_leaves_shutdown_to_the_api(tiny_model_dir):
     """Ctrl+C in a terminal (and a service manager's SIGTERM to the group) reach the core too: it keeps serving, so
     the API can drain its requests, and exits cleanly when told to stop."""
-    proc, conn = _spawn_core(tiny_config(tiny_model_dir, max_model_len=256))
-    try:
+    with _spawned_core(tiny_config(tiny_model_dir, max_model_len=256)) as (proc, conn):
         os.kill(proc.pid, signal.SIGINT)
         os.kill(proc.pid, signal.SIGTERM)
         conn.send(("add", _Add("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), 1)))
@@ -121,21 +127,14 @@ def test_the_core_leaves_shutdown_to_the_api(tiny_model_dir):
         conn.send(("stop", None))
         proc.join(30)
         assert proc.exitcode == 0
-    finally:
-        if proc.is_alive():
-            proc.kill()
 
 
 def test_the_core_exits_when_the_api_is_gone(tiny_model_dir):
     """A killed API process closes its end of the pipe: the core exits by itself, without a traceback (code 0)."""
-    proc, conn = _spawn_core(tiny_config(tiny_model_dir, max_model_len=256))
-    try:
+    with _spawned_core(tiny_config(tiny_model_dir, max_model_len=256)) as (proc, conn):
         conn.close()
         proc.join(30)
         assert proc.exitcode == 0
-    finally:
-        if proc.is_alive():
-            proc.kill()
 
 
 def test_a_spawned_core_ignores_signals_from_its_first_instant(tiny_model_dir):
