@@ -6,7 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.engine_workload import run_level
+import random
+
+from bench.engine_workload import measure_level, run_level
+from bench.harness import level_size
 
 
 class FakeEngine:
@@ -15,14 +18,17 @@ class FakeEngine:
 
     def __init__(self, now: list[float]):
         self.now, self.waiting, self.running = now, [], {}
+        self.prompts, self.waiting_at_step = [], []  # every prompt added; how many waited as each step began
 
     def add_request(self, request_id, prompt, params) -> None:
         self.waiting.append((request_id, params.max_tokens))
+        self.prompts.append(prompt)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def step(self) -> list:
+        self.waiting_at_step.append(len(self.waiting))
         outputs = []
         for rid, (made, wanted) in list(self.running.items()):
             self.running[rid] = (made + 1, wanted)
@@ -48,3 +54,20 @@ def test_tpot_counts_the_steps_that_carry_other_prompts_and_the_decode_step_does
     assert row["decode_step_ms_p50"] == pytest.approx(10.0)
     assert (row["output_tokens"], row["num_decode_steps"], row["num_other_steps"]) == (12, 5, 3)
     assert row["duration_s"] == pytest.approx(0.140)
+
+
+def test_the_first_step_of_a_level_starts_with_one_request_as_served_then_the_level_keeps_its_concurrency():
+    now = [0.0]
+    engine = FakeEngine(now)
+    run_level(engine, [[1], [2], [3], [4], [5]], concurrency=3, output_len=4, sampled=False, clock=lambda: now[0])
+    # step 1: the first request alone; step 2: the other two of the wave (the fake takes one a step, so one waits on)
+    assert engine.waiting_at_step[:3] == [1, 2, 1]
+    assert len(engine.prompts) == 5
+
+
+def test_a_measured_level_never_reuses_its_warm_up_prompts():
+    engine = FakeEngine([0.0])
+    row = measure_level(engine, random.Random(0), vocab=50_000, concurrency=3, input_len=16, output_len=4, sampled=False)
+    warm, level = engine.prompts[:3], engine.prompts[3:]
+    assert len(level) == level_size(3) == row["num_prompts"]
+    assert not {tuple(p) for p in warm} & {tuple(p) for p in level}  # a prefix cache could not serve the level
