@@ -143,13 +143,34 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from server.config import load_config
+    from server.engine.engine_core import EngineCoreClient
+    from server.models.source import resolve_model_dir
+
+    cfg = load_config(*serve_overrides(args))
+    _check_port_free(cfg.server.host, cfg.server.port)
+    core = None
+    if cfg.server.engine_process and cfg.backend == "torch":
+        # The engine core first, on the model converted here (once, on first use): its imports and load (seconds)
+        # then run on the other CPU core while this process imports the server (seconds too). Not for Neuron: a
+        # missing SDK must be the error it reports before anything else, and its compile takes minutes anyway.
+        resolve_model_dir(cfg.model, cfg.cache_path)
+        core = EngineCoreClient(cfg)
+        core.spawn()
+    try:
+        return _serve_with(cfg, core)
+    except BaseException:
+        if core is not None:
+            core.stop()  # still loading: killed at once
+        raise
+
+
+def _serve_with(cfg, core) -> int:
     from server.api.app import serve
     from server.api.serving import load_chat_template
     from server.api.tool_parsers import get_tool_parser
-    from server.config import load_config
     from server.models.gemm_tuning import check_env as check_gemm_env
 
-    cfg = load_config(*serve_overrides(args))
     try:
         get_tool_parser(cfg.server.tool_call_parser)
     except ValueError as exc:
@@ -159,8 +180,7 @@ def _serve(args: argparse.Namespace) -> int:
         check_gemm_env()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    _check_port_free(cfg.server.host, cfg.server.port)
-    return serve(cfg)
+    return serve(cfg, core)
 
 
 def _version() -> str:
@@ -170,13 +190,13 @@ def _version() -> str:
         return "0+unknown"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full CLI parser, including subcommands from installed plugin modules."""
+def build_parser(plugins: bool = True) -> argparse.ArgumentParser:
+    """The CLI parser: serve, and (with `plugins`) the subcommands of the installed plugin modules."""
     parser = argparse.ArgumentParser(prog="neuronmm", description=__doc__)
     parser.add_argument("--version", action="version", version=f"neuronmm {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
-    for name in _PLUGIN_MODULES:
+    for name in _PLUGIN_MODULES if plugins else ():
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -190,8 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; exit code 2 with one line for a bad config or input."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        args = build_parser().parse_args(argv)  # (imports every subcommand's module: seconds)
+        # Every plugin's module is imported to build its subcommand (torch and the compression stack: a second or
+        # more); `serve` needs none of them, and each second before it spawns the engine core delays the server.
+        args = build_parser(plugins=argv[:1] != ["serve"]).parse_args(argv)
         try:
             return int(args.func(args) or 0)
         except ConfigError as exc:

@@ -34,12 +34,13 @@ def tiny_config(model_dir: Path, **engine):
 
 @contextmanager
 def live_server(cfg, loader: Callable | None = None, ready_timeout: float = 60.0,
-                engine_process: bool = False) -> Iterator[SimpleNamespace]:
+                engine_process: bool = False, engine_core=None) -> Iterator[SimpleNamespace]:
     """Run the app under a real uvicorn on 127.0.0.1 (free port); yields (url, app) once /health is 200.
 
-    The engine runs in this process (tests inspect it) unless `engine_process`, as `neuronmm serve` runs it.
+    The engine runs in this process (tests inspect it) unless `engine_process`, as `neuronmm serve` runs it
+    (`engine_core`: one spawned before the app, as `neuronmm serve` spawns it).
     """
-    app = create_app(cfg, None if engine_process else (loader or load_runtime))
+    app = create_app(cfg, None if engine_process else (loader or load_runtime), engine_core=engine_core)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

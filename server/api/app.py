@@ -75,15 +75,18 @@ class AppState:
         runtime.engine.observers.append(self.metrics.observe_step)
         self._serve_with(engine, runtime.tokenizer)
 
-    def start_engine_process(self, loop: asyncio.AbstractEventLoop) -> None:
+    def start_engine_process(self, loop: asyncio.AbstractEventLoop, core: EngineCoreClient | None = None) -> None:
         """Serve from an engine core in its own process, read by `loop`; blocks until its model is loaded and warm.
 
-        The core is spawned first: its imports and load run on the other core while this process reads the
-        tokenizer and freezes its own start-up heap.
+        The core is spawned first (or was, by `neuronmm serve`, before this process imported the server: `core`):
+        its imports and load run on the other core while this process reads the tokenizer and freezes its own
+        start-up heap.
         """
-        engine = EngineCoreClient(self.cfg, on_abort=lambda: self.metrics.finished("abort"),
-                                  on_step=self.metrics.observe_step)
-        engine.spawn()
+        engine = core or EngineCoreClient(self.cfg)
+        engine.on_abort = lambda: self.metrics.finished("abort")
+        engine.on_step = self.metrics.observe_step
+        if core is None:
+            engine.spawn()
         self.starting_engine = engine  # a shutdown while it loads stops it (lifespan)
         try:
             tokenizer = load_tokenizer(resolve_model_dir(self.cfg.model, self.cfg.cache_path))
@@ -357,19 +360,21 @@ def _install_openapi(app: FastAPI) -> None:
 
 
 def create_app(cfg: Config, loader: Callable[[Config], Runtime] | None = None,
-               freeze_startup_heap: bool = False) -> FastAPI:
+               freeze_startup_heap: bool = False, engine_core: EngineCoreClient | None = None) -> FastAPI:
     """The ASGI app; the model loads in the background after start-up (/health is 503 until warm).
 
     With no `loader` and `server.engine_process` on, the engine runs in its own process; a loader (tests
     inject faulty ones) loads it into this process instead. `freeze_startup_heap` (the server's own process sets
-    it): this process's start-up heap is frozen once loading ends (server.gc_heap).
+    it): this process's start-up heap is frozen once loading ends (server.gc_heap). `engine_core`: one already
+    spawned (`neuronmm serve` starts it before importing the server), served instead of spawning another.
     """
     state = AppState(cfg, freeze_startup_heap)
+    state.starting_engine = engine_core  # stopped by the lifespan if the app stops before serving from it
 
     async def load() -> None:
         try:
             if loader is None and cfg.server.engine_process:
-                await asyncio.to_thread(state.start_engine_process, asyncio.get_running_loop())
+                await asyncio.to_thread(state.start_engine_process, asyncio.get_running_loop(), engine_core)
             else:
                 state.start(await asyncio.to_thread(loader or load_runtime, cfg))
             log.info("ready: serving %s on the %s backend", cfg.model.name, cfg.backend)
@@ -401,15 +406,16 @@ def create_app(cfg: Config, loader: Callable[[Config], Runtime] | None = None,
     return app
 
 
-def serve(cfg: Config) -> int:
-    """Run the app under uvicorn; SIGTERM drains in-flight requests (503 for new ones), then returns 0."""
+def serve(cfg: Config, engine_core: EngineCoreClient | None = None) -> int:
+    """Run the app under uvicorn; SIGTERM drains in-flight requests (503 for new ones), then returns 0.
+    `engine_core`: one already spawned for `cfg` (create_app)."""
     import uvicorn
 
     # Check the backend and resolve (convert) the model before binding the port, so a bad path or a
     # missing SDK is a one-line CLI error rather than a server that never gets healthy.
     check_backend_available(cfg)
     resolve_model_dir(cfg.model, cfg.cache_path)
-    app = create_app(cfg, freeze_startup_heap=True)
+    app = create_app(cfg, freeze_startup_heap=True, engine_core=engine_core)
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level)
     GracefulServer(config, app.state.neuronmm, cfg.server.shutdown_grace_s).run()
     return 0

@@ -11,10 +11,13 @@ import logging
 import threading
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from server.engine.llm_engine import LLMEngine
 from server.engine.sampling_params import SamplingParams
 from server.engine.sequence import SeqOutput
+
+if TYPE_CHECKING:  # a type only: the engine-process client imports this module without the engine's (torch's) imports
+    from server.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,9 @@ the engine alone). Here the API process keeps only the tokenizer; the child load
 scheduler and sends each step's outputs back in one message over a pipe.
 
 `EngineCoreClient` has the interface of `AsyncEngine` (submit / release / start / stop / counts), so
-the serving layer does not know which one it talks to.
+the serving layer does not know which one it talks to. This module is the API process's side and imports no
+torch: `neuronmm serve` spawns the core before it imports the rest of the server, and the core's imports and load
+(`server.engine.core_process`) run on the other CPU core meanwhile.
 """
 
 from __future__ import annotations
@@ -20,20 +22,21 @@ import time
 import uuid
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
+from typing import TYPE_CHECKING
 
 from server.config import Config
 from server.engine.async_engine import EngineDeadError, QueueFullError, RequestStream
-from server.engine.llm_engine import StepStats
 from server.engine.sampling_params import SamplingParams
 from server.engine.sequence import SeqOutput
-from server.gc_heap import startup_heap
-from server.runtime import load_runtime
+
+if TYPE_CHECKING:  # the core's side only: this module stays light, the API process imports it to spawn the core
+    from server.engine.llm_engine import StepStats
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Add:
+class AddRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -41,7 +44,7 @@ class _Add:
 
 
 @dataclass
-class _StepReport:
+class StepReport:
     """One engine step, as the child reports it: outputs, the step's stats, the queue state after it."""
 
     outputs: list[SeqOutput]
@@ -51,77 +54,15 @@ class _StepReport:
     num_waiting_requests: int
 
 
-_SHUTDOWN_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+SHUTDOWN_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
-def _core_main(cfg: Config, conn) -> None:
-    """Child process: load, warm, then loop: take requests, step, report; until told to stop or the API is gone."""
-    # The API process owns shutdown: it drains its in-flight requests, then sends "stop". A terminal's Ctrl+C (and a
-    # service manager's SIGTERM to the whole process group) reaches this process too, and dying here would fail the
-    # requests being drained (and print a KeyboardInterrupt from wherever the loop was). They were blocked since
-    # this process began (EngineCoreClient.spawn), its imports included; ignored now, a pending one is dropped.
-    for sig in _SHUTDOWN_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SHUTDOWN_SIGNALS)
-    logging.basicConfig(level=cfg.server.log_level.upper(), format="%(levelname)s engine-core: %(message)s")
-    try:
-        with startup_heap("engine core"):
-            runtime = load_runtime(cfg)
-    except Exception as exc:  # the parent reports it on /health
-        conn.send(("load_error", f"{exc.__class__.__name__}: {exc}"))
-        return
-    engine = runtime.engine
-    stats: list[StepStats] = []
-    engine.observers.append(stats.append)
-    try:
-        _serve_requests(engine, conn, stats)
-    except (EOFError, BrokenPipeError):  # the API process is gone (killed): nobody to serve
-        log.info("the API process closed its pipe: exiting")
+def _run_core(cfg: Config, conn) -> None:
+    """The core process's entry point. The engine's modules (torch, the model, the backends: seconds of imports) are
+    imported here, in the core, so the API process can spawn it before it has imported them itself."""
+    from server.engine.core_process import core_main  # (tests/test_import_graph.py: PROCESS_ENTRY_POINTS)
 
-
-def _serve_requests(engine, conn, stats: list[StepStats]) -> None:
-    """Say ready, then take requests, step and report each step until "stop" (EOFError: the pipe closed)."""
-    conn.send(("ready", None))
-    last_counts = None
-    while True:
-        if not engine.has_work():
-            conn.poll(0.5)
-        while conn.poll():
-            kind, payload = conn.recv()
-            if kind == "stop":
-                return
-            if kind == "abort":
-                engine.abort(payload)
-            else:
-                _add(engine, conn, payload)
-        if not engine.has_work():
-            if _counts(engine) != last_counts:  # an abort emptied the batch: say so, no step will
-                last_counts = _counts(engine)
-                conn.send(("step", _StepReport([], None, *last_counts)))
-            continue
-        try:
-            outputs = engine.step()
-        except Exception:  # a bug outside the forward: fail the running batch, keep the queue
-            log.exception("engine step failed")
-            outputs = engine.fail_running("engine step failed")
-        last_counts = _counts(engine)
-        conn.send(("step", _StepReport(outputs, stats.pop() if stats else None, *last_counts)))
-
-
-def _counts(engine) -> tuple[int, int, int]:
-    sched = engine.scheduler
-    return sched.num_waiting, sched.num_running, sched.num_waiting_requests
-
-
-def _add(engine, conn, add: _Add) -> None:
-    try:
-        engine.add_request(add.request_id, add.prompt_ids, add.params, add.n)
-    except Exception as exc:  # report to its client instead of killing the loop
-        log.exception("could not add request %s", add.request_id)
-        engine.abort(add.request_id)
-        error = SeqOutput(add.request_id, 0, "", [], None, "error", len(add.prompt_ids), 0,
-                          f"engine error: {exc.__class__.__name__}: {exc}")
-        conn.send(("step", _StepReport([error], None, *_counts(engine))))
+    core_main(cfg, conn)
 
 
 class EngineCoreClient:
@@ -151,12 +92,12 @@ class EngineCoreClient:
         """Start the core process; it imports and loads while this process goes on (`wait_ready` joins it)."""
         ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited OpenMP pool or event loop
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_core_main, args=(self.cfg, child), name="neuronmm-engine-core", daemon=True)
+        self._proc = ctx.Process(target=_run_core, args=(self.cfg, child), name="neuronmm-engine-core", daemon=True)
         # Born with SIGINT and SIGTERM blocked (a signal mask survives the exec), so a Ctrl+C during its imports
         # cannot interrupt it either: _core_main then ignores them (shutdown is this process's). The resource
         # tracker is started first: starting it unblocks both in this thread, which would undo the block.
         resource_tracker.ensure_running()
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _SHUTDOWN_SIGNALS)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SHUTDOWN_SIGNALS)
         try:
             self._proc.start()
         finally:
@@ -205,7 +146,7 @@ class EngineCoreClient:
         self._kill(timeout)
 
     def _kill(self, timeout: float = 5.0) -> None:
-        """SIGKILL the core if it is still running (it ignores SIGTERM: see _core_main)."""
+        """SIGKILL the core if it is still running (it ignores SIGTERM: see core_process.core_main)."""
         if self._proc is not None and self._proc.is_alive():
             self._proc.kill()
             self._proc.join(timeout)
@@ -230,7 +171,7 @@ class EngineCoreClient:
             raise QueueFullError(f"queue full ({self.max_queue} waiting requests)")
         self._queues[request_id] = queue
         self._num_sent_since_report += 1
-        self._send(("add", _Add(request_id, prompt_ids, params, n)))
+        self._send(("add", AddRequest(request_id, prompt_ids, params, n)))
         return RequestStream(self, request_id, queue, n)
 
     def release(self, request_id: str, abort: bool) -> None:
@@ -264,7 +205,7 @@ class EngineCoreClient:
                 log.error("engine core exited (code %s); failing in-flight requests", self._proc.exitcode)
             self._fail_all("engine error: the engine process exited")
 
-    def _deliver(self, report: _StepReport) -> None:
+    def _deliver(self, report: StepReport) -> None:
         self.num_waiting, self.num_running = report.num_waiting, report.num_running
         self.num_waiting_requests = report.num_waiting_requests
         self._num_sent_since_report = 0

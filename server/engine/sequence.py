@@ -5,11 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # a type only: SeqOutput crosses to the API process, which need not import torch to spawn the core
+    import torch
 
 
 class SeqStatus(enum.Enum):

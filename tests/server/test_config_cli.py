@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -189,6 +190,26 @@ def test_bad_gemm_thresholds_stop_the_start_with_one_line(capsys, monkeypatch, v
     assert main(["serve", "--port", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{var} must be a row count >= 0" in err[0]
+
+
+def test_serve_spawns_the_engine_core_before_it_imports_the_server(tiny_model_dir):
+    """The core's imports and load (seconds) run while this process imports the server (seconds too): at the spawn
+    neither torch, nor the app, nor another command's plugin has been imported here."""
+    code = textwrap.dedent(f"""
+        import sys
+        from server.engine import engine_core
+
+        def spawn(self):
+            print(sorted(m for m in ("torch", "server.api.app", "compression.cli") if m in sys.modules))
+            raise SystemExit(0)
+
+        engine_core.EngineCoreClient.spawn = spawn
+        from server.cli import main
+        main(["serve", "{tiny_model_dir}", "--port", "0"])
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
 
 
 def test_ctrl_c_before_a_command_handles_it_is_one_line(capsys, monkeypatch):

@@ -13,14 +13,20 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from server.engine.engine_core import EngineCoreClient, _Add, _core_main
+from server.engine.core_process import core_main
+from server.engine.engine_core import AddRequest, EngineCoreClient
 from server.engine.sampling_params import SamplingParams
 from support import live_server, tiny_config
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with live_server(tiny_config(tiny_model_dir, max_model_len=256), engine_process=True, ready_timeout=120) as live:
+    """An app serving from a core spawned before it, as `neuronmm serve` starts them (the core loads meanwhile)."""
+    cfg = tiny_config(tiny_model_dir, max_model_len=256)
+    core = EngineCoreClient(cfg)
+    core.spawn()
+    with live_server(cfg, engine_process=True, engine_core=core, ready_timeout=120) as live:
+        live.core = core
         yield live
 
 
@@ -44,6 +50,9 @@ def _stream_text(url: str, **body) -> str:
 def test_runs_in_another_process(server):
     assert server.state.runtime is None  # no model in the API process
     assert server.state.engine._proc.pid and server.state.engine.is_alive
+    # the core spawned before the app is the one it serves from: no second core
+    assert server.state.engine is server.core
+    assert [p.name for p in mp.active_children()].count("neuronmm-engine-core") == 1
 
 
 def test_streamed_equals_full_and_seeded_sampling_repeats(server):
@@ -97,7 +106,7 @@ def _spawned_core(cfg):
     killed on the way out if still running."""
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_core_main, args=(cfg, theirs), daemon=True)
+    proc = ctx.Process(target=core_main, args=(cfg, theirs), daemon=True)
     proc.start()
     theirs.close()
     try:
@@ -115,7 +124,7 @@ def test_the_core_leaves_shutdown_to_the_api(tiny_model_dir):
     with _spawned_core(tiny_config(tiny_model_dir, max_model_len=256)) as (proc, conn):
         os.kill(proc.pid, signal.SIGINT)
         os.kill(proc.pid, signal.SIGTERM)
-        conn.send(("add", _Add("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), 1)))
+        conn.send(("add", AddRequest("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), 1)))
         tokens, finished = [], False
         while not finished:
             assert conn.poll(30), "no step report"

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from server.api import app as app_module
 from server.api.app import create_app
-from server.engine.engine_core import _core_main
+from server.engine.core_process import core_main
 from server.gc_heap import collections_held, freeze_heap, startup_heap
 from server.runtime import load_runtime
 from support import tiny_config, wait_for
@@ -72,7 +72,7 @@ def test_a_failed_load_still_freezes_and_turns_the_collector_back_on(tiny_model_
 def test_engine_core_freezes_its_start_up_heap_before_it_serves(tiny_model_dir):
     parent, child = mp.Pipe()
     parent.send(("stop", None))  # read once the core is loaded: it answers "ready" first, then returns
-    _core_main(tiny_config(tiny_model_dir), child)
+    core_main(tiny_config(tiny_model_dir), child)
     assert parent.recv() == ("ready", None)
     assert gc.isenabled() and gc.get_freeze_count() > 0
 
