@@ -166,6 +166,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _serve_with(cfg, core) -> int:
+    """The checks that need the server's modules, then the server, serving from `core` (None: the app spawns one)."""
     from server.api.app import serve
     from server.api.serving import load_chat_template
     from server.api.tool_parsers import get_tool_parser
