@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class AddRequest:
+    """A request for the core, as the API process sends it."""
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -54,7 +56,7 @@ class StepReport:
     num_waiting_requests: int
 
 
-SHUTDOWN_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+SHUTDOWN_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # the API process handles them (drains); the core ignores them
 
 
 def _run_core(cfg: Config, conn) -> None:
