@@ -414,7 +414,8 @@ def serve(cfg: Config, engine_core: EngineCoreClient | None = None) -> int:
     # Check the backend and resolve (convert) the model before binding the port, so a bad path or a
     # missing SDK is a one-line CLI error rather than a server that never gets healthy.
     check_backend_available(cfg)
-    resolve_model_dir(cfg.model, cfg.cache_path)
+    if engine_core is None:  # with a core, `neuronmm serve` resolved it before the spawn (each resolve hashes the GGUF)
+        resolve_model_dir(cfg.model, cfg.cache_path)
     app = create_app(cfg, freeze_startup_heap=True, engine_core=engine_core)
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level)
     GracefulServer(config, app.state.neuronmm, cfg.server.shutdown_grace_s).run()

@@ -73,11 +73,12 @@ class EngineCoreClient:
     Everything but `start` runs in the event loop's thread, which also reads the core's reports.
     """
 
-    def __init__(self, cfg: Config, on_abort=None, on_step=None):
+    def __init__(self, cfg: Config):
         self.cfg = cfg
         self.max_queue = cfg.engine.max_queue
-        self.on_abort = on_abort  # called (in the event loop) when a client abandons a request
-        self.on_step = on_step  # called (in the event loop) with each step's StepStats
+        # Set by the app that serves from this core (it may be spawned before the app exists), both run in the loop:
+        self.on_abort = None  # called when a client abandons a request
+        self.on_step = None  # called with each step's StepStats
         self._queues: dict[str, asyncio.Queue] = {}
         self._num_sent_since_report = 0
         self._proc = None
