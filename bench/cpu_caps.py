@@ -5,6 +5,7 @@ to stop at AVX2. Every library must be told: a library left uncapped runs its AV
 result (MKL, which serves torch's fp32 matmul and bmm, ran at AVX-512 rates when only oneDNN was capped).
 
     python -m bench.cpu_caps avx2 python -m bench.serve --systems neuronmm ...
+    python -m bench.cpu_caps avx512 python -m bench.serve ...        # AVX-512 without native bf16 (Ice Lake Xeons)
     python -m bench.cpu_caps avx512-bf16 python -m bench.serve ...   # AVX512-BF16 without AMX (the AMD EPYC class)
 
 The memory system stays this machine's, so the numbers are a proxy for such a CPU, not a measurement of one.
@@ -17,13 +18,20 @@ import os
 import sys
 
 # What each cap sets: our fused ops' -march, ATen's kernels, oneDNN's and MKL's dispatch; for a CPU with
-# AVX512-BF16 but no AMX, our bf16 GEMMs' AMX threshold (gemm_tuning) and oneDNN's ISA.
+# AVX512-BF16 but no AMX, our bf16 GEMMs' AMX threshold (gemm_tuning) and oneDNN's ISA. Under `avx2` and `avx512`
+# the -march has no native bf16, so `dtype: auto` serves fp32 there, as on such a CPU.
 CAPS = {
     "avx2": {
         "NEURONMM_CPU_ARCH": "x86-64-v3",
         "ATEN_CPU_CAPABILITY": "avx2",
         "ONEDNN_MAX_CPU_ISA": "AVX2",
         "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    },
+    "avx512": {  # Skylake-SP to Ice Lake Xeons: AVX-512 (VNNI from Cascade Lake on), no AVX512-BF16, no AMX
+        "NEURONMM_CPU_ARCH": "icelake-server",
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512_E2",
     },
     "avx512-bf16": {
         "NEURONMM_BF16_AMX_ROWS": "0",
