@@ -35,14 +35,15 @@ constexpr int64_t kRowsPerItem = 4 * kMaxRows;  // rows of x per work item (a pa
 
 // One GEMM of a call: y[M, :N] (row stride ldy) = x[M, :K] (row stride ldx) · Wᵀ, W as panels of 32 columns
 // (panel_elems = K * 32 elements each, in either dtype's layout). Strides let a part read a column range of
-// another GEMM's output and write a column range of a shared output, with no copies.
-template <typename X, typename T>
+// another GEMM's output and write a column range of a shared output, with no copies. X, T, Y: the element
+// types of x, of the panels and of y.
+template <typename X, typename T, typename Y = T>
 struct Part {
   const X* x;
   int64_t ldx;
   const T* panels;
   int64_t K, N;
-  T* y;
+  Y* y;
   int64_t ldy;
 };
 
@@ -53,8 +54,8 @@ struct PanelList {
   std::vector<int64_t> k_before;  // summed cost of the panels before each part, and the total last
   std::vector<int64_t> k;         // each part's K: the cost of one of its panels
 
-  template <typename X, typename T>
-  explicit PanelList(const std::vector<Part<X, T>>& parts)
+  template <typename X, typename T, typename Y>
+  explicit PanelList(const std::vector<Part<X, T, Y>>& parts)
       : first(parts.size() + 1, 0), k_before(parts.size() + 1, 0), k(parts.size()) {
     for (size_t i = 0; i < parts.size(); ++i) {
       k[i] = parts[i].K;
@@ -102,20 +103,20 @@ void for_each_tile(int64_t M, const PanelList& list, const Tile& tile) {
 // All parts' panels as one work list in one parallel region; `rows` computes one tile:
 // rows(x, ldx, panel, y, ldy, valid_columns, K, num_rows).
 template <int64_t ItemRows = kRowsPerItem, int64_t TileRows = kMaxRows, typename Scope = NoScope, typename X,
-          typename T, typename Rows>
-void gemm_parts(const std::vector<Part<X, T>>& parts, int64_t M, const Rows& rows) {
+          typename T, typename Y, typename Rows>
+void gemm_parts(const std::vector<Part<X, T, Y>>& parts, int64_t M, const Rows& rows) {
   const PanelList list(parts);
   for_each_tile<ItemRows, TileRows, Scope>(M, list, [&](int64_t p, int64_t m, int64_t n) {
     const size_t i = list.part_of(p);
-    const Part<X, T>& q = parts[i];
+    const Part<X, T, Y>& q = parts[i];
     const int64_t lp = p - list.first[i];
     rows(q.x + m * q.ldx, q.ldx, q.panels + lp * q.K * 32, q.y + m * q.ldy + lp * 32, q.ldy, q.N - lp * 32, q.K, n);
   });
 }
 
-// Runs a list of same-dtype parts with one dtype's kernel.
-template <typename T>
-using Runner = void (*)(const std::vector<Part<T, T>>& parts, int64_t M);
+// Runs a list of parts with one kernel: x and y in T, panels in W (T too, but for bf16 weights under fp32).
+template <typename T, typename W = T>
+using Runner = void (*)(const std::vector<Part<T, W, T>>& parts, int64_t M);
 
 // A panel that takes several register-tile passes is read from DRAM by the first and from L1/L2 by the others,
 // and DRAM would idle while those compute. So each pass also prefetches its share of the part's next panel into
@@ -182,12 +183,12 @@ inline void tile_row_block(int64_t rows, const NextPanel& next, const Tile& tile
 }
 
 // y [M, N] = x · Wᵀ for one panel-packed weight (dtype and panel layout checked by the caller).
-template <typename T>
-at::Tensor linear_of(const at::Tensor& x, const at::Tensor& panels, int64_t N, Runner<T> run) {
+template <typename T, typename W = T>
+at::Tensor linear_of(const at::Tensor& x, const at::Tensor& panels, int64_t N, Runner<T, W> run) {
   const auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
   auto y = at::empty({M, N}, xc.options());
-  run({{xc.data_ptr<T>(), K, panels.data_ptr<T>(), K, N, y.data_ptr<T>(), N}}, M);
+  run({{xc.data_ptr<T>(), K, panels.data_ptr<W>(), K, N, y.data_ptr<T>(), N}}, M);
   return y;
 }
 
@@ -563,49 +564,103 @@ TORCH_LIBRARY_IMPL(neuronmm, CPU, m) {
 #endif  // __AVX512BF16__
 
 // ---- fp32 ------------------------------------------------------------------------------------------
-// The same idea for fp32 weights (CPUs without native bf16 serve in fp32): panels of 32 output columns,
-// [ceil(N/32)][K][32] fp32, so two 64-byte loads are 32 columns at one input position, multiplied by a
-// broadcast x value into 32 fp32 sums (FMA). Register tile: up to 12 rows of x x one panel (24 sums);
-// two loads of W per 24 FMAs leave the load ports room at prefill sizes. On AVX2 (no AVX-512) the same
-// panels go through 8-wide FMAs, a whole panel (3 rows) or half a panel (6 rows) a register tile.
+// The same idea for fp32 activations (CPUs without native bf16 serve in fp32): panels of 32 output columns,
+// [ceil(N/32)][K][32], so two 64-byte loads are 32 columns at one input position, multiplied by a broadcast x
+// value into 32 fp32 sums (FMA). Register tile: up to 12 rows of x x one panel (24 sums); two loads of W per 24
+// FMAs leave the load ports room at prefill sizes. On AVX2 (no AVX-512) the same panels go through 8-wide FMAs,
+// a whole panel (3 rows) or half a panel (6 rows) a register tile.
+// The panels hold fp32 weights, or bf16 ones (a model served with bf16 weights on a CPU without native bf16: half
+// the bytes to stream, the arithmetic fp32's): a bf16 value widens exactly (it is the top half of an fp32), so the
+// products and sums are those of the fp32 panels holding the same values, bit for bit.
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
 namespace {
 
 constexpr int64_t kPanelF = 32;     // output columns per fp32 panel (two zmm of sums)
-constexpr int64_t kAheadF = 16;     // input positions prefetched ahead (16 x 128 B)
+constexpr int64_t kAheadF = 16;     // input positions prefetched ahead (16 x 128 B of fp32, 16 x 64 B of bf16)
 
-// W [N, K] fp32 -> panels [ceil(N/32), K, 32] (zero-padded columns).
-at::Tensor pack_panels_f32(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack_panels_f32: fp32 weight [N, K] expected");
+#if defined(__AVX512F__)
+constexpr int64_t kLanesF = 16;  // fp32 values in a vector
+#else
+constexpr int64_t kLanesF = 8;
+#endif
+
+// Where column c (of 32) of a panel row is stored. fp32: in order. bf16: so that one vector load of 2 x kLanesF
+// values widens into two vectors of columns in order by interleaving with zeros (VPUNPCKLWD / VPUNPCKHWD, which
+// work within 128-bit lanes: the low one takes each lane's first four values, the high one its last four). A
+// shuffle port does the widening; a shift would take an FMA port (at 16 rows under AVX2, 3 % slower than fp32).
+template <typename W>
+constexpr int64_t stored_column(int64_t c) {
+  if constexpr (sizeof(W) == 4) {
+    return c;
+  } else {
+    const int64_t group = c / (2 * kLanesF), i = c % (2 * kLanesF), high = i >= kLanesF, j = i - high * kLanesF;
+    return group * 2 * kLanesF + 8 * (j / 4) + 4 * high + j % 4;
+  }
+}
+
+// W [N, K] (fp32 or bf16) -> panels [ceil(N/32), K, 32] in W's dtype (zero-padded columns; bf16 ones in the
+// order stored_column gives).
+template <typename W>
+at::Tensor pack_column_panels(const at::Tensor& weight) {
   const auto w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanelF - 1) / kPanelF;
   auto out = at::zeros({panels, K, kPanelF}, w.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
+  const W* src = w.data_ptr<W>();
+  W* dst = out.data_ptr<W>();
   at::parallel_for(0, panels, 1, [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p)
       for (int64_t c = 0; c < kPanelF && p * kPanelF + c < N; ++c)
-        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanelF + c] = src[(p * kPanelF + c) * K + k];
+        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanelF + stored_column<W>(c)] = src[(p * kPanelF + c) * K + k];
   });
   return out;
+}
+
+at::Tensor pack_panels_f32(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "pack_panels_f32: fp32 or bf16 weight [N, K] expected");
+  return weight.scalar_type() == at::kFloat ? pack_column_panels<float>(weight) : pack_column_panels<at::BFloat16>(weight);
+}
+
+// A panel's 64-byte lines: K rows of 32 weights.
+template <typename W>
+constexpr int64_t panel_lines(int64_t K) {
+  return K * kPanelF * int64_t(sizeof(W)) / 64;
+}
+
+// Prefetches input position k + kAheadF of a panel into L1: one line of bf16 weights, two of fp32.
+template <typename W>
+__attribute__((always_inline)) inline void prefetch_row(const W* panel, int64_t k) {
+  _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAheadF) * kPanelF), _MM_HINT_T0);
+  if constexpr (sizeof(W) == 4) _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAheadF) * kPanelF + 16), _MM_HINT_T0);
 }
 
 #if defined(__AVX512F__)
 constexpr int64_t kMaxRowsF = kMaxRows;  // rows of x per register tile
 
-template <int MT, bool Ahead>
-inline void tile_f32(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid, int64_t K,
+// A panel row's 32 weights as fp32, columns 0-15 and 16-31: loaded, or widened from bf16 (stored_column's order).
+inline void load_row(const float* w, __m512& lo, __m512& hi) {
+  lo = _mm512_loadu_ps(w);
+  hi = _mm512_loadu_ps(w + 16);
+}
+inline void load_row(const at::BFloat16* w, __m512& lo, __m512& hi) {
+  const __m512i v = _mm512_loadu_si512(w), zero = _mm512_setzero_si512();
+  lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v));
+  hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v));
+}
+
+template <int MT, bool Ahead, typename W>
+inline void tile_f32(const float* x, int64_t ldx, const W* panel, float* y, int64_t ldy, int64_t valid, int64_t K,
                      const PassShare& next) {
   __m512 lo[MT], hi[MT];
   for (int j = 0; j < MT; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
   L2Ahead<Ahead> ahead(next);
   for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAheadF) * kPanelF), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAheadF) * kPanelF + 16), _MM_HINT_T0);
+    prefetch_row(panel, k);
     ahead.step(k);
-    const __m512 w0 = _mm512_loadu_ps(panel + k * kPanelF), w1 = _mm512_loadu_ps(panel + k * kPanelF + 16);
+    __m512 w0, w1;
+    load_row(panel + k * kPanelF, w0, w1);
     for (int j = 0; j < MT; ++j) {
       const __m512 xv = _mm512_set1_ps(x[j * ldx + k]);
       lo[j] = _mm512_fmadd_ps(xv, w0, lo[j]);
@@ -623,6 +678,18 @@ inline void tile_f32(const float* x, int64_t ldx, const float* panel, float* y, 
 constexpr int64_t kMaxRowsF = 6;  // rows of a half-panel tile: 12 ymm of sums, two weight vectors, a broadcast
 constexpr int64_t kWholePanelRows = 3;  // up to this many rows, one pass over the whole panel (3 x 4 ymm of sums)
 
+// 16 weights of a panel row as fp32, in two vectors of 8 columns: loaded, or widened from bf16 (stored_column's
+// order).
+inline void load16(const float* w, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(w);
+  hi = _mm256_loadu_ps(w + 8);
+}
+inline void load16(const at::BFloat16* w, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), zero = _mm256_setzero_si256();
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+}
+
 // Stores 8 sums, or the first `valid` of them.
 inline void store8(float* dst, __m256 v, int64_t valid) {
   if (valid >= 8)
@@ -639,8 +706,8 @@ inline void store8(float* dst, __m256 v, int64_t valid) {
 //   panel (K x 64 B: 36 KB at K = 576) stays in L1 across a call's row tiles.
 // The epilogue's loops are unrolled on purpose: with a loop index into acc left in them, GCC keeps acc in memory
 // too and stores every sum to the stack on every k, which halved the FMA rate.
-template <int MT, int NV, bool Ahead>
-inline void tile_f32(const float* x, int64_t ldx, const float* w, float* y, int64_t ldy, int64_t valid, int64_t K,
+template <int MT, int NV, bool Ahead, typename W>
+inline void tile_f32(const float* x, int64_t ldx, const W* w, float* y, int64_t ldy, int64_t valid, int64_t K,
                      const PassShare& next) {
   __m256 acc[MT][NV];
 #pragma GCC unroll 8
@@ -649,12 +716,14 @@ inline void tile_f32(const float* x, int64_t ldx, const float* w, float* y, int6
     for (int c = 0; c < NV; ++c) acc[j][c] = _mm256_setzero_ps();
   L2Ahead<Ahead> ahead(next);
   for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAheadF) * kPanelF), _MM_HINT_T0);
-    if constexpr (NV == 4) _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAheadF) * kPanelF + 16), _MM_HINT_T0);
+    if constexpr (NV == 4)
+      prefetch_row(w, k);
+    else  // half a panel: its 16 columns are one line of fp32 weights, half of one of bf16
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAheadF) * kPanelF), _MM_HINT_T0);
     ahead.step(k);
     __m256 wv[NV];
-#pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) wv[c] = _mm256_loadu_ps(w + k * kPanelF + 8 * c);
+#pragma GCC unroll 2
+    for (int c = 0; c < NV / 2; ++c) load16(w + k * kPanelF + 16 * c, wv[2 * c], wv[2 * c + 1]);
 #pragma GCC unroll 8
     for (int j = 0; j < MT; ++j) {
       const __m256 xv = _mm256_broadcast_ss(x + j * ldx + k);
@@ -668,8 +737,8 @@ inline void tile_f32(const float* x, int64_t ldx, const float* w, float* y, int6
     for (int c = 0; c < NV; ++c) store8(y + j * ldy + 8 * c, acc[j][c], valid - 8 * c);
 }
 
-template <int MT, int NV, bool Ahead>
-void rows_of_f32(const float* x, int64_t ldx, const float* w, float* y, int64_t ldy, int64_t valid, int64_t K,
+template <int MT, int NV, bool Ahead, typename W>
+void rows_of_f32(const float* x, int64_t ldx, const W* w, float* y, int64_t ldy, int64_t valid, int64_t K,
                  int64_t rows, const PassShare& next) {
   if constexpr (MT > 0) {
     if (rows == MT) return tile_f32<MT, NV, Ahead>(x, ldx, w, y, ldy, valid, K, next);
@@ -678,23 +747,24 @@ void rows_of_f32(const float* x, int64_t ldx, const float* w, float* y, int64_t 
 }
 
 // A row block against one panel: a few rows in one pass over the panel (memory-bound: the stream is the work);
-// more, each half panel in turn against every row tile of the block (an fp32 panel is 2K lines of 64 B).
-const auto f32_rows = [](const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid,
-                         int64_t K, int64_t rows) {
+// more, each half panel in turn against every row tile of the block.
+template <typename W>
+void f32_rows(const float* x, int64_t ldx, const W* panel, float* y, int64_t ldy, int64_t valid, int64_t K,
+              int64_t rows) {
   if (rows <= kWholePanelRows)
     return rows_of_f32<kWholePanelRows, 4, false>(x, ldx, panel, y, ldy, valid, K, rows, PassShare{});
   const int64_t halves = valid > 16 ? 2 : 1, tiles = (rows + kMaxRowsF - 1) / kMaxRowsF;
-  const NextPanel next(valid > kPanelF ? panel + K * kPanelF : nullptr, 2 * K, halves * tiles, K);
+  const NextPanel next(valid > kPanelF ? panel + K * kPanelF : nullptr, panel_lines<W>(K), halves * tiles, K);
   for (int64_t h = 0, i = 0; h < halves; ++h)
     for (int64_t m = 0; m < rows; m += kMaxRowsF, ++i)
       rows_of_f32<kMaxRowsF, 2, true>(x + m * ldx, ldx, panel + 16 * h, y + m * ldy + 16 * h, ldy, valid - 16 * h, K,
                                       std::min(kMaxRowsF, rows - m), next.pass(i));
-};
+}
 #endif
 
 #if defined(__AVX512F__)
-template <int MT, bool Ahead>
-void rows_of_f32(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid, int64_t K,
+template <int MT, bool Ahead, typename W>
+void rows_of_f32(const float* x, int64_t ldx, const W* panel, float* y, int64_t ldy, int64_t valid, int64_t K,
                  int64_t rows, const PassShare& next) {
   if constexpr (MT > 0) {
     if (rows == MT) return tile_f32<MT, Ahead>(x, ldx, panel, y, ldy, valid, K, next);
@@ -702,32 +772,41 @@ void rows_of_f32(const float* x, int64_t ldx, const float* panel, float* y, int6
   }
 }
 
-// A row block against one panel, a register tile of up to kMaxRowsF rows at a time (a panel: 2K lines of 64 B).
-const auto f32_rows = [](const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t valid,
-                         int64_t K, int64_t rows) {
-  const NextPanel next(valid > kPanelF ? panel + K * kPanelF : nullptr, 2 * K, (rows + kMaxRowsF - 1) / kMaxRowsF, K);
+// A row block against one panel, a register tile of up to kMaxRowsF rows at a time.
+template <typename W>
+void f32_rows(const float* x, int64_t ldx, const W* panel, float* y, int64_t ldy, int64_t valid, int64_t K,
+              int64_t rows) {
+  const NextPanel next(valid > kPanelF ? panel + K * kPanelF : nullptr, panel_lines<W>(K),
+                       (rows + kMaxRowsF - 1) / kMaxRowsF, K);
   tile_row_block<kMaxRowsF>(rows, next, [&](int64_t m, int64_t n, const PassShare& share, auto ahead) {
     rows_of_f32<kMaxRowsF, decltype(ahead)::value>(x + m * ldx, ldx, panel, y + m * ldy, ldy, valid, K, n, share);
   });
-};
+}
 #endif
 
 // The AVX-512 and the AVX2 tile alike at every row count: at 512 rows the AVX2 tile runs at 89 % of the FMA peak,
 // above torch's (MKL's) AVX2 sgemm on the same panels, which an earlier AVX2 build used from a few rows on.
-void run_f32(const std::vector<Part<float, float>>& parts, int64_t M) {
-  gemm_parts<kRowsPerItem, kRowsPerItem>(parts, M, f32_rows);  // f32_rows tiles a row block itself
+template <typename W>
+void run_f32(const std::vector<Part<float, W, float>>& parts, int64_t M) {
+  gemm_parts<kRowsPerItem, kRowsPerItem>(parts, M, f32_rows<W>);  // f32_rows tiles a row block itself
 }
 
+template <typename W>
 void check_panels_f32(const at::Tensor& panels, int64_t K, int64_t N, const char* op) {
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.size(2) == kPanelF &&
-                  panels.size(1) == K && panels.size(0) * kPanelF >= N && panels.is_contiguous(),
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == c10::CppTypeToScalarType<W>::value &&
+                  panels.size(2) == kPanelF && panels.size(1) == K && panels.size(0) * kPanelF >= N &&
+                  panels.is_contiguous(),
               op, ": panels [ceil(N/32), K, 32] from pack_panels_f32 expected");
 }
 
 at::Tensor panel_linear_f32(const at::Tensor& x, const at::Tensor& panels, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "panel_linear_f32: fp32 x [M, K] expected");
-  check_panels_f32(panels, x.size(1), N, "panel_linear_f32");
-  return linear_of<float>(x, panels, N, run_f32);
+  if (panels.scalar_type() == at::kBFloat16) {
+    check_panels_f32<at::BFloat16>(panels, x.size(1), N, "panel_linear_f32");
+    return linear_of<float, at::BFloat16>(x, panels, N, run_f32<at::BFloat16>);
+  }
+  check_panels_f32<float>(panels, x.size(1), N, "panel_linear_f32");
+  return linear_of<float>(x, panels, N, run_f32<float>);
 }
 
 // ---- factored linear -------------------------------------------------------------------------------
@@ -735,10 +814,10 @@ at::Tensor panel_linear_f32(const at::Tensor& x, const at::Tensor& panels, int64
 // (one part: F = A, then B) or gate and up sharing their first GEMM (two parts, a dense part passing its
 // slice of t through, B absent). The CPU form of X·U·V: t stays in cache between the two GEMMs, and a
 // layer's low-rank projections are one call instead of a GEMM per factor plus a split and a concatenation.
-template <typename T>
+template <typename T, typename W = T>
 at::Tensor factored_impl(const at::Tensor& x, const at::Tensor& first, const std::vector<int64_t>& splits,
                          const std::vector<std::optional<at::Tensor>>& seconds, const std::vector<int64_t>& outs,
-                         Runner<T> run, void (*check)(const at::Tensor&, int64_t, int64_t, const char*)) {
+                         Runner<T, W> run, void (*check)(const at::Tensor&, int64_t, int64_t, const char*)) {
   TORCH_CHECK(splits.size() == seconds.size() && splits.size() == outs.size() && !splits.empty(),
               "factored_linear: splits, seconds and out_features must have one entry per part");
   const int64_t M = x.size(0), K = x.size(1);
@@ -764,18 +843,18 @@ at::Tensor factored_impl(const at::Tensor& x, const at::Tensor& first, const std
   auto t = !aligned || any_second ? at::empty({M, width}, x.options()) : at::Tensor();
   T* const tp = t.defined() ? t.data_ptr<T>() : nullptr;
   T* const yp = y.data_ptr<T>();
-  std::vector<Part<T, T>> firsts, parts;
+  std::vector<Part<T, W, T>> firsts, parts;
   std::vector<std::array<int64_t, 3>> copies;  // (column of t, column of y, width) of each slice to copy
-  if (!aligned) firsts.push_back({xc.data_ptr<T>(), K, first.data_ptr<T>(), K, width, tp, width});
+  if (!aligned) firsts.push_back({xc.data_ptr<T>(), K, first.data_ptr<W>(), K, width, tp, width});
   int64_t col = 0, out_col = 0;
   for (size_t i = 0; i < splits.size(); ++i) {
     const bool through = !seconds[i].has_value();
     if (aligned)
-      firsts.push_back({xc.data_ptr<T>(), K, first.data_ptr<T>() + col / 32 * K * 32, K, splits[i],
+      firsts.push_back({xc.data_ptr<T>(), K, first.data_ptr<W>() + col / 32 * K * 32, K, splits[i],
                         through ? yp + out_col : tp + col, through ? out_width : width});
     else if (through)
       copies.push_back({col, out_col, splits[i]});
-    if (!through) parts.push_back({tp + col, width, seconds[i]->data_ptr<T>(), splits[i], outs[i], yp + out_col, out_width});
+    if (!through) parts.push_back({tp + col, width, seconds[i]->data_ptr<W>(), splits[i], outs[i], yp + out_col, out_width});
     col += splits[i];
     out_col += outs[i];
   }
@@ -793,7 +872,10 @@ at::Tensor factored_linear(const at::Tensor& x, const at::Tensor& first, at::Int
   const std::vector<int64_t> sp(splits.begin(), splits.end()), os(outs.begin(), outs.end());
   std::vector<std::optional<at::Tensor>> sec;
   for (size_t i = 0; i < seconds.size(); ++i) sec.push_back(seconds.get(i));
-  if (x.scalar_type() == at::kFloat) return factored_impl<float>(x, first, sp, sec, os, run_f32, check_panels_f32);
+  if (x.scalar_type() == at::kFloat && first.scalar_type() == at::kBFloat16)  // bf16 weights, fp32 activations
+    return factored_impl<float, at::BFloat16>(x, first, sp, sec, os, run_f32<at::BFloat16>,
+                                              check_panels_f32<at::BFloat16>);
+  if (x.scalar_type() == at::kFloat) return factored_impl<float>(x, first, sp, sec, os, run_f32<float>, check_panels_f32<float>);
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16) {
     for (int64_t s : sp) TORCH_CHECK(s % 2 == 0, "factored_linear: bf16 panels pair K, so every split must be even");
