@@ -168,7 +168,7 @@ def _facts(args, runner: TorchRunner, compressed: str | None, block_size: int) -
     return {**machine_facts(), "machine": platform.machine(), "torch_threads": torch.get_num_threads(), "config": args.config, "compressed": compressed,
             "panel_gemm": not args.no_panel_gemm, "bf16_kernels": _kernels(),
             "decoder_plan": runner.model.use_decoder_plan and runner.model.decoder_plan() is not None,
-            "dtype": str(runner.dtype).removeprefix("torch."), "kv_cache_dtype": str(runner.cache_dtype).removeprefix("torch."),
+            "dtype": runner.precision, "kv_cache_dtype": str(runner.cache_dtype).removeprefix("torch."),
             "context": args.context, "block_size": block_size, "steps_per_round": args.steps}
 
 

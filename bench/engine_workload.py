@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = [level(c) for c in args.concurrency]
     report = {**machine_facts(), "config": args.config, "compressed": args.compressed,
-              "dtype": str(engine.runner.dtype).removeprefix("torch."),
+              "dtype": engine.runner.precision,
               "kv_cache_dtype": str(engine.runner.cache_dtype).removeprefix("torch."), "input_len": args.input_len,
               "output_len": args.output_len, "rows": rows}
     lines = ["| c | output tok/s | decode step p50 ms | decode steps | other steps (s) |", "|---:|---:|---:|---:|---:|"]

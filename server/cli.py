@@ -64,7 +64,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     flag("--max-prefill-tokens-while-decoding", type=_prefill_cap, metavar="{auto,off,N}",
          help="the most prompt tokens a step takes beside running decodes (bounds how long a newcomer holds the "
               "streams); auto: 128 for a model in fp32 on a CPU, off elsewhere")
-    flag("--dtype", choices=sorted(_DTYPES))
+    flag("--dtype", choices=sorted(_DTYPES),
+         help="auto: bf16 where the CPU has native bf16 dot products (or CUDA), else fp32; bfloat16 on a CPU "
+              "without them keeps bf16 weights and computes in fp32")
     flag("--kv-cache-dtype", choices=sorted(_KV_DTYPES),
          help="auto: the model's dtype; float16 or bfloat16 under a float32 model halve the cache; fp8 (e4m3) halves "
               "it again under float32 or bfloat16")

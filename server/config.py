@@ -29,7 +29,8 @@ class ModelConfig(_Strict):
     package: str | None = None
     resource: str | None = None
     hf_id: str | None = None
-    # auto: bf16 where the CPU has native bf16 dot products (or on CUDA), else fp32
+    # auto: bf16 where the CPU has native bf16 dot products (or on CUDA), else fp32. bfloat16 on a CPU without
+    # them: bf16 weights (half the bytes a step streams) in fp32 arithmetic, where bf16 math would be emulated
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # A compressed artifact (manifest.json + factors) applied on top of the dense weights.
     compressed: str | None = None

@@ -10,7 +10,7 @@ import torch
 
 from server.backends.base import SeqChunk
 from server.errors import ConfigError
-from server.models.cpu_features import resolve_dtype
+from server.models.cpu_features import activation_dtype, resolve_dtype
 from server.models.fused_ops import kernels_for
 from server.models.hugepages import return_freed_heap
 from server.models.llama import FlatBatch, KVCache, LlamaModel, PrefillChunk
@@ -55,7 +55,8 @@ class TorchRunner:
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.weight_dtype = resolve_dtype(dtype, self.device)
+        self.dtype = activation_dtype(self.weight_dtype, self.device)  # the model's compute dtype
         self.cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         self.compressed = compressed
         self.num_threads = num_threads
@@ -66,13 +67,24 @@ class TorchRunner:
         self.cache: KVCache | None = None
         self.vocab_size = 0
 
+    @property
+    def precision(self) -> str:
+        """The model's dtype for reports: its compute dtype, and its weights' where they differ."""
+        name = str(self.dtype).removeprefix("torch.")
+        return name if self.weight_dtype == self.dtype else f"{name}, {str(self.weight_dtype).removeprefix('torch.')} weights"
+
     def load(self) -> None:
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
         self.model = load_llama(self.model_dir, self.max_model_len, self.dtype, self.compressed).to(self.device)
+        if self.weight_dtype != self.dtype:  # bf16 weights under fp32 activations: the model's values are bf16's
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.copy_(p.to(self.weight_dtype))
         self.vocab_size = self.model.config.vocab_size
         if self.pack_weights and packing_available(self.device, self.dtype):
-            pack_linears(self.model, use_panels=self.panel_gemm and panels_available(self.device, self.dtype))
+            pack_linears(self.model, use_panels=self.panel_gemm and panels_available(self.device, self.dtype),
+                         panel_dtype=self.weight_dtype)
         if self.fused_kernels:
             self.model.use_kernels(kernels_for(self.device, self.dtype))
         if self.device.type == "cpu":

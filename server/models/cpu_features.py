@@ -87,3 +87,15 @@ def resolve_dtype(name: str, device: torch.device, flags: frozenset[str] | None 
     if log_choice:
         log.info("dtype auto -> %s (%s)", str(chosen).removeprefix("torch."), reason)
     return chosen
+
+
+def activation_dtype(weight_dtype: torch.dtype, device: torch.device, log_choice: bool = True) -> torch.dtype:
+    """The dtype a model with `weight_dtype` weights computes in: its own, but fp32 for bf16 weights on a CPU whose
+    fused ops have no native bf16 (bf16 activations would be emulated there; the fp32 panel GEMM widens the bf16
+    weights exactly, so a step streams half the bytes of fp32 weights at fp32's arithmetic)."""
+    if device.type != "cpu" or weight_dtype != torch.bfloat16 or target_has_native_bf16():
+        return weight_dtype
+    if log_choice:
+        log.info("bf16 weights with fp32 activations: this CPU (or the fused ops' -march) has no native bf16 "
+                 "dot products")
+    return torch.float32

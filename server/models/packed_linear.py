@@ -1,7 +1,9 @@
 """CPU fast path: Linear layers with weights pre-packed, for our panel GEMMs or for oneDNN.
 
 `PanelLinear`: our own GEMM (csrc/small_gemm.cpp) over a panel layout made once at load, in bf16 on CPUs
-with AVX512-BF16 (AMX tiles from a few rows where the CPU has AMX) and in fp32 on CPUs with AVX512F or AVX2.
+with AVX512-BF16 (AMX tiles from a few rows where the CPU has AMX) and in fp32 on CPUs with AVX512F or AVX2;
+the fp32 GEMM's panels may hold bf16 weights (a bf16 model on a CPU without native bf16: fp32 activations,
+half the bytes of fp32 weights to stream).
 At decode sizes it streams each weight at close to memory bandwidth where oneDNN spends ~20 µs a call on
 dispatch (as long as reading a 0.6 MB matrix); at prefill sizes it is level with oneDNN or ahead of it (on
 AVX2, ahead of MKL's sgemm at every size measured; docs/BENCHMARKS.md).
@@ -80,9 +82,24 @@ class PackedLinear(_PrepackedLinear):
         return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
 
-# dtype -> (pack op, GEMM op) names in csrc/small_gemm.cpp; each is built only where the CPU has its
-# instructions (bf16: AVX512-BF16; fp32: AVX512F).
+# activation dtype -> (pack op, GEMM op) names in csrc/small_gemm.cpp; each is built only where the CPU has its
+# instructions (bf16: AVX512-BF16; fp32: AVX512F or AVX2). The fp32 ops' panels hold fp32 or bf16 weights.
 _PANEL_OPS = {torch.bfloat16: ("pack_panels", "panel_linear"), torch.float32: ("pack_panels_f32", "panel_linear_f32")}
+
+
+def _panel_weight(weight: torch.Tensor, panel_dtype: torch.dtype | None) -> torch.Tensor:
+    """The weight in the dtype its panels hold: its own, or bf16 under fp32 activations."""
+    if panel_dtype is None or panel_dtype == weight.dtype:
+        return weight.detach().contiguous()
+    if (weight.dtype, panel_dtype) != (torch.float32, torch.bfloat16):
+        raise ValueError(f"panels of {panel_dtype} weights under {weight.dtype} activations are not built")
+    return weight.detach().to(panel_dtype).contiguous()
+
+
+def _layout(x_dtype: torch.dtype, panels: torch.Tensor) -> str:
+    if x_dtype == panels.dtype:
+        return f"{'bf16' if x_dtype == torch.bfloat16 else 'fp32'} panels"
+    return "bf16 weights in fp32 panels"
 
 
 def panels_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -92,13 +109,16 @@ def panels_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PanelLinear(_PrepackedLinear):
-    """y = x Wᵀ with W [N, K] held as column panels for csrc/small_gemm.cpp: bf16 (K even) or fp32 (no bias)."""
+    """y = x Wᵀ with W [N, K] held as column panels for csrc/small_gemm.cpp: bf16 (K even) or fp32 (no bias).
 
-    def __init__(self, weight: torch.Tensor):
+    x comes in W's dtype; `panel_dtype` bf16 under an fp32 W stores the panels in bf16 (W rounded to it)."""
+
+    def __init__(self, weight: torch.Tensor, panel_dtype: torch.dtype | None = None):
         super().__init__(weight)
         pack, gemm = _PANEL_OPS[weight.dtype]
-        self.layout = f"{'bf16' if weight.dtype == torch.bfloat16 else 'fp32'} panels"
-        self.panels = getattr(torch.ops.neuronmm, pack)(weight.detach().contiguous())
+        self.x_dtype = weight.dtype
+        self.panels = getattr(torch.ops.neuronmm, pack)(_panel_weight(weight, panel_dtype))
+        self.layout = _layout(weight.dtype, self.panels)
         self._gemm = getattr(torch.ops.neuronmm, gemm).default  # the overload, resolved once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,17 +146,18 @@ class FactoredPanelLinear(nn.Module):
     layer's factored projections cost one call instead of a GEMM per factor, a split and a concatenation.
     """
 
-    layout = "factored panels"
-
-    def __init__(self, first: torch.Tensor, splits: list[int], seconds: list[torch.Tensor | None]):
+    def __init__(self, first: torch.Tensor, splits: list[int], seconds: list[torch.Tensor | None],
+                 panel_dtype: torch.dtype | None = None):
         super().__init__()
         pack = getattr(torch.ops.neuronmm, _PANEL_OPS[first.dtype][0])
+        self.x_dtype = first.dtype
         self.in_features = first.shape[1]
         self.splits = list(splits)
         self.outs = [s if b is None else b.shape[0] for s, b in zip(splits, seconds)]
         self.out_features = sum(self.outs)
-        self.first = pack(first.detach().contiguous())
-        self.seconds = [None if b is None else pack(b.detach().contiguous()) for b in seconds]
+        self.first = pack(_panel_weight(first, panel_dtype))
+        self.seconds = [None if b is None else pack(_panel_weight(b, panel_dtype)) for b in seconds]
+        self.layout = f"factored {_layout(first.dtype, self.first)}"
         self._op = torch.ops.neuronmm.factored_linear.default
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,7 +181,7 @@ class FactoredPanelLinear(nn.Module):
         return f"in={self.in_features}, splits={self.splits}, out={self.outs}, {self.layout}"
 
 
-def _factored(module: nn.Module, use_panels: bool) -> FactoredPanelLinear | None:
+def _factored(module: nn.Module, use_panels: bool, panel_dtype: torch.dtype | None) -> FactoredPanelLinear | None:
     """A LowRankLinear or a StackedPair as one FactoredPanelLinear, where the panel GEMM takes its dtype."""
     if not use_panels or not hasattr(torch.ops.neuronmm, "factored_linear"):
         return None
@@ -174,46 +195,49 @@ def _factored(module: nn.Module, use_panels: bool) -> FactoredPanelLinear | None
     even = all(n % 2 == 0 for n in [first.shape[1], *splits])  # bf16 panels pair the inner dimension
     if first.dtype not in _PANEL_OPS or (first.dtype == torch.bfloat16 and not even):
         return None
-    return FactoredPanelLinear(first, splits, seconds)
+    return FactoredPanelLinear(first, splits, seconds, panel_dtype)
 
 
-def _pack_weight(weight: torch.Tensor, use_panels: bool) -> nn.Module:
+def _pack_weight(weight: torch.Tensor, use_panels: bool, panel_dtype: torch.dtype | None) -> nn.Module:
     """One weight packed: panels where they apply (bf16 panels pair K, so K even), else oneDNN's layout."""
     if use_panels and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0):
-        return PanelLinear(weight)
+        return PanelLinear(weight, panel_dtype)
     return PackedLinear(weight)
 
 
-def _packed(module: nn.Module, use_panels: bool) -> nn.Module | None:
+def _packed(module: nn.Module, use_panels: bool, panel_dtype: torch.dtype | None) -> nn.Module | None:
     """The packed replacement of one module, or None to leave it (and pack what is inside it)."""
-    factored = _factored(module, use_panels)
+    factored = _factored(module, use_panels, panel_dtype)
     if factored is not None:
         return factored
     if type(module) is nn.Linear and module.bias is None:
-        return _pack_weight(module.weight, use_panels)
+        return _pack_weight(module.weight, use_panels, panel_dtype)
     if isinstance(module, LowRankLinear) and module.bias is None:
-        return nn.Sequential(_pack_weight(module.A, use_panels), _pack_weight(module.B, use_panels))
+        return nn.Sequential(_pack_weight(module.A, use_panels, panel_dtype),
+                             _pack_weight(module.B, use_panels, panel_dtype))
     return None
 
 
-def _replace(parent: nn.Module, use_panels: bool) -> int:
+def _replace(parent: nn.Module, use_panels: bool, panel_dtype: torch.dtype | None) -> int:
     count = 0
     for name, child in list(parent.named_children()):
-        replacement = _packed(child, use_panels)
+        replacement = _packed(child, use_panels, panel_dtype)
         if replacement is not None:
             setattr(parent, name, replacement)
             count += 1
         else:
-            count += _replace(child, use_panels)
+            count += _replace(child, use_panels, panel_dtype)
     return count
 
 
-def pack_linears(model: nn.Module, use_panels: bool = False) -> int:
+def pack_linears(model: nn.Module, use_panels: bool = False, panel_dtype: torch.dtype | None = None) -> int:
     """Replace every bias-free Linear / LowRankLinear / StackedPair under `model` by its packed form; returns the count.
 
     use_panels: panels for our GEMMs (see panels_available; factored modules become one call), else oneDNN's layout.
+    panel_dtype: bf16 under an fp32 model stores the panels' weights in bf16 (the model's weights must already
+    hold bf16 values for that to lose nothing; see TorchRunner); None: the model's dtype.
     """
-    count = _replace(model, use_panels)
+    count = _replace(model, use_panels, panel_dtype)
     for llama in (m for m in model.modules() if isinstance(m, LlamaModel)):
         llama.unbind()  # its bound layer calls name the modules just replaced
     panel_layers = [m for m in model.modules() if isinstance(m, (PanelLinear, FactoredPanelLinear))]
@@ -222,7 +246,7 @@ def pack_linears(model: nn.Module, use_panels: bool = False) -> int:
         placed = iter(into_huge_pages([t for group in panels for t in group]))
         for layer, group in zip(panel_layers, panels):
             layer.set_panel_tensors([next(placed) for _ in group])
-        if any(t.dtype == torch.bfloat16 for group in panels for t in group):
+        if any(layer.x_dtype == torch.bfloat16 for layer in panel_layers):  # the bf16 GEMM's paths, timed here
             tune_bf16_kernels()
     log.info("packed %d linear layers (%s)", count, "panels" if use_panels else "oneDNN")
     return count

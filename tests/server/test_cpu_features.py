@@ -61,3 +61,17 @@ def test_the_native_target_is_this_cpus_flags(monkeypatch):
     for cpu_has_it in (True, False):
         monkeypatch.setattr(cpu_features, "has_native_bf16", lambda: cpu_has_it)
         assert cpu_features.target_has_native_bf16() is cpu_has_it
+
+
+@pytest.mark.parametrize("weights,device,target_bf16,expected", [
+    (torch.bfloat16, "cpu", False, torch.float32),   # bf16 weights widened into fp32 arithmetic
+    (torch.bfloat16, "cpu", True, torch.bfloat16),   # native bf16: the model computes in bf16
+    (torch.float32, "cpu", False, torch.float32),
+    (torch.bfloat16, "cuda", False, torch.bfloat16),
+])
+def test_bf16_weights_compute_in_fp32_only_where_bf16_would_be_emulated(monkeypatch, caplog, weights, device,
+                                                                        target_bf16, expected):
+    monkeypatch.setattr(cpu_features, "target_has_native_bf16", lambda: target_bf16)
+    with caplog.at_level(logging.INFO, logger="server.models.cpu_features"):
+        assert cpu_features.activation_dtype(weights, torch.device(device)) == expected
+    assert ("fp32 activations" in caplog.text) == (expected != weights)

@@ -201,6 +201,30 @@ def test_fp32_panel_linear_equals_f_linear(rows, out_features, in_features):
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)  # summation order only
 
 
+@needs_fp32_panels
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 12, 13, 16, 49, 100])
+def test_bf16_weights_in_fp32_panels_equal_fp32_panels_of_their_values(rows):
+    """bf16 weights under fp32 activations (a bf16 model on a CPU without native bf16) widen exactly: every row
+    count and ragged N give the bits of the fp32 panels holding the same values, in one GEMM and factored."""
+    g = torch.Generator().manual_seed(rows)
+    for n, k in ((96, 64), (70, 130), (33, 7), (56, 40)):
+        w = torch.randn(n, k, generator=g).bfloat16().float()
+        x = torch.randn(rows, k, generator=g)
+        narrow = PanelLinear(w, torch.bfloat16)
+        assert narrow.panels.dtype == torch.bfloat16 and narrow.layout == "bf16 weights in fp32 panels"
+        assert torch.equal(narrow(x), PanelLinear(w)(x))
+    a, b = (torch.randn(*shape, generator=g).bfloat16().float() for shape in ((102, 64), (50, 32)))
+    x = torch.randn(rows, 64, generator=g)
+    pair = [FactoredPanelLinear(a, [32, 70], [b, None], panel_dtype) for panel_dtype in (torch.bfloat16, None)]
+    assert pair[0].first.dtype == torch.bfloat16 and torch.equal(pair[0](x), pair[1](x))
+
+
+@needs_fp32_panels
+def test_panels_hold_bf16_weights_only_under_fp32_activations():
+    with pytest.raises(ValueError, match="not built"):
+        PanelLinear(torch.randn(32, 8).bfloat16(), torch.float32)
+
+
 @pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 here")
 def test_runner_panel_and_onednn_paths_agree(tiny_model_dir):
     """The whole tiny model through panels and through oneDNN: the same logits up to bf16 rounding."""
@@ -361,6 +385,13 @@ for rows in (1, 2, 3, 4, 7, 16, 49):  # whole-panel tiles to 3 rows, half-panel 
     a0, a1, b0 = torch.randn(32, 64, generator=g), torch.randn(70, 64, generator=g), torch.randn(50, 32, generator=g)
     pair = FactoredPanelLinear(torch.cat([a0, a1]), [32, 70], [b0, None])(x)  # the dense part writes into y
     torch.testing.assert_close(pair, torch.cat([(x @ a0.T) @ b0.T, x @ a1.T], dim=1), rtol=1e-5, atol=1e-4)
+    # bf16 weights under fp32 activations: the bits of fp32 panels holding the same values
+    for n, k in ((70, 130), (56, 40), (33, 2), (96, 64)):
+        w, xk = torch.randn(n, k, generator=g).bfloat16().float(), torch.randn(rows, k, generator=g)
+        assert torch.equal(PanelLinear(w, torch.bfloat16)(xk), PanelLinear(w)(xk)), (rows, n, k)
+    a = torch.cat([a0, a1]).bfloat16().float()
+    assert torch.equal(FactoredPanelLinear(a, [32, 70], [b0.bfloat16().float(), None], torch.bfloat16)(x),
+                       FactoredPanelLinear(a, [32, 70], [b0.bfloat16().float(), None])(x))
 print("ok")
 """
 
@@ -368,7 +399,7 @@ print("ok")
 def test_avx2_build_serves_fp32_panels(avx2_ops_env):
     """A CPU without AVX-512 gets the fp32 panel GEMM in 8-wide FMAs and no bf16 panels: the ops built for
     x86-64-v3 (what such a CPU runs), in a fresh process, equal the fp32 products (register tiles of a whole
-    panel to 3 rows, of half a panel beyond; strided column slices of y)."""
+    panel to 3 rows, of half a panel beyond; strided column slices of y), and bf16 weights in them the fp32 ones."""
     done = subprocess.run([sys.executable, "-c", _AVX2_CHECK], env=avx2_ops_env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
