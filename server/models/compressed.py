@@ -12,6 +12,7 @@ from torch import nn
 from server.errors import ConfigError
 from server.models.artifact import Manifest, check_model_hash, factor_keys, load_artifact, weight_key
 from server.models.lowrank import LowRankLinear
+from server.models.module_init import no_init
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ def _existing_linear(model: nn.Module, target: str, name: str) -> nn.Linear:
 def linear_with(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
     """A Linear holding copies of `weight` [out, in] (and `bias`), in their dtype and device, frozen."""
     out_f, in_f = weight.shape
-    lin = nn.Linear(in_f, out_f, bias=bias is not None, dtype=weight.dtype, device=weight.device)
+    with no_init():
+        lin = nn.Linear(in_f, out_f, bias=bias is not None, dtype=weight.dtype, device=weight.device)
     with torch.no_grad():
         lin.weight.copy_(weight)
         if bias is not None:

@@ -21,6 +21,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from server.models.fused_ops import REFERENCE_KERNELS, Kernels
 from server.models.hugepages import empty_in_huge_pages
 from server.models.lowrank import LowRankLinear
+from server.models.module_init import linear_around
 
 
 @dataclass
@@ -118,10 +119,7 @@ def _fuse_linears(mods: list[nn.Module]) -> nn.Linear | None:
     """One Linear stacking the outputs of several bias-free Linears, or None if any is not one."""
     if not all(type(m) is nn.Linear and m.bias is None for m in mods):
         return None
-    weight = torch.cat([m.weight.data for m in mods], dim=0)
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype, device=weight.device)
-    fused.weight = nn.Parameter(weight, requires_grad=False)
-    return fused
+    return linear_around(torch.cat([m.weight.data for m in mods], dim=0))
 
 
 class StackedPair(nn.Module):
@@ -135,8 +133,7 @@ class StackedPair(nn.Module):
         super().__init__()
         heads = [m.A if isinstance(m, LowRankLinear) else m.weight for m in (first, second)]
         self.splits = [h.shape[0] for h in heads]
-        self.A = nn.Linear(heads[0].shape[1], sum(self.splits), bias=False, dtype=heads[0].dtype)
-        self.A.weight = nn.Parameter(torch.cat([h.data for h in heads]), requires_grad=False)
+        self.A = linear_around(torch.cat([h.data for h in heads]))
         self.B0, self.B1 = (_second_factor(m) for m in (first, second))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,9 +148,7 @@ def _second_factor(module: nn.Module) -> nn.Linear | None:
     """B of a LowRankLinear as a Linear (packable), None for a dense Linear."""
     if not isinstance(module, LowRankLinear):
         return None
-    factor = nn.Linear(module.rank, module.out_features, bias=False, dtype=module.B.dtype)
-    factor.weight = nn.Parameter(module.B.data, requires_grad=False)
-    return factor
+    return linear_around(module.B.data)
 
 
 def _stack_pair(first: nn.Module, second: nn.Module) -> StackedPair | None:

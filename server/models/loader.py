@@ -12,6 +12,7 @@ from transformers import AutoConfig
 from server.config import ConfigError
 from server.models.compressed import apply_compressed_artifact
 from server.models.llama import LlamaModel
+from server.models.module_init import no_init
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +39,13 @@ def load_llama(model_dir: Path, max_len: int, dtype: torch.dtype = torch.float32
         raise ConfigError(f"model: architecture {sorted(archs)} not supported (need one of {sorted(SUPPORTED_ARCHS)})")
     if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
         raise ConfigError("model: Llama variants with biases are not supported")
-    with torch.device("meta"):
+    with no_init():
         model = LlamaModel(config, max_len)
     state = {k.removeprefix("model."): v for k, v in load_state_dict(model_dir).items()}
     if "lm_head.weight" not in state:
         if not config.tie_word_embeddings:
             raise ConfigError(f"model: {model_dir} has no lm_head.weight and embeddings are not tied")
         state["lm_head.weight"] = state["embed_tokens.weight"]
-    model.rotary = type(model.rotary)(config, max_len)  # buffers computed, not loaded
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not k.startswith("rotary.")]
     if missing or unexpected:
