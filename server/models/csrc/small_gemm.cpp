@@ -660,8 +660,8 @@ __attribute__((always_inline)) inline void prefetch_row(const W* panel, int64_t 
 // a few rows a position takes a few cycles, so the L1 prefetch runs less than a DRAM latency ahead, and each line in
 // flight to L1 holds one of the core's few fill buffers. A second prefetch, 64 positions ahead into L2, keeps more
 // lines on the way. A step's linears, with and without it alternating in one process: AVX-512 build, fp32 panels
-// 1.05 x at 1 row, 1.07-1.13 x at 2-4, 1.14-1.19 x at 8-12; bf16-weight panels 1.19 x at 1 row, 1.24-1.30 x at 2-8;
-// AVX2 build, fp32 1.04-1.09 x at 1-3 rows, bf16 weights 1.16-1.24 x. Several passes (Ahead) prefetch the next
+// 1.05 x at 1 row, 1.03-1.13 x at 2-4, 1.14-1.20 x at 8-12; bf16-weight panels 1.19 x at 1 row, 1.24-1.30 x at 2-8;
+// AVX2 build, fp32 1.02-1.09 x at 1-3 rows, bf16 weights 1.16-1.24 x. Several passes (Ahead) prefetch the next
 // panel instead (L2Ahead; the far prefetch there measured 0.97-1.0 x).
 template <bool Ahead, typename W>
 __attribute__((always_inline)) inline void prefetch_single_pass(const W* panel, int64_t k) {
