@@ -201,13 +201,13 @@ NEURONMM_PREFETCH_FN void prefetch_row(const T* ahead, int64_t j) {
 
 // The rows of the block ahead that one query head's pass over a block prefetches: first, first + every, ... The
 // heads of a group read the same keys one after another; when the first fetched the whole block ahead, its
-// prefetches came in one burst, 1 / group of the block's work. Held as a bit per row (a pass reads at most 16):
-// `row % every` in the key loops was a 64-bit division per key row and head, the QK loops' slowest instruction.
+// prefetches came in one burst, 1 / group of the block's work. Held as a bit per row (a pass reads at most 16 rows):
+// `row % every` in the score loops was a 64-bit division per key row and query head.
 struct RowShare {
   uint32_t rows = ~0u;  // bit j: row j is this head's to prefetch (default: every row)
   RowShare() = default;
   RowShare(int first, int every) : rows(0) {
-    for (int j = first; j < 32; j += every) rows |= 1u << j;
+    for (int j = first; j < 32; j += std::max(every, 1)) rows |= 1u << j;
   }
   bool has(int64_t row) const { return (rows >> row) & 1u; }
 };
