@@ -380,7 +380,10 @@ def test_cross_entropy_term_matches_autograd_of_kl_plus_the_next_token_loss(tiny
     expected = [p.grad.clone() for p in adapter_parameters(model)]
     model.zero_grad(set_to_none=True)
     got_kl = distill_backward(model, teacher, batch, chunk_tokens=chunk_tokens, ce_weight=weight)
-    assert got_kl == pytest.approx(kl.item(), rel=1e-4)  # the reported loss stays the KL
+    # The reported loss stays the KL (not KL + 0.5 CE, orders of magnitude larger). The KL of a student this close to
+    # its teacher is ~3e-4, a sum of differences of log-probabilities near -11, so fp32 rounding alone moves it by a
+    # few 1e-8 between the chunked pass and the whole one (3.7e-8 on an AMD EPYC): the gradients' absolute floor.
+    assert got_kl == pytest.approx(kl.item(), rel=1e-4, abs=1e-7)
     for got, want in zip((p.grad for p in adapter_parameters(model)), expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
     model.zero_grad(set_to_none=True)
