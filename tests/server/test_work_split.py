@@ -45,3 +45,36 @@ def test_one_thread_runs_everything():
     finally:
         torch.set_num_threads(before)
     assert owners.tolist() == [0] * 10
+
+
+@pytest.mark.parametrize("first,second", [([5] * 16, [3] * 40), ([100] + [1] * 20, [1] * 7), ([7], [2] * 9),
+                                          ([0] * 4, [1]), ([1] * 9, [])])
+@pytest.mark.parametrize("stall_us", [0, 20_000])
+def test_two_phases_run_every_item_once_and_in_order(two_threads, first, second, stall_us):
+    """balanced_for_then (X·U then ·V of a low-rank projection in one region): every item of both phases runs once,
+    and no second-phase item starts before the whole first phase has ended, even with thread 0 starting 20 ms late
+    (the op fails on either)."""
+    owners = torch.ops.neuronmm.balanced_for_then_owners(torch.tensor(first, dtype=torch.long),
+                                                         torch.tensor(second, dtype=torch.long), stall_us)
+    assert owners.shape == (len(first) + len(second),)
+    assert bool((owners >= 0).all()) and bool((owners < 2).all())
+
+
+def test_two_phases_on_one_thread_do_not_wait_for_themselves():
+    """With one thread the region runs every stretch in turn: the barrier counts stretches, so it passes."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        owners = torch.ops.neuronmm.balanced_for_then_owners(torch.ones(6, dtype=torch.long),
+                                                             torch.ones(4, dtype=torch.long), 0)
+    finally:
+        torch.set_num_threads(before)
+    assert owners.tolist() == [0] * 10
+
+
+def test_two_phases_inside_another_parallel_region(two_threads):
+    """Called from a thread already in a parallel region (ATen runs the inner region inline on that thread): the
+    phases still run every item once, in order, on that thread, and return."""
+    owners = torch.ops.neuronmm.balanced_for_then_owners(torch.ones(6, dtype=torch.long),
+                                                         torch.ones(4, dtype=torch.long), 0, nested=True)
+    assert owners.tolist() == [0] * 10

@@ -77,27 +77,40 @@ struct PanelList {
 // Nothing to set up or tear down around a thread's share of a GEMM (the vector kernels need nothing).
 struct NoScope {};
 
-// Calls tile(panel, first row, rows) over an [M, K] x panels GEMM. Work items are (panel, row block) pairs,
+// One [M, K] x panels GEMM as a balanced_for phase that calls tile(panel, first row, rows). Work items are (panel, row block) pairs,
 // panel-major, split by cost (neuronmm::balanced_for: splitting by cost rather than count matters when parts
 // differ in K: gate at rank 128 beside up at rank 256 gave one thread a third of the work, the other two): at
 // decode sizes (one row block) each thread streams its own part of the weight once; at prefill sizes a matrix
 // with few panels still spreads over every thread. A row block (ItemRows) is cut into tiles of up to TileRows
 // rows; a Scope lives across each thread's share (AMX configures its tiles there).
-template <int64_t ItemRows = kRowsPerItem, int64_t TileRows = kMaxRows, typename Scope = NoScope, typename Tile>
-void for_each_tile(int64_t M, const PanelList& list, const Tile& tile) {
+template <int64_t ItemRows, int64_t TileRows, typename Scope, typename Tile>
+auto tile_phase(int64_t M, const PanelList& list, const Tile& tile) {
   const int64_t row_blocks = (M + ItemRows - 1) / ItemRows;
-  const auto cost_before = [&](int64_t item) {  // row blocks of a panel cost alike
-    const int64_t p = item / row_blocks, rb = item % row_blocks;
-    return list.cost_before(p) * row_blocks + (rb == 0 ? 0 : rb * list.cost_of(p));
+  return neuronmm::phase(
+      list.panels() * row_blocks,
+      [&list, row_blocks](int64_t item) {  // row blocks of a panel cost alike
+        const int64_t p = item / row_blocks, rb = item % row_blocks;
+        return list.cost_before(p) * row_blocks + (rb == 0 ? 0 : rb * list.cost_of(p));
+      },
+      [&tile, row_blocks, M](const auto& next) {
+        [[maybe_unused]] const Scope scope;
+        for (int64_t item; next(item);) {
+          const int64_t p = item / row_blocks, m_end = std::min(M, (item % row_blocks + 1) * ItemRows);
+          for (int64_t m = (item % row_blocks) * ItemRows; m < m_end; m += TileRows)
+            tile(p, m, std::min(TileRows, m_end - m));
+        }
+      });
+}
+
+// A list of parts' tiles: rows(x, ldx, panel, y, ldy, valid_columns, K, num_rows) computes one.
+template <typename X, typename T, typename Y, typename Rows>
+auto part_tiles(const std::vector<Part<X, T, Y>>& parts, const PanelList& list, const Rows& rows) {
+  return [&parts, &list, &rows](int64_t p, int64_t m, int64_t n) {
+    const size_t i = list.part_of(p);
+    const Part<X, T, Y>& q = parts[i];
+    const int64_t lp = p - list.first[i];
+    rows(q.x + m * q.ldx, q.ldx, q.panels + lp * q.K * 32, q.y + m * q.ldy + lp * 32, q.ldy, q.N - lp * 32, q.K, n);
   };
-  neuronmm::balanced_for(list.panels() * row_blocks, cost_before, [&](const auto& next) {
-    [[maybe_unused]] const Scope scope;
-    for (int64_t item; next(item);) {
-      const int64_t p = item / row_blocks, m_end = std::min(M, (item % row_blocks + 1) * ItemRows);
-      for (int64_t m = (item % row_blocks) * ItemRows; m < m_end; m += TileRows)
-        tile(p, m, std::min(TileRows, m_end - m));
-    }
-  });
 }
 
 // All parts' panels as one work list in one parallel region; `rows` computes one tile:
@@ -106,17 +119,29 @@ template <int64_t ItemRows = kRowsPerItem, int64_t TileRows = kMaxRows, typename
           typename T, typename Y, typename Rows>
 void gemm_parts(const std::vector<Part<X, T, Y>>& parts, int64_t M, const Rows& rows) {
   const PanelList list(parts);
-  for_each_tile<ItemRows, TileRows, Scope>(M, list, [&](int64_t p, int64_t m, int64_t n) {
-    const size_t i = list.part_of(p);
-    const Part<X, T, Y>& q = parts[i];
-    const int64_t lp = p - list.first[i];
-    rows(q.x + m * q.ldx, q.ldx, q.panels + lp * q.K * 32, q.y + m * q.ldy + lp * 32, q.ldy, q.N - lp * 32, q.K, n);
-  });
+  const auto tiles = part_tiles(parts, list, rows);
+  const auto work = tile_phase<ItemRows, TileRows, Scope>(M, list, tiles);
+  neuronmm::balanced_for(work.count, work.cost_before, work.body);
+}
+
+// gemm_parts(first), then gemm_parts(second) (which may read first's output), in one parallel region.
+template <int64_t ItemRows = kRowsPerItem, int64_t TileRows = kMaxRows, typename Scope = NoScope, typename X,
+          typename T, typename Y, typename Rows>
+void gemm_parts_then(const std::vector<Part<X, T, Y>>& first, const std::vector<Part<X, T, Y>>& second, int64_t M,
+                     const Rows& rows) {
+  const PanelList one(first), two(second);
+  const auto tiles_one = part_tiles(first, one, rows), tiles_two = part_tiles(second, two, rows);
+  neuronmm::balanced_for_then(tile_phase<ItemRows, TileRows, Scope>(M, one, tiles_one),
+                              tile_phase<ItemRows, TileRows, Scope>(M, two, tiles_two));
 }
 
 // Runs a list of parts with one kernel: x and y in T, panels in W (T too, but for bf16 weights under fp32).
 template <typename T, typename W = T>
 using Runner = void (*)(const std::vector<Part<T, W, T>>& parts, int64_t M);
+
+// Runs `first`, then `second` (which reads first's output), with one kernel, in one parallel region where it can.
+template <typename T, typename W = T>
+using RunnerThen = void (*)(const std::vector<Part<T, W, T>>& first, const std::vector<Part<T, W, T>>& second, int64_t M);
 
 // A panel that takes several register-tile passes is read from DRAM by the first and from L1/L2 by the others,
 // and DRAM would idle while those compute. So each pass also prefetches its share of the part's next panel into
@@ -481,9 +506,8 @@ std::atomic<int64_t> g_fma_min_rows{0};
 // them, and each thread widens the x of the parts it works on into its own buffer. Widening once for all
 // threads cost ~25 µs a call at K = 1536: the other thread then read every line of x from the core that
 // wrote it.
-void fma_one_row_block(const std::vector<Part<at::BFloat16, at::BFloat16>>& parts, int64_t M) {
-  const PanelList list(parts);
-  neuronmm::balanced_for(list.panels(), [&](int64_t p) { return list.cost_before(p); }, [&](const auto& next) {
+auto fma_phase(const std::vector<Part<at::BFloat16, at::BFloat16>>& parts, const PanelList& list, int64_t M) {
+  return neuronmm::phase(list.panels(), [&list](int64_t p) { return list.cost_before(p); }, [&parts, &list, M](const auto& next) {
     thread_local std::vector<float> wide;
     const at::BFloat16* widened = nullptr;  // the x that `wide` holds (parts of one call may share it)
     int64_t widened_k = 0;
@@ -500,6 +524,12 @@ void fma_one_row_block(const std::vector<Part<at::BFloat16, at::BFloat16>>& part
       bf16_fma_rows(wide.data(), q.K, q.panels + lp * q.K * 32, q.y + lp * 32, q.ldy, q.N - lp * 32, q.K, M);
     }
   });
+}
+
+void fma_one_row_block(const std::vector<Part<at::BFloat16, at::BFloat16>>& parts, int64_t M) {
+  const PanelList list(parts);
+  const auto work = fma_phase(parts, list, M);
+  neuronmm::balanced_for(work.count, work.cost_before, work.body);
 }
 
 void run_bf16(const std::vector<Part<at::BFloat16, at::BFloat16>>& parts, int64_t M) {
@@ -532,6 +562,26 @@ void run_bf16(const std::vector<Part<at::BFloat16, at::BFloat16>>& parts, int64_
     fparts.push_back({dst - M * q.K, q.K, q.panels, q.K, q.N, q.y, q.ldy});
   }
   gemm_parts<kRowsPerItem, kRowsPerItem>(fparts, M, bf16_fma_rows);
+}
+
+void run_bf16_then(const std::vector<Part<at::BFloat16, at::BFloat16>>& first,
+                   const std::vector<Part<at::BFloat16, at::BFloat16>>& second, int64_t M) {
+  const auto apart = [&] {
+    run_bf16(first, M);
+    run_bf16(second, M);
+  };
+#ifdef NEURONMM_AMX
+  const int64_t amx_from = g_amx_min_rows.load(std::memory_order_relaxed);
+  if (amx_from > 0 && M >= amx_from) {
+    if (!amx_fits(first) || !amx_fits(second)) return apart();
+    return gemm_parts_then<kAmxTileRows, kAmxTileRows, AmxScope>(first, second, M, amx_rows);
+  }
+#endif
+  const int64_t fma_from = g_fma_min_rows.load(std::memory_order_relaxed);
+  if (fma_from == 0 || M < fma_from) return gemm_parts_then<kRowsPerItem, kRowsPerItem>(first, second, M, bf16_rows);
+  if (M > kRowsPerItem) return apart();  // widened once per GEMM (run_bf16): the regions' cost is lost in the work
+  const PanelList one(first), two(second);
+  neuronmm::balanced_for_then(fma_phase(first, one, M), fma_phase(second, two, M));
 }
 
 void set_bf16_fma_rows(int64_t min_rows) {
@@ -830,6 +880,12 @@ void run_f32(const std::vector<Part<float, W, float>>& parts, int64_t M) {
 }
 
 template <typename W>
+void run_f32_then(const std::vector<Part<float, W, float>>& first, const std::vector<Part<float, W, float>>& second,
+                  int64_t M) {
+  gemm_parts_then<kRowsPerItem, kRowsPerItem>(first, second, M, f32_rows<W>);
+}
+
+template <typename W>
 void check_panels_f32(const at::Tensor& panels, int64_t K, int64_t N, const char* op) {
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == c10::CppTypeToScalarType<W>::value &&
                   panels.size(2) == kPanelF && panels.size(1) == K && panels.size(0) * kPanelF >= N &&
@@ -851,11 +907,12 @@ at::Tensor panel_linear_f32(const at::Tensor& x, const at::Tensor& panels, int64
 // y = [t_0 B_0ᵀ | t_1 B_1ᵀ | ...] with t = x Fᵀ = [t_0 | t_1 | ...] split by `splits`: a low-rank linear
 // (one part: F = A, then B) or gate and up sharing their first GEMM (two parts, a dense part passing its
 // slice of t through, B absent). The CPU form of X·U·V: t stays in cache between the two GEMMs, and a
-// layer's low-rank projections are one call instead of a GEMM per factor plus a split and a concatenation.
+// layer's low-rank projections are one call instead of a GEMM per factor plus a split and a concatenation; both
+// GEMMs run in one parallel region (a barrier between them) unless a slice of t must be copied out between.
 template <typename T, typename W = T>
 at::Tensor factored_impl(const at::Tensor& x, const at::Tensor& first, const std::vector<int64_t>& splits,
                          const std::vector<std::optional<at::Tensor>>& seconds, const std::vector<int64_t>& outs,
-                         Runner<T, W> run, void (*check)(const at::Tensor&, int64_t, int64_t, const char*)) {
+                         Runner<T, W> run, RunnerThen<T, W> run_then, void (*check)(const at::Tensor&, int64_t, int64_t, const char*)) {
   TORCH_CHECK(splits.size() == seconds.size() && splits.size() == outs.size() && !splits.empty(),
               "factored_linear: splits, seconds and out_features must have one entry per part");
   const int64_t M = x.size(0), K = x.size(1);
@@ -896,6 +953,10 @@ at::Tensor factored_impl(const at::Tensor& x, const at::Tensor& first, const std
     col += splits[i];
     out_col += outs[i];
   }
+  if (copies.empty() && !parts.empty()) {
+    run_then(firsts, parts, M);
+    return y;
+  }
   run(firsts, M);
   for (const auto& [from, to, n] : copies)
     for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * out_width + to, tp + m * width + from, n * sizeof(T));
@@ -912,12 +973,13 @@ at::Tensor factored_linear(const at::Tensor& x, const at::Tensor& first, at::Int
   for (size_t i = 0; i < seconds.size(); ++i) sec.push_back(seconds.get(i));
   if (x.scalar_type() == at::kFloat && first.scalar_type() == at::kBFloat16)  // bf16 weights, fp32 activations
     return factored_impl<float, at::BFloat16>(x, first, sp, sec, os, run_f32<at::BFloat16>,
-                                              check_panels_f32<at::BFloat16>);
-  if (x.scalar_type() == at::kFloat) return factored_impl<float>(x, first, sp, sec, os, run_f32<float>, check_panels_f32<float>);
+                                              run_f32_then<at::BFloat16>, check_panels_f32<at::BFloat16>);
+  if (x.scalar_type() == at::kFloat) return factored_impl<float>(x, first, sp, sec, os, run_f32<float>, run_f32_then<float>,
+                                                                 check_panels_f32<float>);
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16) {
     for (int64_t s : sp) TORCH_CHECK(s % 2 == 0, "factored_linear: bf16 panels pair K, so every split must be even");
-    return factored_impl<at::BFloat16>(x, first, sp, sec, os, run_bf16, check_panels_bf16);
+    return factored_impl<at::BFloat16>(x, first, sp, sec, os, run_bf16, run_bf16_then, check_panels_bf16);
   }
 #endif
   TORCH_CHECK(false, "factored_linear: fp32 x (or bf16 on a CPU with AVX512-BF16) expected");

@@ -16,6 +16,9 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <thread>
+
+#include <immintrin.h>
 
 namespace neuronmm {
 
@@ -56,6 +59,61 @@ struct alignas(64) Stretch {
   }
 };
 
+// Each thread's starting stretch over items [0, count): about 1 / threads of the summed cost each
+// (cost_before(i): the summed cost of items 0 .. i-1, non-decreasing). On the stack for the usual few threads: a
+// decode step makes ~250 balanced_for calls, and an aligned heap allocation each (with its free) was serial time on
+// the calling thread while the others waited.
+class Stretches {
+ public:
+  template <typename CostBefore>
+  Stretches(int64_t threads, int64_t count, const CostBefore& cost_before)
+      : threads_(threads), on_heap_(threads > kOnStack ? new Stretch[threads] : nullptr) {
+    const int64_t total = cost_before(count);
+    const auto start = [&](int64_t t) {  // the first item whose preceding cost reaches t / threads of the total
+      if (t == 0 || t == threads) return t == 0 ? int64_t(0) : count;  // (items costing 0 at either end included)
+      if (total <= 0) return t * count / threads;
+      int64_t lo = 0, hi = count;
+      while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (cost_before(mid) * threads >= t * total) hi = mid; else lo = mid + 1;
+      }
+      return lo;
+    };
+    for (int64_t t = 0; t < threads; ++t) at(t).reset(start(t), start(t + 1));
+  }
+
+  // Thread t's `next(item)`: its own stretch from the front, then the others' from their backs; false when no
+  // item is left anywhere.
+  class Next {
+   public:
+    Next(Stretches& all, int64_t t) : all_(all), t_(t) {}
+    bool operator()(int64_t& item) const {
+      if (claimed_ < claimed_end_ || all_.at(t_).take_front(claimed_, claimed_end_)) {
+        item = claimed_++;
+        return true;
+      }
+      for (; victim_ < all_.threads_; ++victim_)
+        if (all_.at((t_ + victim_) % all_.threads_).take_back(item)) return true;
+      return false;
+    }
+
+   private:
+    Stretches& all_;
+    int64_t t_;
+    mutable int64_t claimed_ = 0, claimed_end_ = 0;  // the items of the thread's last claim on its own stretch
+    mutable int64_t victim_ = 1;                     // then the others' stretches in turn
+  };
+  Next next_for(int64_t t) { return Next(*this, t); }
+
+ private:
+  static constexpr int64_t kOnStack = 8;
+  Stretch& at(int64_t t) { return on_heap_ ? on_heap_[t] : on_stack_[t]; }
+
+  int64_t threads_;
+  Stretch on_stack_[kOnStack];
+  std::unique_ptr<Stretch[]> on_heap_;
+};
+
 // Runs body(next) once per thread over items [0, count): `next(item)` gives the thread its next item, false when
 // none is left anywhere. Each thread starts on a stretch whose summed cost is about 1 / threads of the total
 // (cost_before(i): the summed cost of items 0 .. i-1, non-decreasing) and takes it front to back, then takes the
@@ -63,39 +121,48 @@ struct alignas(64) Stretch {
 template <typename CostBefore, typename Body>
 void balanced_for(int64_t count, const CostBefore& cost_before, const Body& body) {
   if (count <= 0) return;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count), total = cost_before(count);
-  const auto start = [&](int64_t t) {  // the first item whose preceding cost reaches t / threads of the total
-    if (t == 0 || t == threads) return t == 0 ? int64_t(0) : count;  // (items costing 0 at either end included)
-    if (total <= 0) return t * count / threads;
-    int64_t lo = 0, hi = count;
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      if (cost_before(mid) * threads >= t * total) hi = mid; else lo = mid + 1;
-    }
-    return lo;
-  };
-  // On the stack for the usual few threads: a decode step makes ~250 of these calls, and an aligned heap
-  // allocation each (with its free) was serial time on the calling thread while the others waited.
-  constexpr int64_t kStackStretches = 8;
-  Stretch on_stack[kStackStretches];
-  const std::unique_ptr<Stretch[]> on_heap(threads > kStackStretches ? new Stretch[threads] : nullptr);
-  Stretch* const stretches = on_heap ? on_heap.get() : on_stack;
-  for (int64_t t = 0; t < threads; ++t) stretches[t].reset(start(t), start(t + 1));
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
+  Stretches stretches(threads, count, cost_before);
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {  // one t per thread (all of them in turn where the region has one thread)
-      int64_t claimed = 0, claimed_end = 0;  // the items of the thread's last claim on its own stretch
-      int64_t victim = 1;                    // then the others' stretches in turn
-      const auto next = [&](int64_t& item) {
-        if (claimed < claimed_end || stretches[t].take_front(claimed, claimed_end)) {
-          item = claimed++;
-          return true;
-        }
-        for (; victim < threads; ++victim)
-          if (stretches[(t + victim) % threads].take_back(item)) return true;
-        return false;
-      };
-      body(next);
+    for (int64_t t = b; t < e; ++t)  // one t per thread (all of them in turn where the region has one thread)
+      body(stretches.next_for(t));
+  });
+}
+
+// One balanced_for's work, for balanced_for_then.
+template <typename CostBefore, typename Body>
+struct Phase {
+  int64_t count;
+  CostBefore cost_before;
+  Body body;
+};
+
+template <typename CostBefore, typename Body>
+Phase<CostBefore, Body> phase(int64_t count, CostBefore cost_before, Body body) {
+  return {count, std::move(cost_before), std::move(body)};
+}
+
+// balanced_for(first), then balanced_for(second), in one parallel region: every thread waits at a barrier for the
+// first phase to end (the second reads what it wrote). Why: a low-rank projection at a decode step is two small
+// GEMMs in a row (X·U, then ·V), and a second region's fork and join cost 3-6 µs of a 50-140 µs call at 16 rows
+// (AVX512-BF16, two threads, measured in a step's MLP sequence).
+constexpr int64_t kSpinsBeforeYield = 1 << 14;  // ~100 µs of PAUSEs: longer than a phase's usual skew
+
+template <typename First, typename Second>
+void balanced_for_then(const First& first, const Second& second) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max(first.count, second.count));
+  if (threads <= 0) return;
+  Stretches one(threads, first.count, first.cost_before), two(threads, second.count, second.cost_before);
+  std::atomic<int64_t> arrived{0};
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) first.body(one.next_for(t));
+    // Counted per stretch, not per thread: a region given fewer threads than stretches runs several in turn on
+    // one thread, which must not wait for itself.
+    arrived.fetch_add(e - b, std::memory_order_acq_rel);
+    for (int64_t spins = 0; arrived.load(std::memory_order_acquire) < threads; ++spins) {
+      if (spins < kSpinsBeforeYield) _mm_pause(); else std::this_thread::yield();  // the other thread lost its core
     }
+    for (int64_t t = b; t < e; ++t) second.body(two.next_for(t));
   });
 }
 
