@@ -52,8 +52,8 @@ def test_one_thread_runs_everything():
 @pytest.mark.parametrize("stall_us", [0, 20_000])
 def test_two_phases_run_every_item_once_and_in_order(two_threads, first, second, stall_us):
     """balanced_for_then (X·U then ·V of a low-rank projection in one region): every item of both phases runs once,
-    and no second-phase item starts before the whole first phase has ended, even with thread 0 starting 20 ms late
-    (the op fails on either)."""
+    and no second-phase item starts before the whole first phase has ended, even when the first item claimed takes
+    20 ms while the other thread runs out of first-phase work (the op fails on either)."""
     owners = torch.ops.neuronmm.balanced_for_then_owners(torch.tensor(first, dtype=torch.long),
                                                          torch.tensor(second, dtype=torch.long), stall_us)
     assert owners.shape == (len(first) + len(second),)
@@ -61,7 +61,7 @@ def test_two_phases_run_every_item_once_and_in_order(two_threads, first, second,
 
 
 def test_two_phases_on_one_thread_do_not_wait_for_themselves():
-    """With one thread the region runs every stretch in turn: the barrier counts stretches, so it passes."""
+    """With one thread the two phases run in turn on it: its barrier passes at once."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -36,11 +36,12 @@ at::Tensor balanced_for_owners(const at::Tensor& costs, int64_t stall_us) {
   return owners;
 }
 
-// Runs balanced_for_then over two phases of items costing `first` and `second` (int64 [count] each), thread 0
-// sleeping `stall_us` before its first item of the first phase; `nested`: called from inside another parallel
-// region (where the phases' region runs on one thread, every stretch in turn). Returns the thread that ran each item, the first
-// phase's then the second's (-1: none did); fails if an item ran twice or a second-phase item started before every
-// first-phase item had ended.
+// Runs balanced_for_then over two phases of items costing `first` and `second` (int64 [count] each), the first
+// first-phase item to be claimed taking `stall_us` (claimed, no other thread can take it, and the others run out of
+// first-phase work meanwhile); `nested`:
+// called from inside another parallel region. Returns the thread that ran each item, the first phase's then the
+// second's (-1: none did); fails if an item ran twice or a second-phase item started before every first-phase item
+// had ended.
 at::Tensor balanced_for_then_owners(const at::Tensor& first, const at::Tensor& second, int64_t stall_us, bool nested) {
   TORCH_CHECK(first.dim() == 1 && second.dim() == 1 && first.scalar_type() == at::kLong &&
                   second.scalar_type() == at::kLong,
@@ -56,14 +57,15 @@ at::Tensor balanced_for_then_owners(const at::Tensor& first, const at::Tensor& s
   auto owners = at::full({n1 + n2}, -1, c1.options());
   int64_t* out = owners.data_ptr<int64_t>();
   std::atomic<int64_t> twice{0}, first_done{0}, early{0};
+  std::atomic<bool> stall_taken{stall_us <= 0};
   const auto run = [&](int64_t offset, bool is_first) {
     return [&, offset, is_first](const auto& next) {
       const int64_t thread = at::get_thread_num();
-      if (is_first && thread == 0 && stall_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(stall_us));
       for (int64_t item; next(item);) {
         if (!is_first && first_done.load() != n1) early.fetch_add(1);
         if (out[offset + item] != -1) twice.fetch_add(1);
         out[offset + item] = thread;
+        if (is_first && !stall_taken.exchange(true)) std::this_thread::sleep_for(std::chrono::microseconds(stall_us));
         if (is_first) first_done.fetch_add(1);
       }
     };
