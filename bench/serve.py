@@ -15,6 +15,7 @@ report says so and runs ours alone; the peer is never a dependency).
 
     python -m bench.serve --compressed artifacts/smollm2-k0.8
     python -m bench.serve --systems neuronmm --concurrency 1 16
+    python -m bench.serve --systems neuronmm --concurrency 1 16 --twin-rounds 3   # served / engine over 3 rounds
 """
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ class System:
     # sampled server measured after the greedy one read up to 9 % slower than the sampler costs
     also_sampled: bool = False
 
-    def num_prompts(self, levels: list[int]) -> int:
-        """Distinct prompts its run takes: one to warm it, then each level's (twice with also_sampled)."""
-        return 1 + (2 if self.also_sampled else 1) * sum(level_size(c) for c in levels)
+    def num_prompts(self, levels: list[int], rounds: int = 1) -> int:
+        """Distinct prompts its run takes: one to warm it, then each level's `rounds` times (once more sampled with
+        also_sampled)."""
+        return 1 + (rounds + (1 if self.also_sampled else 0)) * sum(level_size(c) for c in levels)
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -245,17 +247,22 @@ class EngineTwin:
             raise self._exited() from None
         return {"system": self.system, **self._row()}
 
-    def around(self, concurrency: int, served: Callable[[], None]) -> None:
-        """Run `served` (one served level) between two engine-only runs of its level; keep their bracketed row."""
+    def around(self, concurrency: int, served: list[Callable[[], None]]) -> None:
+        """Run each of `served` (rounds of one served level) between engine-only runs of its level, one run between
+        two rounds: twin, round 0, twin, round 1, ..., twin. Keeps a bracketed row per round (its `round`)."""
         before = self.level(concurrency)
-        served()
-        self.rows += bracket([before], [self.level(concurrency)])
+        for i, run in enumerate(served):
+            run()
+            after = self.level(concurrency)
+            self.rows += [{**row, "round": i} for row in bracket([before], [after])]
+            before = after
 
 
 def measure_system(system: System, port: int, model: str, prompts: list[list[int]], levels: list[int], output_len: int,
-                   log_path: Path, twin: EngineTwin | None = None) -> list[dict]:
+                   log_path: Path, twin: EngineTwin | None = None, rounds: int = 1) -> list[dict]:
     """Start the system, warm it with one request, run every level on fresh prompts (each also sampled right after
-    it where the system asks; with a twin, the greedy level between two engine-only runs of it), stop it."""
+    it where the system asks; with a twin, the greedy level `rounds` times, each between two engine-only runs of
+    it), stop it."""
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(system.command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -265,12 +272,12 @@ def measure_system(system: System, port: int, model: str, prompts: list[list[int
             run_client(run_level(url, model, prompts[:1], 1, output_len, False))
             rows, offset = [], 1
 
-            def one(name: str, c: int, sampled: bool) -> None:
+            def one(name: str, c: int, sampled: bool, round_: int = 0) -> None:
                 nonlocal offset
                 n = level_size(c)
                 row = run_client(run_level(url, model, prompts[offset:offset + n], c, output_len, sampled))
                 offset += n  # never the same prompt twice: llama-server would serve it from its prompt cache
-                rows.append({"system": name, **row})
+                rows.append({"system": name, **row, "round": round_})
                 print(f"{name:>22} c={c:<3} {row['output_tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:5.0f} ms"
                       f"  TPOT p50 {row['tpot_ms_p50']:5.1f} ms  ({row['completed']}/{n} ok)", flush=True)
 
@@ -278,7 +285,7 @@ def measure_system(system: System, port: int, model: str, prompts: list[list[int
                 if twin is None:
                     one(system.name, c, False)
                 else:
-                    twin.around(c, lambda: one(system.name, c, False))
+                    twin.around(c, [lambda r=r: one(system.name, c, False, r) for r in range(rounds)])
                 if system.also_sampled:
                     one(f"{system.name} sampled", c, True)
             return rows
@@ -335,10 +342,15 @@ def bracket(before: list[dict], after: list[dict]) -> list[dict]:
 
 def markdown(report: dict) -> str:
     """The report as markdown tables."""
+    multi = {(r["system"], r["concurrency"]) for r in report["serve"] if r.get("round", 0) > 0}
+
+    def label(r: dict) -> str:  # a level run in several rounds names its round
+        return f"{r['system']} ({r.get('round', 0) + 1})" if (r["system"], r["concurrency"]) in multi else r["system"]
+
     lines = ["| system | c | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms |",
              "|---|---:|---:|---:|---:|---:|"]
     for r in report["serve"]:
-        lines.append(f"| {r['system']} | {r['concurrency']} | {r['output_tok_s']:.1f} | {r['ttft_ms_p50']:.0f} / "
+        lines.append(f"| {label(r)} | {r['concurrency']} | {r['output_tok_s']:.1f} | {r['ttft_ms_p50']:.0f} / "
                      f"{r['ttft_ms_p99']:.0f} | {r['tpot_ms_p50']:.1f} / {r['tpot_ms_p99']:.1f} | "
                      f"{r['itl_ms_p50']:.1f} / {r['itl_ms_p99']:.1f} |")
     bw = report["memory_bandwidth_gbs"]
@@ -347,7 +359,8 @@ def markdown(report: dict) -> str:
     for r in report["engine_step"]:
         lines.append(f"| {r['system']} | {r['dtype']} | {r['batch_size']} | {r['step_ms_p50']:.1f} | "
                      f"{r['step_ms_min']:.1f} | {r['weight_bytes'] / 1e6:.0f} | {r['weight_bytes'] / bw / 1e6:.1f} |")
-    served = {(r["system"], r["concurrency"]): r for r in report["serve"]}
+    served = {(r["system"], r["concurrency"], r.get("round", 0)): r for r in report["serve"]}
+    ratios: dict[tuple[str, int], list[tuple[float, float]]] = {}  # per level: (ITL, TPOT) served / engine, each round
     if report.get("engine_workload"):
         lines += ["", "The same workload through the engine in-process (bench.engine_workload: no HTTP, no client), run right "
                   "before and right after each served level; served / engine = what the serving side adds to a decode step, "
@@ -358,13 +371,22 @@ def markdown(report: dict) -> str:
                   "| TPOT p50 ms, served / engine | TPOT served / engine |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in report["engine_workload"]:
-            row = served.get((r["system"], r["concurrency"]), {})
+            row = served.get((r["system"], r["concurrency"], r.get("round", 0)), {})
             itl = row.get("itl_ms_p50", float("nan")) / tokens_per_chunk(r["system"])
             tpot, engine_tpot = row.get("tpot_ms_p50", float("nan")), r.get("tpot_ms_p50", float("nan"))
             steps = f"{r['decode_step_ms_p50_before']:.1f} / {r['decode_step_ms_p50_after']:.1f}"
-            lines.append(f"| {r['system']} | {r['concurrency']} | {r['output_tok_s']:.1f} | {steps} | "
+            ratios.setdefault((r["system"], r["concurrency"]), []).append((itl / r["decode_step_ms_p50"],
+                                                                          tpot / engine_tpot))
+            lines.append(f"| {label(r)} | {r['concurrency']} | {r['output_tok_s']:.1f} | {steps} | "
                          f"{itl:.1f} | {itl / r['decode_step_ms_p50']:.2f} | {tpot:.1f} / {engine_tpot:.1f} | "
                          f"{tpot / engine_tpot:.2f} |")
+        if any(len(v) > 1 for v in ratios.values()):
+            lines += ["", "Over the rounds of each level (each round between two engine-only runs; the median, then the "
+                      "range):", "", "| model | c | rounds | ITL served / engine | TPOT served / engine |",
+                      "|---|---:|---:|---|---|"]
+            for (system, c), pairs in ratios.items():
+                cells = [f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})" for xs in zip(*pairs)]
+                lines.append(f"| {system} | {c} | {len(pairs)} | {cells[0]} | {cells[1]} |")
     if report["peer_note"]:
         lines += ["", report["peer_note"]]
     return "\n".join(lines)
@@ -387,9 +409,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--step-batch-sizes", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--twin-rounds", type=int, default=1,
+                   help="run each greedy level of a neuronmm model this many times, each between two engine-only runs "
+                        "of it, and report served / engine over the rounds (median and range) as well as each")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS / "serve.json"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.twin_rounds < 1:
+        p.error("--twin-rounds must be at least 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -410,15 +438,16 @@ def main(argv: list[str] | None = None) -> int:
               "commands": {s.name: shlex.join(s.command) for s in systems + peers},
               "memory_bandwidth_gbs": read_bandwidth_gbs(2**29), "serve": [], "engine_step": [], "engine_workload": []}
     for i, system in enumerate(systems + peers):
-        prompts = make_prompts(vocab, system.num_prompts(args.concurrency), args.input_len, args.seed + i)
         extra = workload_args(system.name, args.compressed)
+        rounds = args.twin_rounds if extra is not None else 1
+        prompts = make_prompts(vocab, system.num_prompts(args.concurrency, rounds), args.input_len, args.seed + i)
         log = RESULTS / f"serve-{system.name.replace(' ', '-')}.log"
         if extra is None:
             report["serve"] += measure_system(system, port, cfg.model.name, prompts, args.concurrency, args.output_len, log)
             continue
         with engine_twin(system.name, extra, args.config, args.input_len, args.output_len) as twin:
             report["serve"] += measure_system(system, port, cfg.model.name, prompts, args.concurrency, args.output_len,
-                                              log, twin)
+                                              log, twin, rounds)
         report["engine_workload"] += twin.rows
     if systems:
         report["engine_step"] = engine_steps(args.config, args.compressed, args.step_batch_sizes)

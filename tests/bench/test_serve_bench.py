@@ -205,6 +205,52 @@ def test_the_twin_runs_each_level_right_before_and_after_the_served_greedy_level
             for r in twin.rows] == [("fake", 1, 1.0, 2.0), ("fake", 2, 3.0, 4.0)]
 
 
+def test_rounds_of_a_level_share_the_twin_runs_between_them(tmp_path):
+    """--twin-rounds 2: twin, greedy, twin, greedy, twin, then the sampled level; each round's row is bracketed by the
+    twin runs on either side of it, and every prompt is sent once."""
+    server, twin_script, log = tmp_path / "fake_server.py", tmp_path / "fake_twin.py", tmp_path / "events.log"
+    server.write_text(FAKE_SERVER)
+    twin_script.write_text(FAKE_TWIN)
+    port = free_port()
+    system = System("fake", [sys.executable, str(server), str(port), str(log)], also_sampled=True)
+    levels = [1, 2]
+    assert system.num_prompts(levels, rounds=2) == 1 + 3 * (4 + 4)
+    prompts = [[1000 + i] for i in range(system.num_prompts(levels, rounds=2))]
+    with EngineTwin([sys.executable, str(twin_script), str(log)], "fake", tmp_path / "twin.log") as twin:
+        rows = measure_system(system, port, "m", prompts, levels, 3, tmp_path / "fake.log", twin, rounds=2)
+    events = []
+    for line in log.read_text().splitlines():
+        kind = "twin " + line.split()[1] if line.startswith("twin") else "greedy" if line.endswith(" 0.0") else "sampled"
+        if not events or events[-1] != kind:
+            events.append(kind)
+    assert events == ["greedy", "twin 1", "greedy", "twin 1", "greedy", "twin 1", "sampled",
+                      "twin 2", "greedy", "twin 2", "greedy", "twin 2", "sampled"]
+    assert [(r["system"], r["concurrency"], r["round"]) for r in rows] == [
+        ("fake", 1, 0), ("fake", 1, 1), ("fake sampled", 1, 0), ("fake", 2, 0), ("fake", 2, 1), ("fake sampled", 2, 0)]
+    assert [(r["concurrency"], r["round"], r["decode_step_ms_p50_before"], r["decode_step_ms_p50_after"])
+            for r in twin.rows] == [(1, 0, 1.0, 2.0), (1, 1, 2.0, 3.0), (2, 0, 4.0, 5.0), (2, 1, 5.0, 6.0)]
+    sent = sorted(int(line.split()[0]) for line in log.read_text().splitlines() if not line.startswith("twin"))
+    assert sent == list(range(1000, 1000 + len(prompts)))
+
+
+def test_rounds_are_summarised_by_their_median_and_range():
+    def twin_row(step, tpot, round_):
+        run = {"system": "neuronmm", "concurrency": 1, "decode_step_ms_p50": step, "output_tok_s": 90.0,
+               "tpot_ms_p50": tpot}
+        return {**bracket([run], [dict(run)])[0], "round": round_}
+
+    def served_row(itl, tpot, round_):
+        return {"system": "neuronmm", "concurrency": 1, "output_tok_s": 70.0, "ttft_ms_p50": 100, "ttft_ms_p99": 120,
+                "tpot_ms_p50": tpot, "tpot_ms_p99": tpot, "itl_ms_p50": itl, "itl_ms_p99": itl, "round": round_}
+
+    report = {"serve": [served_row(11.0, 11.0, 0), served_row(13.0, 12.0, 1), served_row(10.0, 10.0, 2)],
+              "memory_bandwidth_gbs": 25.0, "engine_step": [], "peer_note": "",
+              "engine_workload": [twin_row(10.0, 10.0, 0), twin_row(10.0, 10.0, 1), twin_row(10.0, 10.0, 2)]}
+    lines = markdown(report).splitlines()
+    assert any(line.startswith("| neuronmm (2) | 1 | 70.0 |") for line in lines)  # each round named in the tables
+    assert "| neuronmm | 1 | 3 | 1.10 (1.00-1.30) | 1.10 (1.00-1.20) |" in lines
+
+
 def test_a_twin_that_dies_stops_the_benchmark_with_where_to_look(tmp_path):
     with pytest.raises(SystemExit, match="twin of fake exited: see .*twin.log"):  # dies while loading
         with EngineTwin([sys.executable, "-c", "raise SystemExit(3)"], "fake", tmp_path / "twin.log"):
@@ -214,3 +260,9 @@ def test_a_twin_that_dies_stops_the_benchmark_with_where_to_look(tmp_path):
         for _ in range(2):  # its stdin closed or a broken pipe by then
             with pytest.raises(SystemExit, match="twin of fake exited: see .*twin.log"):
                 twin.level(1)
+
+
+def test_fewer_than_one_round_is_a_one_line_cli_error(capsys):
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--twin-rounds", "0"])
+    assert "--twin-rounds must be at least 1" in capsys.readouterr().err
