@@ -184,53 +184,47 @@ for n, line in enumerate(sys.stdin, 1):
 '''
 
 
-def test_the_twin_runs_each_level_right_before_and_after_the_served_greedy_level(tmp_path):
+def _beside_fake_twin(tmp_path, rounds: int = 1) -> tuple[list[dict], list[dict], list[str], list[int], int]:
+    """measure_system on the fake server (levels 1 and 2, each also sampled) beside the fake twin: the served rows,
+    the twin's rows, the run's events in order (repeats in a row merged), the prompts served and how many there were."""
     server, twin_script, log = tmp_path / "fake_server.py", tmp_path / "fake_twin.py", tmp_path / "events.log"
     server.write_text(FAKE_SERVER)
     twin_script.write_text(FAKE_TWIN)
     port = free_port()
     system = System("fake", [sys.executable, str(server), str(port), str(log)], also_sampled=True)
     levels = [1, 2]
-    prompts = [[1000 + i] for i in range(system.num_prompts(levels))]
+    prompts = [[1000 + i] for i in range(system.num_prompts(levels, rounds))]
     with EngineTwin([sys.executable, str(twin_script), str(log)], "fake", tmp_path / "twin.log") as twin:
-        measure_system(system, port, "m", prompts, levels, 3, tmp_path / "fake.log", twin)
+        rows = measure_system(system, port, "m", prompts, levels, 3, tmp_path / "fake.log", twin, rounds)
     events = []
     for line in log.read_text().splitlines():
         kind = "twin " + line.split()[1] if line.startswith("twin") else "greedy" if line.endswith(" 0.0") else "sampled"
         if not events or events[-1] != kind:
             events.append(kind)
+    sent = sorted(int(line.split()[0]) for line in log.read_text().splitlines() if not line.startswith("twin"))
+    return rows, twin.rows, events, sent, len(prompts)
+
+
+def test_the_twin_runs_each_level_right_before_and_after_the_served_greedy_level(tmp_path):
+    _, twin_rows, events, _, _ = _beside_fake_twin(tmp_path)
     assert events == ["greedy",  # the warm-up request
                       "twin 1", "greedy", "twin 1", "sampled", "twin 2", "greedy", "twin 2", "sampled"]
     assert [(r["system"], r["concurrency"], r["decode_step_ms_p50_before"], r["decode_step_ms_p50_after"])
-            for r in twin.rows] == [("fake", 1, 1.0, 2.0), ("fake", 2, 3.0, 4.0)]
+            for r in twin_rows] == [("fake", 1, 1.0, 2.0), ("fake", 2, 3.0, 4.0)]
 
 
 def test_rounds_of_a_level_share_the_twin_runs_between_them(tmp_path):
     """--twin-rounds 2: twin, greedy, twin, greedy, twin, then the sampled level; each round's row is bracketed by the
     twin runs on either side of it, and every prompt is sent once."""
-    server, twin_script, log = tmp_path / "fake_server.py", tmp_path / "fake_twin.py", tmp_path / "events.log"
-    server.write_text(FAKE_SERVER)
-    twin_script.write_text(FAKE_TWIN)
-    port = free_port()
-    system = System("fake", [sys.executable, str(server), str(port), str(log)], also_sampled=True)
-    levels = [1, 2]
-    assert system.num_prompts(levels, rounds=2) == 1 + 3 * (4 + 4)
-    prompts = [[1000 + i] for i in range(system.num_prompts(levels, rounds=2))]
-    with EngineTwin([sys.executable, str(twin_script), str(log)], "fake", tmp_path / "twin.log") as twin:
-        rows = measure_system(system, port, "m", prompts, levels, 3, tmp_path / "fake.log", twin, rounds=2)
-    events = []
-    for line in log.read_text().splitlines():
-        kind = "twin " + line.split()[1] if line.startswith("twin") else "greedy" if line.endswith(" 0.0") else "sampled"
-        if not events or events[-1] != kind:
-            events.append(kind)
+    assert System("fake", [], also_sampled=True).num_prompts([1, 2], rounds=2) == 1 + 3 * (4 + 4)
+    rows, twin_rows, events, sent, num_prompts = _beside_fake_twin(tmp_path, rounds=2)
     assert events == ["greedy", "twin 1", "greedy", "twin 1", "greedy", "twin 1", "sampled",
                       "twin 2", "greedy", "twin 2", "greedy", "twin 2", "sampled"]
     assert [(r["system"], r["concurrency"], r["round"]) for r in rows] == [
         ("fake", 1, 0), ("fake", 1, 1), ("fake sampled", 1, 0), ("fake", 2, 0), ("fake", 2, 1), ("fake sampled", 2, 0)]
     assert [(r["concurrency"], r["round"], r["decode_step_ms_p50_before"], r["decode_step_ms_p50_after"])
-            for r in twin.rows] == [(1, 0, 1.0, 2.0), (1, 1, 2.0, 3.0), (2, 0, 4.0, 5.0), (2, 1, 5.0, 6.0)]
-    sent = sorted(int(line.split()[0]) for line in log.read_text().splitlines() if not line.startswith("twin"))
-    assert sent == list(range(1000, 1000 + len(prompts)))
+            for r in twin_rows] == [(1, 0, 1.0, 2.0), (1, 1, 2.0, 3.0), (2, 0, 4.0, 5.0), (2, 1, 5.0, 6.0)]
+    assert sent == list(range(1000, 1000 + num_prompts))
 
 
 def test_rounds_are_summarised_by_their_median_and_range():

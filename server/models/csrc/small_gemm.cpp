@@ -532,15 +532,39 @@ void fma_one_row_block(const std::vector<Part<at::BFloat16, at::BFloat16>>& part
   neuronmm::balanced_for(work.count, work.cost_before, work.body);
 }
 
-void run_bf16(const std::vector<Part<at::BFloat16, at::BFloat16>>& parts, int64_t M) {
+// The kernel a bf16 GEMM of M rows takes, by the loader's thresholds: AMX tiles (only where every part fits them),
+// VDPBF16PS, or fp32 FMAs on x widened per thread (one row block) or once for all threads (more rows).
+enum class Bf16Path { kAmx, kDot, kFmaOneBlock, kFmaWidened };
+
+bool fits_amx(const std::vector<Part<at::BFloat16, at::BFloat16>>& parts) {
 #ifdef NEURONMM_AMX
-  const int64_t amx_from = g_amx_min_rows.load(std::memory_order_relaxed);
-  if (amx_from > 0 && M >= amx_from && amx_fits(parts))
-    return gemm_parts<kAmxTileRows, kAmxTileRows, AmxScope>(parts, M, amx_rows);
+  return amx_fits(parts);
+#else
+  return false;  // a build without AMX
 #endif
+}
+
+Bf16Path bf16_path(int64_t M, bool fits_amx) {
+  const int64_t amx_from = g_amx_min_rows.load(std::memory_order_relaxed);
+  if (fits_amx && amx_from > 0 && M >= amx_from) return Bf16Path::kAmx;
   const int64_t fma_from = g_fma_min_rows.load(std::memory_order_relaxed);
-  if (fma_from == 0 || M < fma_from) return gemm_parts<kRowsPerItem, kRowsPerItem>(parts, M, bf16_rows);  // tiled there
-  if (M <= kRowsPerItem) return fma_one_row_block(parts, M);
+  if (fma_from == 0 || M < fma_from) return Bf16Path::kDot;
+  return M <= kRowsPerItem ? Bf16Path::kFmaOneBlock : Bf16Path::kFmaWidened;
+}
+
+void run_bf16(const std::vector<Part<at::BFloat16, at::BFloat16>>& parts, int64_t M) {
+  switch (bf16_path(M, fits_amx(parts))) {
+#ifdef NEURONMM_AMX
+    case Bf16Path::kAmx:
+      return gemm_parts<kAmxTileRows, kAmxTileRows, AmxScope>(parts, M, amx_rows);
+#endif
+    case Bf16Path::kDot:
+      return gemm_parts<kRowsPerItem, kRowsPerItem>(parts, M, bf16_rows);  // tiled there
+    case Bf16Path::kFmaOneBlock:
+      return fma_one_row_block(parts, M);
+    default:
+      break;
+  }
   // Larger M: widen each part's x to fp32 once ([M, K] contiguous), shared by the threads (its cost is spread
   // over many more products); the tiles then broadcast it with plain loads. Parts reading the same x (the splits
   // of a factored call's first GEMM) share one copy.
@@ -570,18 +594,21 @@ void run_bf16_then(const std::vector<Part<at::BFloat16, at::BFloat16>>& first,
     run_bf16(first, M);
     run_bf16(second, M);
   };
-#ifdef NEURONMM_AMX
-  const int64_t amx_from = g_amx_min_rows.load(std::memory_order_relaxed);
-  if (amx_from > 0 && M >= amx_from) {
-    if (!amx_fits(first) || !amx_fits(second)) return apart();
-    return gemm_parts_then<kAmxTileRows, kAmxTileRows, AmxScope>(first, second, M, amx_rows);
-  }
-#endif
-  const int64_t fma_from = g_fma_min_rows.load(std::memory_order_relaxed);
-  if (fma_from == 0 || M < fma_from) return gemm_parts_then<kRowsPerItem, kRowsPerItem>(first, second, M, bf16_rows);
-  if (M > kRowsPerItem) return apart();  // widened once per GEMM (run_bf16): the regions' cost is lost in the work
+  const bool fits = fits_amx(first);
+  if (fits != fits_amx(second)) return apart();  // one list may take AMX tiles and the other not
   const PanelList one(first), two(second);
-  neuronmm::balanced_for_then(fma_phase(first, one, M), fma_phase(second, two, M));
+  switch (bf16_path(M, fits)) {
+#ifdef NEURONMM_AMX
+    case Bf16Path::kAmx:
+      return gemm_parts_then<kAmxTileRows, kAmxTileRows, AmxScope>(first, second, M, amx_rows);
+#endif
+    case Bf16Path::kDot:
+      return gemm_parts_then<kRowsPerItem, kRowsPerItem>(first, second, M, bf16_rows);
+    case Bf16Path::kFmaOneBlock:
+      return neuronmm::balanced_for_then(fma_phase(first, one, M), fma_phase(second, two, M));
+    default:
+      return apart();  // x widened once per GEMM (run_bf16): the regions' cost is lost in the work
+  }
 }
 
 void set_bf16_fma_rows(int64_t min_rows) {
