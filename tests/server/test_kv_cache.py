@@ -109,3 +109,31 @@ def test_a_bf16_models_long_prefill_chunks_go_to_sdpa_beside_the_fused_decodes(t
         runs[name] = torch.cat([first, decode]).float()
     assert torch.equal(runs["sdpa"].argmax(-1), runs["fused"].argmax(-1))
     torch.testing.assert_close(runs["sdpa"], runs["fused"], rtol=0, atol=0.03)  # measured: 4e-3 on logits ~1.5
+
+
+def test_a_batch_marks_when_every_token_wants_logits(tiny_model_dir):
+    """Decode steps (every token wants logits, in order) carry no gather index; a prefill's last token does."""
+    runner = TorchRunner(tiny_model_dir, 64, "float32", num_threads=1)
+    runner.load()
+    runner.allocate_kv(3)
+    decode = runner.build_batch([SeqChunk(0, [5], 7), SeqChunk(2, [6], 3)])
+    assert decode.logits_index is None
+    prefill = runner.build_batch([SeqChunk(0, [5, 6, 7], 0), SeqChunk(2, [8], 3, False)])
+    assert prefill.logits_index.tolist() == [2]
+    scored = runner.build_batch([SeqChunk(0, [5, 6, 7], 0, True, None, True)])  # all_logits: every token, in order
+    assert scored.logits_index is None
+    logits = runner.execute([SeqChunk(0, [5], 7), SeqChunk(2, [6], 3)])
+    assert logits.shape == (2, runner.vocab_size)
+
+
+def test_rotary_tables_in_the_model_dtype_are_the_rows_cast(tiny_model_dir):
+    """The tables cast once per dtype give the rows the per-step cast gave, and follow buffers replaced later."""
+    runner = TorchRunner(tiny_model_dir, 64, "float32", num_threads=1)
+    runner.load()
+    rotary, positions = runner.model.rotary, torch.tensor([0, 5, 63, 5])
+    cos, sin = rotary.tables(positions, torch.bfloat16)
+    assert torch.equal(cos, rotary.cos[positions].to(torch.bfloat16))
+    assert torch.equal(sin, rotary.sin[positions].to(torch.bfloat16))
+    rotary.cos = rotary.cos * 2  # as Module.to replaces a buffer
+    cos, _ = rotary.tables(positions, torch.bfloat16)
+    assert torch.equal(cos, rotary.cos[positions].to(torch.bfloat16))
