@@ -155,13 +155,16 @@ def test_attention_over_a_narrow_cache_under_fp32_matches_reference(cache_dtype,
 def test_vectorised_attention_over_a_narrow_cache_matches_reference(cache_dtype, head_dim, num_kv_heads, group,
                                                                     block_size, threads):
     """The same on the vector paths (16-key runs on AVX-512, 8-key runs on AVX2), whose loads widen the cache (an fp8
-    cache's keys and AVX2 values once for a group's heads, 16 rows at a time: blocks of 32 take two)."""
+    cache's keys and AVX2 values once for a group's heads, 16 rows at a time: blocks of 32 take two), and whose
+    stores narrow it."""
     torch.set_num_threads(threads)
     case = _decode_case(torch.float32, head_dim, num_kv_heads, group, block_size, [1, 15, 16, 17, 40, 71],
                         cache_dtype)
     ref_case = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
     out, _ = torch.ops.neuronmm.attention(*case.values())
     ref_out, _ = fused_ops.attention_ref(*ref_case.values())
+    # the new rows stored as the reference rounds them (fp16 and fp8 by vector stores at these head sizes)
+    assert torch.equal(case["k_cache"], ref_case["k_cache"]) and torch.equal(case["v_cache"], ref_case["v_cache"])
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
 
 
