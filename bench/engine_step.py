@@ -12,6 +12,10 @@ and timed in N alternating rounds (ABBA order) per batch size, so the speed-up i
 a noisy or drifting shared CPU moves both sides of each ratio together.
 
     python -m bench.engine_step --batch-sizes 1 16 --steps 40 --compressed DIR --ab-rounds 8
+    python -m bench.engine_step --batch-sizes 1 16 --steps 60 --compressed DIR --ab-rounds 8 --ab-paired
+
+`--ab-paired` alternates the two models step by step within each round (ABBA by step) and takes the median of the
+per-step ratios: on the 2-vCPU VMs measured, rounds of runs moved ±5 % apart where paired rounds moved ±1.5 %.
 """
 
 from __future__ import annotations
@@ -39,26 +43,50 @@ from server.models.source import resolve_model_dir
 RESULTS = Path(__file__).parent / "results"
 
 
-def step_times(runner, batch_size: int, context: int, steps: int, seed: int, block_size: int) -> list[float]:
-    """Seconds per decode step for `batch_size` sequences that each hold `context` tokens.
-
-    The cache is paged as the server runs it: sequence s owns blocks s*per_seq .. (s+1)*per_seq - 1.
-    """
+def _filled(runner, batch_size: int, context: int, steps: int, seed: int, block_size: int):
+    """`batch_size` sequences of a `context`-token random prompt each in the paged cache, as the server runs it
+    (sequence s owns blocks s*per_seq .. (s+1)*per_seq - 1); returns step(i), which times decode step i of all of
+    them, and release()."""
     rng = random.Random(seed)
     per_seq = -(-(context + steps) // block_size)
     tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(batch_size)]
     for slot in range(batch_size):
         prompt = [rng.randrange(1000, runner.vocab_size) for _ in range(context)]
         runner.execute([SeqChunk(slot=slot, token_ids=prompt, start_pos=0, block_table=tables[slot])])
-    times = []
-    for i in range(steps):
+
+    def step(i: int) -> float:
         chunks = [SeqChunk(slot=s, token_ids=[rng.randrange(1000, runner.vocab_size)], start_pos=context + i,
                            block_table=tables[s]) for s in range(batch_size)]
         start = time.perf_counter()
         runner.execute(chunks)
-        times.append(time.perf_counter() - start)
-    for slot in range(batch_size):
-        runner.release_slot(slot)
+        return time.perf_counter() - start
+
+    def release() -> None:
+        for slot in range(batch_size):
+            runner.release_slot(slot)
+
+    return step, release
+
+
+def step_times(runner, batch_size: int, context: int, steps: int, seed: int, block_size: int) -> list[float]:
+    """Seconds per decode step for `batch_size` sequences that each hold `context` tokens."""
+    step, release = _filled(runner, batch_size, context, steps, seed, block_size)
+    times = [step(i) for i in range(steps)]
+    release()
+    return times
+
+
+def paired_step_times(first, second, batch_size: int, context: int, steps: int, seed: int,
+                      block_size: int) -> tuple[list[float], list[float]]:
+    """step_times of two runners (the same prompts and tokens), one step of each in turn, ABBA by step: step i of
+    each lies one step from the other's, so a slow spell of a shared CPU (seconds long) falls on both."""
+    runs = [_filled(runner, batch_size, context, steps, seed, block_size) for runner in (first, second)]
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(steps):
+        for side in ((0, 1) if i % 2 == 0 else (1, 0)):
+            times[side].append(runs[side][0](i))
+    for _, release in runs:
+        release()
     return times
 
 
@@ -96,16 +124,26 @@ def _load_runner(model_dir: Path, cfg, args, compressed: str | None) -> TorchRun
 
 def ab_rows(dense: TorchRunner, compressed: TorchRunner, args, block_size: int) -> list[dict]:
     """Per batch size: the step p50 of each side in every round (ABBA order) and speed-up = dense / compressed per
-    round, summarised by its median and range."""
+    round, summarised by its median and range. With `args.ab_paired` a round runs both sides step by step in turn
+    (paired_step_times) and its speed-up is the median of its per-step ratios."""
     rows = []
     for bs in args.batch_sizes:
         medians = {"dense": [], "compressed": []}
+        ratios = []
         for r in tqdm(range(args.ab_rounds), desc=f"A/B rounds, batch {bs}"):
+            if args.ab_paired:
+                d, c = (t[5:] for t in paired_step_times(dense, compressed, bs, args.context, args.steps + 5,
+                                                         args.seed + r, block_size))
+                ratios.append(statistics.median(a / b for a, b in zip(d, c)))
+                medians["dense"].append(1000 * statistics.median(d))
+                medians["compressed"].append(1000 * statistics.median(c))
+                continue
             order = [("dense", dense), ("compressed", compressed)]
             for name, runner in order if r % 2 == 0 else order[::-1]:
                 times = step_times(runner, bs, args.context, args.steps + 5, args.seed + r, block_size)[5:]
                 medians[name].append(1000 * statistics.median(times))
-        ratios = sorted(d / c for d, c in zip(medians["dense"], medians["compressed"]))
+            ratios.append(medians["dense"][-1] / medians["compressed"][-1])
+        ratios.sort()
         rows.append({"batch_size": bs, "dense_step_ms": medians["dense"], "compressed_step_ms": medians["compressed"],
                      "speedup_median": statistics.median(ratios), "speedup_min": ratios[0], "speedup_max": ratios[-1]})
     return rows
@@ -127,10 +165,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the layers through the Python loop even where the C++ layer loop (csrc/decoder.cpp) applies")
     p.add_argument("--ab-rounds", type=int, default=0,
                    help="with --compressed: time dense and compressed in this many alternating rounds (one process)")
+    p.add_argument("--ab-paired", action="store_true",
+                   help="with --ab-rounds: each round alternates the two models step by step (ABBA), its speed-up the "
+                        "median of the per-step ratios, instead of a run of steps of each")
     p.add_argument("--out", default=str(RESULTS / "engine_step.json"))
     args = p.parse_args(argv)
     if args.ab_rounds and not args.compressed:
         p.error("--ab-rounds needs --compressed (the artifact to compare with the dense model)")
+    if args.ab_paired and not args.ab_rounds:
+        p.error("--ab-paired needs --ab-rounds (the number of rounds)")
 
     cfg = load_config(args.config)
     if args.kv_cache_dtype:
@@ -183,7 +226,7 @@ def _main_ab(args, cfg, model_dir: Path, compressed: TorchRunner, block_size: in
         dense = _load_runner(model_dir, cfg, args, None)
     with torch.inference_mode():
         rows = ab_rows(dense, compressed, args, block_size)
-    result = {**_facts(args, compressed, args.compressed, block_size), "ab_rounds": args.ab_rounds,
+    result = {**_facts(args, compressed, args.compressed, block_size), "ab_rounds": args.ab_rounds, "ab_paired": args.ab_paired,
               "weight_bytes": {"dense": weight_bytes(dense.model), "compressed": weight_bytes(compressed.model)},
               "rows": rows}
     print("| batch | dense step p50 ms (rounds) | compressed | speed-up median (min-max) |\n|---:|---|---|---|")

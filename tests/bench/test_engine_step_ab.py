@@ -22,13 +22,61 @@ def test_rounds_alternate_abba_and_speedups_are_neighbouring_ratios(monkeypatch)
         return [ms / 1000] * steps
 
     monkeypatch.setattr(engine_step, "step_times", fake_step_times)
-    args = argparse.Namespace(batch_sizes=[1], ab_rounds=4, context=8, steps=3, seed=0)
+    args = argparse.Namespace(batch_sizes=[1], ab_rounds=4, ab_paired=False, context=8, steps=3, seed=0)
     (row,) = engine_step.ab_rows("dense", "compressed", args, block_size=16)
     assert [c[0] for c in calls] == ["dense", "compressed", "compressed", "dense"] * 2  # ABBA: drift cancels
     assert [c[1] for c in calls][::2] == [0, 1, 2, 3]  # each round its own prompts, both sides the same
     assert row["dense_step_ms"] == pytest.approx(fake_ms["dense"])
     assert row["speedup_median"] == pytest.approx((10 / 8 + 12 / 10) / 2)  # ratios 1.0, 1.2, 1.25, 1.5
     assert (row["speedup_min"], row["speedup_max"]) == pytest.approx((1.0, 1.5))
+
+
+class _Recorder:
+    """A runner that records each execute call (its name, the chunks' positions and tokens) and takes no time."""
+
+    vocab_size = 5000
+
+    def __init__(self, name: str, calls: list):
+        self.name, self.calls = name, calls
+
+    def execute(self, chunks):
+        self.calls.append((self.name, [c.start_pos for c in chunks], [c.token_ids for c in chunks]))
+
+    def release_slot(self, slot):
+        pass
+
+
+def test_paired_steps_alternate_abba_on_the_same_tokens():
+    calls = []
+    dense, compressed = _Recorder("dense", calls), _Recorder("compressed", calls)
+    d, c = engine_step.paired_step_times(dense, compressed, 2, context=8, steps=4, seed=3, block_size=16)
+    assert len(d) == len(c) == 4
+    steps = calls[4:]  # after each side's two prompts
+    assert [s[0] for s in steps] == ["dense", "compressed", "compressed", "dense"] * 2
+    assert [s[1] for s in steps] == [[8, 8], [8, 8], [9, 9], [9, 9], [10, 10], [10, 10], [11, 11], [11, 11]]
+    assert calls[0][2] == calls[2][2] and steps[0][2] == steps[1][2]  # the same prompts, the same tokens
+
+
+def test_paired_rounds_take_the_median_of_per_step_ratios(monkeypatch):
+    warm = [99.0] * 5  # the first five steps of each side are dropped
+    per_step = {0: ([10, 30, 10, 20], [10, 10, 8, 10]),  # ratios 1, 3, 1.25, 2
+                1: ([10] * 4, [8] * 4)}
+
+    def fake_paired(first, second, batch_size, context, steps, seed, block_size):
+        return tuple([t / 1000 for t in warm + times] for times in per_step[seed])
+
+    monkeypatch.setattr(engine_step, "paired_step_times", fake_paired)
+    args = argparse.Namespace(batch_sizes=[16], ab_rounds=2, ab_paired=True, context=8, steps=3, seed=0)
+    (row,) = engine_step.ab_rows("dense", "compressed", args, block_size=16)
+    # round 0: median of ratios (1, 3, 1.25, 2) = 1.625, not the ratio of the medians (15 / 10); round 1: 1.25
+    assert (row["speedup_min"], row["speedup_max"]) == pytest.approx((1.25, 1.625))
+    assert row["dense_step_ms"] == pytest.approx([15.0, 10.0]) and row["compressed_step_ms"] == pytest.approx([10.0, 8.0])
+
+
+def test_ab_paired_needs_rounds(capsys):
+    with pytest.raises(SystemExit):
+        engine_step.main(["--ab-paired", "--compressed", "x"])
+    assert "--ab-paired needs --ab-rounds" in capsys.readouterr().err
 
 
 def test_ab_needs_an_artifact(capsys):
