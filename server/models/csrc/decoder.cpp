@@ -3,18 +3,20 @@
 //
 // Why: from Python a layer is seven op calls (qkv, attention, o, add + norm, gate/up, SiLU·mul, down + norm), and
 // each pays ~2 µs of argument parsing and boxing on its way through the dispatcher, plus the interpreter between
-// them: ~0.9 ms of an 11 ms batch-1 step of the default model. Here the same ops run in the same order on the
-// same tensors, called through the dispatcher's unboxed path, so the result is bit for bit the Python loop's.
+// them: ~0.9 ms of an 11 ms batch-1 step of the default model. Here the same kernels run in the same order on the
+// same values, called directly (csrc/step_ops.h) into buffers allocated once a step, so the result is bit for bit the
+// Python loop's.
 //
 // A DecoderPlan holds what does not change between steps: each layer's four projections (as factored_linear
 // arguments: a panel GEMM is one part that passes its output through) and its two norm weights.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "step_ops.h"
+
+#include <algorithm>
 #include <optional>
-#include <tuple>
 #include <vector>
 
 namespace {
@@ -55,43 +57,27 @@ struct DecoderPlan : torch::CustomClassHolder {
   int64_t num_layers() const { return static_cast<int64_t>(norms.size() / 2); }
 };
 
-// The fused ops, called through the dispatcher's unboxed path (the signatures they were registered with).
-struct Ops {
-  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, double)>
-      attention;
-  c10::TypedOperatorHandle<at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&, double)> add_rms_norm;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, at::IntArrayRef,
-                                      const c10::List<std::optional<at::Tensor>>&, at::IntArrayRef)>
-      factored_linear;
+int64_t out_width(const Projection& p) {
+  int64_t n = 0;
+  for (int64_t w : p.outs) n += w;
+  return n;
+}
 
-  static const Ops& get() {
-    static const Ops ops = [] {
-      auto& d = c10::Dispatcher::singleton();
-      return Ops{
-          d.findSchemaOrThrow("neuronmm::attention", "").typed<std::tuple<at::Tensor, at::Tensor>(
-              const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
-              const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, double)>(),
-          d.findSchemaOrThrow("neuronmm::add_rms_norm", "")
-              .typed<at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(),
-          d.findSchemaOrThrow("neuronmm::silu_mul", "").typed<at::Tensor(const at::Tensor&)>(),
-          d.findSchemaOrThrow("neuronmm::factored_linear", "")
-              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, at::IntArrayRef,
-                                const c10::List<std::optional<at::Tensor>>&, at::IntArrayRef)>(),
-      };
-    }();
-    return ops;
+// The first GEMM's output t of a projection, where it has one (a low-rank part, or a split off the 32-column panels).
+int64_t scratch_width(const Projection& p) {
+  int64_t width = 0;
+  bool needs = false;
+  for (size_t i = 0; i < p.splits.size(); ++i) {
+    width += p.splits[i];
+    needs = needs || p.seconds.get(i).has_value() || (i + 1 < p.splits.size() && width % 32 != 0);
   }
-
-  at::Tensor project(const Projection& p, const at::Tensor& x) const {
-    return factored_linear.call(x, p.first, p.splits, p.seconds, p.outs);
-  }
-};
+  return needs ? width : 0;
+}
 
 // Every layer of the plan over the flat batch: x is the residual stream (updated in place), h its normed input to
 // the first layer; returns the last layer's output through the final norm. The arguments are LlamaModel.forward's.
+// Each op writes into buffers allocated once for the step (neuronmm::*_into): a layer's ops run one after another,
+// so a buffer is reused by the next layer's same op.
 at::Tensor decode_layers(const c10::intrusive_ptr<DecoderPlan>& plan, at::Tensor& x, const at::Tensor& h_in,
                          const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_index,
@@ -100,16 +86,32 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecoderPlan>& plan, at::Tensor
   TORCH_CHECK(static_cast<int64_t>(plan->projections.size()) == 4 * layers, "decode_layers: four projections a layer");
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers && static_cast<int64_t>(v_caches.size()) == layers,
               "decode_layers: one K and one V cache a layer");
-  const Ops& ops = Ops::get();
-  at::Tensor h = h_in;
+  TORCH_CHECK(x.dim() == 2 && layers > 0, "decode_layers: x [num_tokens, hidden] and at least one layer expected");
+  const int64_t M = x.size(0), head_dim = k_caches[0].size(3);
+  const auto& p0 = plan->projections;
+  int64_t scratch = 0;
+  for (const auto& p : p0) scratch = std::max(scratch, scratch_width(p));
+  const auto opts = x.options();
+  at::Tensor qkv = at::empty({M, out_width(p0[0])}, opts), q_rot = at::empty({M, plan->num_heads, head_dim}, opts),
+             attn = at::empty({M, plan->num_heads * head_dim}, opts), o = at::empty({M, out_width(p0[1])}, opts),
+             gate_up = at::empty({M, out_width(p0[2])}, opts), act = at::empty({M, out_width(p0[2]) / 2}, opts),
+             down = at::empty({M, out_width(p0[3])}, opts), h = at::empty_like(x),
+             t = scratch ? at::empty({M * scratch}, opts) : at::Tensor();
+  const auto project = [&](const Projection& p, const at::Tensor& in, at::Tensor& y) {
+    neuronmm::factored_linear_into(in, p.first, p.splits, p.seconds, p.outs, y, t);
+  };
   for (int64_t i = 0; i < layers; ++i) {
     const Projection* proj = &plan->projections[4 * i];
     at::Tensor k = k_caches[i], v = v_caches[i];  // handles to the caches: attention writes through them
-    auto [out, q_rot] = ops.attention.call(ops.project(proj[0], h), cos, sin, k, v, slot_mapping, block_tables,
-                                           seq_index, context_lens, plan->num_heads, plan->num_kv_heads, plan->scale);
-    h = ops.add_rms_norm.call(x, ops.project(proj[1], out), plan->norms[2 * i], plan->eps);
-    h = ops.add_rms_norm.call(x, ops.project(proj[3], ops.silu_mul.call(ops.project(proj[2], h))),
-                              plan->norms[2 * i + 1], plan->eps);
+    project(proj[0], i == 0 ? h_in : h, qkv);
+    neuronmm::attention_into(qkv, cos, sin, k, v, slot_mapping, block_tables, seq_index, context_lens, plan->num_heads,
+                             plan->num_kv_heads, plan->scale, q_rot, attn);
+    project(proj[1], attn, o);
+    neuronmm::add_rms_norm_into(x, o, plan->norms[2 * i], plan->eps, h);
+    project(proj[2], h, gate_up);
+    neuronmm::silu_mul_into(gate_up, act);
+    project(proj[3], act, down);
+    neuronmm::add_rms_norm_into(x, down, plan->norms[2 * i + 1], plan->eps, h);
   }
   return h;
 }

@@ -14,6 +14,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "step_ops.h"
 #include "work_split.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -588,12 +589,16 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-// x += y (rounded to dtype, as the reference's residual add), then rms_norm of the new x.
-at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& y, const at::Tensor& weight, double eps) {
+}  // namespace
+
+// x += y (rounded to dtype, as the reference's residual add), then rms_norm of the new x into `out` (x's shape).
+void neuronmm::add_rms_norm_into(at::Tensor& x, const at::Tensor& y, const at::Tensor& weight, double eps,
+                                 at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && y.is_contiguous() && x.sizes() == y.sizes(),
               "add_rms_norm: x and y must be contiguous [num_tokens, hidden] of the same shape");
   TORCH_CHECK(x.scalar_type() == y.scalar_type(), "add_rms_norm: x and y dtypes differ");
-  auto out = at::empty_like(x);
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
+              "add_rms_norm: out must be contiguous, of x's shape and dtype");
   const int64_t rows = x.size(0), hidden = x.size(1);
   const auto w = as_dtype_of(weight, x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
@@ -610,6 +615,13 @@ at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& y, const at::Tensor& we
       }
     });
   });
+}
+
+namespace {
+
+at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& y, const at::Tensor& weight, double eps) {
+  auto out = at::empty_like(x);
+  neuronmm::add_rms_norm_into(x, y, weight, eps, out);
   return out;
 }
 
@@ -659,12 +671,17 @@ inline int64_t silu_mul_vector(const c10::BFloat16* gate, const c10::BFloat16* u
 }
 #endif
 
-// gate_up [num_tokens, 2 * inter] (gate then up) -> silu(gate) * up, each rounded as the reference.
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+}  // namespace
+
+// gate_up [num_tokens, 2 * inter] (gate then up) -> silu(gate) * up into `out` [num_tokens, inter], each rounded as
+// the reference.
+void neuronmm::silu_mul_into(const at::Tensor& gate_up, at::Tensor& out) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "silu_mul: gate_up must be contiguous [num_tokens, 2 * inter]");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  auto out = at::empty({rows, inter}, gate_up.options());
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == rows && out.size(1) == inter &&
+                  out.scalar_type() == gate_up.scalar_type(),
+              "silu_mul: out must be contiguous [num_tokens, inter] in gate_up's dtype");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
     const scalar_t* gp = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
@@ -684,6 +701,14 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       }
     });
   });
+}
+
+namespace {
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2, "silu_mul: gate_up must be contiguous [num_tokens, 2 * inter]");
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  neuronmm::silu_mul_into(gate_up, out);
   return out;
 }
 
@@ -958,11 +983,12 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                                             at::Tensor& k_cache, at::Tensor& v_cache,
-                                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                                             const at::Tensor& seq_index, const at::Tensor& context_lens,
-                                             int64_t num_heads, int64_t num_kv_heads, double scale) {
+}  // namespace
+
+void neuronmm::attention_into(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                              at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                              const at::Tensor& seq_index, const at::Tensor& context_lens, int64_t num_heads,
+                              int64_t num_kv_heads, double scale, at::Tensor& q_rot, at::Tensor& out) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "attention: qkv must be contiguous [num_tokens, (H + 2 Hkv) D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(), "attention: bad cache layout");
   const int64_t head_dim = k_cache.size(3);
@@ -980,8 +1006,10 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& qkv, const at::Te
                   seq_index.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "attention: index dtypes are int64 slots, int32 tables/seq_index/context_lens");
   const int64_t num_tokens = qkv.size(0);
-  auto q_rot = at::empty({num_tokens, num_heads, head_dim}, qkv.options());
-  auto out = at::empty({num_tokens, num_heads * head_dim}, qkv.options());
+  TORCH_CHECK(q_rot.is_contiguous() && q_rot.numel() == num_tokens * num_heads * head_dim && out.is_contiguous() &&
+                  out.numel() == num_tokens * num_heads * head_dim && q_rot.scalar_type() == dtype &&
+                  out.scalar_type() == dtype,
+              "attention: q_rot and out must be contiguous, num_tokens x heads x head_dim in qkv's dtype");
   const auto run = [&](auto model, auto cache) {
     attention_impl<decltype(model), decltype(cache)>(qkv, cos, sin, k_cache, v_cache, slot_mapping.contiguous(),
                                                      block_tables.contiguous(), seq_index.contiguous(),
@@ -998,6 +1026,21 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& qkv, const at::Te
   } else {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "attention", [&] { run(scalar_t{}, scalar_t{}); });
   }
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                             at::Tensor& k_cache, at::Tensor& v_cache,
+                                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                             const at::Tensor& seq_index, const at::Tensor& context_lens,
+                                             int64_t num_heads, int64_t num_kv_heads, double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && k_cache.dim() == 4, "attention: qkv [num_tokens, (H + 2 Hkv) D] and a 4-d cache expected");
+  const int64_t num_tokens = qkv.size(0), head_dim = k_cache.size(3);
+  auto q_rot = at::empty({num_tokens, num_heads, head_dim}, qkv.options());
+  auto out = at::empty({num_tokens, num_heads * head_dim}, qkv.options());
+  neuronmm::attention_into(qkv, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_index, context_lens,
+                           num_heads, num_kv_heads, scale, q_rot, out);
   return {out, q_rot};
 }
 

@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "step_ops.h"
 #include "work_split.h"
 
 #include <algorithm>
@@ -937,16 +938,18 @@ at::Tensor panel_linear_f32(const at::Tensor& x, const at::Tensor& panels, int64
 // layer's low-rank projections are one call instead of a GEMM per factor plus a split and a concatenation; both
 // GEMMs run in one parallel region (a barrier between them) unless a slice of t must be copied out between.
 template <typename T, typename W = T>
-at::Tensor factored_impl(const at::Tensor& x, const at::Tensor& first, const std::vector<int64_t>& splits,
-                         const std::vector<std::optional<at::Tensor>>& seconds, const std::vector<int64_t>& outs,
-                         Runner<T, W> run, RunnerThen<T, W> run_then, void (*check)(const at::Tensor&, int64_t, int64_t, const char*)) {
+void factored_impl(const at::Tensor& x, const at::Tensor& first, at::IntArrayRef splits,
+                   const c10::List<std::optional<at::Tensor>>& seconds, at::IntArrayRef outs, at::Tensor& y,
+                   const at::Tensor& scratch, Runner<T, W> run, RunnerThen<T, W> run_then,
+                   void (*check)(const at::Tensor&, int64_t, int64_t, const char*)) {
   TORCH_CHECK(splits.size() == seconds.size() && splits.size() == outs.size() && !splits.empty(),
               "factored_linear: splits, seconds and out_features must have one entry per part");
   const int64_t M = x.size(0), K = x.size(1);
   int64_t width = 0, out_width = 0;
   for (size_t i = 0; i < splits.size(); ++i) {
-    TORCH_CHECK(seconds[i].has_value() || outs[i] == splits[i], "factored_linear: a part without B passes its slice through");
-    if (seconds[i].has_value()) check(*seconds[i], splits[i], outs[i], "factored_linear (second)");
+    const std::optional<at::Tensor> second = seconds.get(i);
+    TORCH_CHECK(second.has_value() || outs[i] == splits[i], "factored_linear: a part without B passes its slice through");
+    if (second.has_value()) check(*second, splits[i], outs[i], "factored_linear (second)");
     width += splits[i];
     out_width += outs[i];
   }
@@ -956,63 +959,76 @@ at::Tensor factored_impl(const at::Tensor& x, const at::Tensor& first, const std
   // then writes its slice of y itself. Otherwise one part writes all of t, and those slices are copied after.
   bool aligned = true, any_second = false;
   for (size_t i = 0, col = 0; i < splits.size(); ++i) {
-    any_second = any_second || seconds[i].has_value();
+    any_second = any_second || seconds.get(i).has_value();
     col += splits[i];
     aligned = aligned && (i + 1 == splits.size() || col % 32 == 0);
   }
-  auto y = at::empty({M, out_width}, x.options());
+  TORCH_CHECK(y.is_contiguous() && y.dim() == 2 && y.size(0) == M && y.size(1) == out_width &&
+                  y.scalar_type() == x.scalar_type(),
+              "factored_linear: y must be contiguous [M, sum(out_features)] in x's dtype");
   // t only where something reads it (a dense projection, one part passing through, needs none)
-  auto t = !aligned || any_second ? at::empty({M, width}, x.options()) : at::Tensor();
-  T* const tp = t.defined() ? t.data_ptr<T>() : nullptr;
+  const bool needs_t = !aligned || any_second;
+  TORCH_CHECK(!needs_t || !scratch.defined() ||
+                  (scratch.is_contiguous() && scratch.scalar_type() == x.scalar_type() && scratch.numel() >= M * width),
+              "factored_linear: scratch must be contiguous, in x's dtype, of at least M x sum(splits) elements");
+  const auto t = needs_t && !scratch.defined() ? at::empty({M, width}, x.options()) : scratch;
+  T* const tp = needs_t ? t.data_ptr<T>() : nullptr;
   T* const yp = y.data_ptr<T>();
   std::vector<Part<T, W, T>> firsts, parts;
   std::vector<std::array<int64_t, 3>> copies;  // (column of t, column of y, width) of each slice to copy
   if (!aligned) firsts.push_back({xc.data_ptr<T>(), K, first.data_ptr<W>(), K, width, tp, width});
   int64_t col = 0, out_col = 0;
   for (size_t i = 0; i < splits.size(); ++i) {
-    const bool through = !seconds[i].has_value();
+    const std::optional<at::Tensor> second = seconds.get(i);
+    const bool through = !second.has_value();
     if (aligned)
       firsts.push_back({xc.data_ptr<T>(), K, first.data_ptr<W>() + col / 32 * K * 32, K, splits[i],
                         through ? yp + out_col : tp + col, through ? out_width : width});
     else if (through)
       copies.push_back({col, out_col, splits[i]});
-    if (!through) parts.push_back({tp + col, width, seconds[i]->data_ptr<W>(), splits[i], outs[i], yp + out_col, out_width});
+    if (!through) parts.push_back({tp + col, width, second->data_ptr<W>(), splits[i], outs[i], yp + out_col, out_width});
     col += splits[i];
     out_col += outs[i];
   }
-  if (copies.empty() && !parts.empty()) {
-    run_then(firsts, parts, M);
-    return y;
-  }
+  if (copies.empty() && !parts.empty()) return run_then(firsts, parts, M);
   run(firsts, M);
   for (const auto& [from, to, n] : copies)
     for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * out_width + to, tp + m * width + from, n * sizeof(T));
   if (!parts.empty()) run(parts, M);
-  return y;
 }
 
 // (Tensor?[] as the dispatcher's own type for it, so csrc/decoder.cpp can call this op unboxed.)
 at::Tensor factored_linear(const at::Tensor& x, const at::Tensor& first, at::IntArrayRef splits,
                            const c10::List<std::optional<at::Tensor>>& seconds, at::IntArrayRef outs) {
   TORCH_CHECK(x.dim() == 2, "factored_linear: x [M, K] expected");
-  const std::vector<int64_t> sp(splits.begin(), splits.end()), os(outs.begin(), outs.end());
-  std::vector<std::optional<at::Tensor>> sec;
-  for (size_t i = 0; i < seconds.size(); ++i) sec.push_back(seconds.get(i));
+  int64_t out_width = 0;
+  for (int64_t n : outs) out_width += n;
+  auto y = at::empty({x.size(0), out_width}, x.options());
+  neuronmm::factored_linear_into(x, first, splits, seconds, outs, y, at::Tensor());
+  return y;
+}
+
+}  // namespace
+
+void neuronmm::factored_linear_into(const at::Tensor& x, const at::Tensor& first, at::IntArrayRef splits,
+                                    const c10::List<std::optional<at::Tensor>>& seconds, at::IntArrayRef outs,
+                                    at::Tensor& y, const at::Tensor& scratch) {
+  TORCH_CHECK(x.dim() == 2, "factored_linear: x [M, K] expected");
   if (x.scalar_type() == at::kFloat && first.scalar_type() == at::kBFloat16)  // bf16 weights, fp32 activations
-    return factored_impl<float, at::BFloat16>(x, first, sp, sec, os, run_f32<at::BFloat16>,
+    return factored_impl<float, at::BFloat16>(x, first, splits, seconds, outs, y, scratch, run_f32<at::BFloat16>,
                                               run_f32_then<at::BFloat16>, check_panels_f32<at::BFloat16>);
-  if (x.scalar_type() == at::kFloat) return factored_impl<float>(x, first, sp, sec, os, run_f32<float>, run_f32_then<float>,
-                                                                 check_panels_f32<float>);
+  if (x.scalar_type() == at::kFloat)
+    return factored_impl<float>(x, first, splits, seconds, outs, y, scratch, run_f32<float>, run_f32_then<float>,
+                                check_panels_f32<float>);
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16) {
-    for (int64_t s : sp) TORCH_CHECK(s % 2 == 0, "factored_linear: bf16 panels pair K, so every split must be even");
-    return factored_impl<at::BFloat16>(x, first, sp, sec, os, run_bf16, run_bf16_then, check_panels_bf16);
+    for (int64_t s : splits) TORCH_CHECK(s % 2 == 0, "factored_linear: bf16 panels pair K, so every split must be even");
+    return factored_impl<at::BFloat16>(x, first, splits, seconds, outs, y, scratch, run_bf16, run_bf16_then,
+                                       check_panels_bf16);
   }
 #endif
   TORCH_CHECK(false, "factored_linear: fp32 x (or bf16 on a CPU with AVX512-BF16) expected");
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(neuronmm, m) {
   m.def("pack_panels_f32(Tensor weight) -> Tensor");
@@ -1026,4 +1042,10 @@ TORCH_LIBRARY_IMPL(neuronmm, CPU, m) {
   m.impl("factored_linear", &factored_linear);
 }
 
+#else
+void neuronmm::factored_linear_into(const at::Tensor&, const at::Tensor&, at::IntArrayRef,
+                                    const c10::List<std::optional<at::Tensor>>&, at::IntArrayRef, at::Tensor&,
+                                    const at::Tensor&) {
+  TORCH_CHECK(false, "factored_linear: this build has neither AVX-512 nor AVX2 with FMA");
+}
 #endif  // __AVX512F__ || (__AVX2__ && __FMA__)
