@@ -63,15 +63,11 @@ int64_t out_width(const Projection& p) {
   return n;
 }
 
-// The first GEMM's output t of a projection, where it has one (a low-rank part, or a split off the 32-column panels).
-int64_t scratch_width(const Projection& p) {
-  int64_t width = 0;
-  bool needs = false;
-  for (size_t i = 0; i < p.splits.size(); ++i) {
-    width += p.splits[i];
-    needs = needs || p.seconds.get(i).has_value() || (i + 1 < p.splits.size() && width % 32 != 0);
-  }
-  return needs ? width : 0;
+// The width of a projection's first GEMM output t (factored_linear_into uses it where the call needs a t).
+int64_t first_width(const Projection& p) {
+  int64_t n = 0;
+  for (int64_t w : p.splits) n += w;
+  return n;
 }
 
 // Every layer of the plan over the flat batch: x is the residual stream (updated in place), h its normed input to
@@ -89,14 +85,14 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecoderPlan>& plan, at::Tensor
   TORCH_CHECK(x.dim() == 2 && layers > 0, "decode_layers: x [num_tokens, hidden] and at least one layer expected");
   const int64_t M = x.size(0), head_dim = k_caches[0].size(3);
   const auto& p0 = plan->projections;
-  int64_t scratch = 0;
-  for (const auto& p : p0) scratch = std::max(scratch, scratch_width(p));
+  int64_t scratch = 0;  // one t for every projection (a dense model's calls leave it unused)
+  for (const auto& p : p0) scratch = std::max(scratch, first_width(p));
   const auto opts = x.options();
   at::Tensor qkv = at::empty({M, out_width(p0[0])}, opts), q_rot = at::empty({M, plan->num_heads, head_dim}, opts),
              attn = at::empty({M, plan->num_heads * head_dim}, opts), o = at::empty({M, out_width(p0[1])}, opts),
              gate_up = at::empty({M, out_width(p0[2])}, opts), act = at::empty({M, out_width(p0[2]) / 2}, opts),
              down = at::empty({M, out_width(p0[3])}, opts), h = at::empty_like(x),
-             t = scratch ? at::empty({M * scratch}, opts) : at::Tensor();
+             t = at::empty({M * scratch}, opts);
   const auto project = [&](const Projection& p, const at::Tensor& in, at::Tensor& y) {
     neuronmm::factored_linear_into(in, p.first, p.splits, p.seconds, p.outs, y, t);
   };
