@@ -106,7 +106,8 @@ inline void store_fp8(const float* src, int64_t n, c10::Float8_e4m3fn* dst) {
 }
 
 // n floats as to_cache<C> stores them: fp8 and fp16 a vector at a time (fp16 by F16C, the same round-to-nearest-even
-// as c10's conversion, which is a call per value: a third of a batch-16 step's cache writes under an fp32 model).
+// as c10's conversion, which is a call per value: 16 tokens' writes under an fp32 model took 9.7 µs a layer with an
+// fp16 cache, 8.5 with an fp32 one; 8.3 with this).
 template <typename C>
 inline void store_cache_row(const float* src, int64_t n, C* dst) {
   if constexpr (std::is_same_v<C, c10::Float8_e4m3fn>) {
