@@ -28,6 +28,7 @@ struct Projection {
   std::vector<int64_t> splits;
   c10::List<std::optional<at::Tensor>> seconds;
   std::vector<int64_t> outs;
+  int64_t first_width, out_width;  // sums of splits (the first GEMM's output t) and of outs (y)
 };
 
 struct DecoderPlan : torch::CustomClassHolder {
@@ -35,6 +36,7 @@ struct DecoderPlan : torch::CustomClassHolder {
   double scale, eps;
   std::vector<Projection> projections;  // four a layer: qkv, o, gate_up, down
   std::vector<at::Tensor> norms;        // two a layer: post-attention, then the next layer's input (the final norm last)
+  int64_t scratch_width = 0;            // the widest first GEMM: one scratch t a step serves every projection
 
   DecoderPlan(int64_t num_heads, int64_t num_kv_heads, double scale, double eps)
       : num_heads(num_heads), num_kv_heads(num_kv_heads), scale(scale), eps(eps) {}
@@ -44,8 +46,12 @@ struct DecoderPlan : torch::CustomClassHolder {
                       std::vector<int64_t> outs) {
     TORCH_CHECK(splits.size() == seconds.size() && splits.size() == outs.size() && !splits.empty(),
                 "DecoderPlan.add_projection: one second and one output width per split");
-    Projection p{std::move(first), std::move(splits), c10::List<std::optional<at::Tensor>>(), std::move(outs)};
+    int64_t first_width = 0, out_width = 0;
+    for (size_t i = 0; i < splits.size(); ++i) first_width += splits[i], out_width += outs[i];
+    Projection p{std::move(first), std::move(splits), c10::List<std::optional<at::Tensor>>(), std::move(outs),
+                 first_width, out_width};
     for (auto& b : seconds) p.seconds.push_back(b.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(std::move(b)));
+    scratch_width = std::max(scratch_width, first_width);
     projections.push_back(std::move(p));
   }
 
@@ -56,19 +62,6 @@ struct DecoderPlan : torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(norms.size() / 2); }
 };
-
-int64_t out_width(const Projection& p) {
-  int64_t n = 0;
-  for (int64_t w : p.outs) n += w;
-  return n;
-}
-
-// The width of a projection's first GEMM output t (factored_linear_into uses it where the call needs a t).
-int64_t first_width(const Projection& p) {
-  int64_t n = 0;
-  for (int64_t w : p.splits) n += w;
-  return n;
-}
 
 // Every layer of the plan over the flat batch: x is the residual stream (updated in place), h its normed input to
 // the first layer; returns the last layer's output through the final norm. The arguments are LlamaModel.forward's.
@@ -84,15 +77,13 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecoderPlan>& plan, at::Tensor
               "decode_layers: one K and one V cache a layer");
   TORCH_CHECK(x.dim() == 2 && layers > 0, "decode_layers: x [num_tokens, hidden] and at least one layer expected");
   const int64_t M = x.size(0), head_dim = k_caches[0].size(3);
-  const auto& p0 = plan->projections;
-  int64_t scratch = 0;  // one t for every projection (a dense model's calls leave it unused)
-  for (const auto& p : p0) scratch = std::max(scratch, first_width(p));
+  const Projection* p0 = plan->projections.data();  // every layer's projections have the first layer's widths
   const auto opts = x.options();
-  at::Tensor qkv = at::empty({M, out_width(p0[0])}, opts), q_rot = at::empty({M, plan->num_heads, head_dim}, opts),
-             attn = at::empty({M, plan->num_heads * head_dim}, opts), o = at::empty({M, out_width(p0[1])}, opts),
-             gate_up = at::empty({M, out_width(p0[2])}, opts), act = at::empty({M, out_width(p0[2]) / 2}, opts),
-             down = at::empty({M, out_width(p0[3])}, opts), h = at::empty_like(x),
-             t = at::empty({M * scratch}, opts);
+  at::Tensor qkv = at::empty({M, p0[0].out_width}, opts), q_rot = at::empty({M, plan->num_heads, head_dim}, opts),
+             attn = at::empty({M, plan->num_heads * head_dim}, opts), o = at::empty({M, p0[1].out_width}, opts),
+             gate_up = at::empty({M, p0[2].out_width}, opts), act = at::empty({M, p0[2].out_width / 2}, opts),
+             down = at::empty({M, p0[3].out_width}, opts), h = at::empty_like(x),
+             t = at::empty({M * plan->scratch_width}, opts);  // (a dense model's calls leave it unused)
   const auto project = [&](const Projection& p, const at::Tensor& in, at::Tensor& y) {
     neuronmm::factored_linear_into(in, p.first, p.splits, p.seconds, p.outs, y, t);
   };
