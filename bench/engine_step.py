@@ -16,6 +16,11 @@ a noisy or drifting shared CPU moves both sides of each ratio together.
 
 `--ab-paired` alternates the two models step by step within each round (ABBA by step) and takes the median of the
 per-step ratios: on the 2-vCPU VMs measured, rounds of runs moved ±5 % apart where paired rounds moved ±1.5 %.
+
+`--region-times` adds, per batch size, where the GEMM and attention regions lose time to their threads (fork, tail,
+join) and how much of a step runs outside them (the Python of the step, the small ops).
+
+    python -m bench.engine_step --batch-sizes 1 16 --region-times
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from server.backends.base import SeqChunk
 from server.backends.torch_runner import TorchRunner
 from server.config import load_config
 from server.gc_heap import startup_heap
+from server.models import fused_ops
 from server.models.gemm_tuning import bf16_kernels
 from server.models.source import resolve_model_dir
 
@@ -74,6 +80,26 @@ def step_times(runner, batch_size: int, context: int, steps: int, seed: int, blo
     times = [step(i) for i in range(steps)]
     release()
     return times
+
+
+def region_times(runner, batch_size: int, context: int, steps: int, seed: int, block_size: int) -> dict:
+    """Per decode step (after 5 untimed ones), where the balanced parallel regions' wall time goes beyond their
+    threads' work (csrc/work_split.h RegionTimes: fork, tail, join), their wall time, and the step's time outside
+    them; the region clocks run only over these steps, not over the timed ones."""
+    step, release = _filled(runner, batch_size, context, steps, seed, block_size)
+    for i in range(5):
+        step(i)
+    torch.ops.neuronmm.region_times(True)
+    try:
+        total = sum(step(i) for i in range(5, steps))
+    finally:
+        regions, fork, tail, join, wall = torch.ops.neuronmm.region_times(False)
+        release()
+    n = steps - 5
+    per_step = {"regions": regions / n, "fork_ms": fork / n / 1e6, "tail_ms": tail / n / 1e6,
+                "join_ms": join / n / 1e6, "in_regions_ms": wall / n / 1e6, "step_ms": 1000 * total / n}
+    per_step["outside_regions_ms"] = per_step["step_ms"] - per_step["in_regions_ms"]
+    return per_step
 
 
 def paired_step_times(first, second, batch_size: int, context: int, steps: int, seed: int,
@@ -168,12 +194,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ab-paired", action="store_true",
                    help="with --ab-rounds: each round alternates the two models step by step (ABBA), its speed-up the "
                         "median of the per-step ratios, instead of a run of steps of each")
+    p.add_argument("--region-times", action="store_true",
+                   help="after the timed steps, as many again with the parallel regions' clocks on: per step, the "
+                        "fork, tail and join of the GEMM and attention regions, and the time outside them")
     p.add_argument("--out", default=str(RESULTS / "engine_step.json"))
     args = p.parse_args(argv)
     if args.ab_rounds and not args.compressed:
         p.error("--ab-rounds needs --compressed (the artifact to compare with the dense model)")
     if args.ab_paired and not args.ab_rounds:
         p.error("--ab-paired needs --ab-rounds (the number of rounds)")
+    if args.region_times and args.ab_rounds:
+        p.error("--region-times times one model's steps: leave out --ab-rounds")
+    if args.region_times and not fused_ops.load():
+        p.error("--region-times needs the fused CPU ops (csrc/), which this machine cannot build")
 
     cfg = load_config(args.config)
     if args.kv_cache_dtype:
@@ -192,11 +225,20 @@ def main(argv: list[str] | None = None) -> int:
             median = statistics.median(times)
             rows.append({"batch_size": bs, "step_ms_p50": 1000 * median,
                          "step_ms_min": 1000 * min(times), "tok_s": bs / median})
+            if args.region_times:
+                rows[-1]["regions"] = region_times(runner, bs, args.context, args.steps + 5, args.seed, block_size)
     result = {**_facts(args, runner, compressed, block_size), "weight_bytes": weight_bytes(runner.model),
               "rows": rows}
     print("| batch | step p50 ms | step min ms | decode tok/s |\n|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['batch_size']} | {r['step_ms_p50']:.1f} | {r['step_ms_min']:.1f} | {r['tok_s']:.1f} |")
+    if args.region_times:
+        print("\n| batch | regions a step | fork ms | tail ms | join ms | in regions ms | outside ms | step ms |\n"
+              "|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            t = r["regions"]
+            print(f"| {r['batch_size']} | {t['regions']:.0f} | {t['fork_ms']:.3f} | {t['tail_ms']:.3f} | "
+                  f"{t['join_ms']:.3f} | {t['in_regions_ms']:.2f} | {t['outside_regions_ms']:.2f} | {t['step_ms']:.2f} |")
     _save(args.out, result)
     return 0
 

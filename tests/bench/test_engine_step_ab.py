@@ -1,4 +1,5 @@
-"""bench.engine_step: --ab-rounds' alternating order and per-round speed-up (step times stubbed), and the flags that shape its runner."""
+"""bench.engine_step: --ab-rounds' alternating order and per-round speed-up (step times stubbed), --region-times' count
+of a step's regions, and the flags that shape its runner."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import argparse
 import json
 
 import pytest
+import torch
 import yaml
 
 from bench import engine_step
+from server.models import fused_ops
 from support import tiny_config
 
 
@@ -103,3 +106,28 @@ def test_kv_cache_dtype_overrides_the_configs_and_is_recorded(tiny_model_dir, tm
                              "--context", "8", "--steps", "2", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["kv_cache_dtype"] == "float8_e4m3fn" and report["rows"][0]["step_ms_p50"] > 0
+
+
+class _OneRegionPerStep(_Recorder):
+    """A runner whose every call runs one balanced region (neuronmm::balanced_for over 32 items)."""
+
+    def execute(self, chunks):
+        super().execute(chunks)
+        torch.ops.neuronmm.balanced_for_owners(torch.full((32,), 5, dtype=torch.long), 0)
+
+
+@pytest.mark.skipif(not fused_ops.load(), reason="no C++ compiler: the fused ops cannot be built")
+def test_region_times_count_the_timed_steps_regions_only():
+    calls = []
+    row = engine_step.region_times(_OneRegionPerStep("model", calls), 2, context=8, steps=9, seed=0, block_size=16)
+    assert len(calls) == 2 + 9  # the two prompts, 5 untimed steps and 4 timed ones
+    assert row["regions"] == 1  # per timed step: neither the prompts nor the untimed steps are counted
+    assert 0 < row["in_regions_ms"] <= row["step_ms"]
+    assert row["outside_regions_ms"] == pytest.approx(row["step_ms"] - row["in_regions_ms"])
+    assert min(row["fork_ms"], row["tail_ms"], row["join_ms"]) >= 0
+    assert torch.ops.neuronmm.region_times(False) == [0, 0, 0, 0, 0]  # the clocks were switched off again
+
+
+def test_region_times_refuse_an_ab_run(tmp_path):
+    with pytest.raises(SystemExit):
+        engine_step.main(["--region-times", "--compressed", str(tmp_path), "--ab-rounds", "2"])

@@ -78,3 +78,17 @@ def test_two_phases_inside_another_parallel_region(two_threads):
     owners = torch.ops.neuronmm.balanced_for_then_owners(torch.ones(6, dtype=torch.long),
                                                          torch.ones(4, dtype=torch.long), 0, nested=True)
     assert owners.tolist() == [0] * 10
+
+
+def test_region_times_are_recorded_only_while_switched_on(two_threads):
+    """Thread 0 sleeps 20 ms before its first item while thread 1 runs every item: the region's tail (from the first
+    thread's end to the last's) holds that sleep. Switched off, a region adds nothing."""
+    times = torch.ops.neuronmm.region_times
+    times(True)  # on, and whatever an earlier test left is cleared
+    torch.ops.neuronmm.balanced_for_owners(torch.full((64,), 5, dtype=torch.long), 20_000)
+    regions, fork, tail, join, wall = times(False)
+    assert regions == 1
+    assert tail >= 15_000_000 and wall >= tail
+    assert 0 <= fork <= wall and 0 <= join <= wall
+    torch.ops.neuronmm.balanced_for_owners(torch.full((64,), 5, dtype=torch.long), 0)
+    assert times(False) == [0, 0, 0, 0, 0]

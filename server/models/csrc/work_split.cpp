@@ -1,4 +1,5 @@
-// Probes of neuronmm::balanced_for and balanced_for_then (work_split.h) for the tests: which thread ran each item.
+// Probes of neuronmm::balanced_for and balanced_for_then (work_split.h) for the tests (which thread ran each item),
+// and the switch and read-out of their region times (bench.engine_step --region-times).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -83,11 +84,21 @@ at::Tensor balanced_for_then_owners(const at::Tensor& first, const at::Tensor& s
   return owners;
 }
 
+// The balanced regions' times summed since the last call ([regions, fork, tail, join, wall], ns; see RegionTimes),
+// then reset; `on` switches the recording on or off from here.
+std::vector<int64_t> region_times(bool on) {
+  auto& times = neuronmm::region_times();
+  times.on.store(on);
+  return {times.regions.exchange(0), times.fork_ns.exchange(0), times.tail_ns.exchange(0), times.join_ns.exchange(0),
+          times.wall_ns.exchange(0)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(neuronmm, m) {
   m.def("balanced_for_owners(Tensor costs, int stall_us) -> Tensor");
   m.def("balanced_for_then_owners(Tensor first, Tensor second, int stall_us, bool nested=False) -> Tensor");
+  m.def("region_times(bool on) -> int[]", &region_times);
 }
 
 TORCH_LIBRARY_IMPL(neuronmm, CPU, m) {

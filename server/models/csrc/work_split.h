@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <thread>
@@ -114,6 +115,62 @@ class Stretches {
   std::unique_ptr<Stretch[]> on_heap_;
 };
 
+// Where the balanced regions' wall time goes beyond their threads' work, summed over regions while switched on
+// (neuronmm::region_times, bench.engine_step --region-times): fork, from the call until its last thread starts;
+// tail, from the first thread's end to the last's (the others wait); join, from the last thread's end until the
+// call returns. Off (the default) it costs a relaxed load per region.
+struct RegionTimes {
+  std::atomic<bool> on{false};
+  std::atomic<int64_t> regions{0}, fork_ns{0}, tail_ns{0}, join_ns{0}, wall_ns{0};
+};
+
+inline RegionTimes& region_times() {
+  static RegionTimes times;
+  return times;
+}
+
+// One region's clock: begin(t) / end(t) on each thread t, the sums added at destruction (on the calling thread,
+// after the region). Records nothing when off, or for regions of more threads than it holds.
+class RegionClock {
+ public:
+  explicit RegionClock(int64_t threads)
+      : threads_(threads), on_(threads <= kMax && region_times().on.load(std::memory_order_relaxed)),
+        enter_(on_ ? now() : 0) {}
+  void begin(int64_t t) {
+    if (on_) begin_[t] = now();
+  }
+  void end(int64_t t) {
+    if (on_) end_[t] = now();
+  }
+  ~RegionClock() {
+    if (!on_) return;
+    const int64_t exit = now();
+    int64_t last_begin = enter_, first_end = exit, last_end = enter_;
+    for (int64_t t = 0; t < threads_; ++t) {
+      last_begin = std::max(last_begin, begin_[t]);
+      first_end = std::min(first_end, end_[t]);
+      last_end = std::max(last_end, end_[t]);
+    }
+    auto& times = region_times();
+    times.regions.fetch_add(1, std::memory_order_relaxed);
+    times.fork_ns.fetch_add(last_begin - enter_, std::memory_order_relaxed);
+    times.tail_ns.fetch_add(last_end - first_end, std::memory_order_relaxed);
+    times.join_ns.fetch_add(exit - last_end, std::memory_order_relaxed);
+    times.wall_ns.fetch_add(exit - enter_, std::memory_order_relaxed);
+  }
+
+ private:
+  static constexpr int64_t kMax = 8;
+  static int64_t now() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  int64_t threads_;
+  bool on_;
+  int64_t enter_;
+  int64_t begin_[kMax] = {}, end_[kMax] = {};
+};
+
 // Runs body(next) once per thread over items [0, count): `next(item)` gives the thread its next item, false when
 // none is left anywhere. Each thread starts on a stretch whose summed cost is about 1 / threads of the total
 // (cost_before(i): the summed cost of items 0 .. i-1, non-decreasing) and takes it front to back, then takes the
@@ -123,9 +180,12 @@ void balanced_for(int64_t count, const CostBefore& cost_before, const Body& body
   if (count <= 0) return;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
   Stretches stretches(threads, count, cost_before);
+  RegionClock clock(threads);
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) clock.begin(t);
     for (int64_t t = b; t < e; ++t)  // one t per thread (all of them in turn where the region has one thread)
       body(stretches.next_for(t));
+    for (int64_t t = b; t < e; ++t) clock.end(t);
   });
 }
 
@@ -154,7 +214,9 @@ void balanced_for_then(const First& first, const Second& second) {
   if (threads <= 0) return;
   Stretches one(threads, first.count, first.cost_before), two(threads, second.count, second.cost_before);
   std::atomic<int64_t> arrived{0};
+  RegionClock clock(threads);
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) clock.begin(t);
     for (int64_t t = b; t < e; ++t) first.body(one.next_for(t));
     // Counted per stretch, not per thread: a region given fewer threads than stretches runs several in turn on
     // one thread, which must not wait for itself.
@@ -163,6 +225,7 @@ void balanced_for_then(const First& first, const Second& second) {
       if (spins < kSpinsBeforeYield) _mm_pause(); else std::this_thread::yield();  // the other thread lost its core
     }
     for (int64_t t = b; t < e; ++t) second.body(two.next_for(t));
+    for (int64_t t = b; t < e; ++t) clock.end(t);
   });
 }
 
