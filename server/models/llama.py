@@ -390,7 +390,7 @@ class LlamaModel(nn.Module):
         plan = self.decoder_plan() if self.use_decoder_plan and not batch.sdpa_chunks else None
         if plan is not None:  # the same ops in the same order, in one call (csrc/decoder.cpp)
             h = kernels.decode_layers(plan, x, h, cos, sin, cache.k, cache.v, slots, tables, seq_index, lens)
-            return self.lm_head(h if batch.logits_index is None else h[batch.logits_index]).float()
+            return self._logits(h, batch)
         for layer, k_cache, v_cache in zip(self.layer_calls(), cache.k, cache.v):
             attn = layer.attention
             out, q_rot = attention(layer.qkv(h), cos, sin, k_cache, v_cache, slots, tables, seq_index, lens,
@@ -399,4 +399,9 @@ class LlamaModel(nn.Module):
                 attn.attend_sdpa_chunks(out, q_rot, batch, k_cache, v_cache)
             h = add_rms_norm(x, layer.o(out), layer.post_attention_norm, eps)
             h = add_rms_norm(x, layer.down(silu_mul(layer.gate_up(h))), layer.next_norm, eps)
+        return self._logits(h, batch)
+
+    def _logits(self, h: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
+        """fp32 logits of the batch's tokens that want them (the final-normed rows h; every row where
+        logits_index is None)."""
         return self.lm_head(h if batch.logits_index is None else h[batch.logits_index]).float()
