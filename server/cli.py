@@ -70,6 +70,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     flag("--kv-cache-dtype", choices=sorted(_KV_DTYPES),
          help="auto: the model's dtype; float16 or bfloat16 under a float32 model halve the cache; fp8 (e4m3) halves "
               "it again under float32 or bfloat16")
+    flag("--enforce-eager", action="store_true",
+         help="CUDA: run decode steps op by op instead of replaying captured CUDA graphs")
     flag("--tensor-parallel-size", type=int, help="NeuronCores to shard over (backend neuron)")
     flag("--chat-template", help="a Jinja file, or `hermes_tools` (bundled ChatML with tool calls)")
     flag("--tool-call-parser", help="how the model writes tool calls (default: hermes)")
@@ -133,6 +135,7 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict]:
         "server.tool_call_parser": args.tool_call_parser, "server.strict_fields": args.strict_fields or None,
         "engine.num_threads": args.num_threads, "server.shutdown_grace_s": args.shutdown_grace_s,
         "server.stream_interval": args.stream_interval,
+        "engine.enforce_eager": args.enforce_eager or None,
     })
     return config, overrides
 

@@ -68,6 +68,8 @@ class EngineConfig(_Strict):
     # (e4m3, no scales: vLLM's `--kv-cache-dtype fp8`) halves them again under a float32 or bfloat16 model.
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3"] = "auto"
     enable_prefix_caching: bool = Field(True, description="share cached prompt-prefix blocks between requests")
+    enforce_eager: bool = Field(False, description="CUDA: run every step op by op instead of replaying decode steps "
+                                                   "from captured CUDA graphs (vLLM's --enforce-eager)")
 
     @field_validator("max_prefill_tokens_while_decoding", mode="before")
     @classmethod

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from server.backends.base import SeqChunk
+from server.backends.decode_graphs import BATCH_SIZES, DecodeGraphs
 from server.errors import ConfigError
 from server.models.cpu_features import activation_dtype, resolve_dtype
 from server.models.fused_ops import kernels_for
@@ -51,7 +52,8 @@ class TorchRunner:
 
     def __init__(self, model_dir: Path, max_model_len: int, dtype: str = "auto", device: str = "cpu",
                  compressed: Path | None = None, num_threads: int | None = None, pack_weights: bool = True,
-                 fused_kernels: bool = True, panel_gemm: bool = True, kv_cache_dtype: str = "auto"):
+                 fused_kernels: bool = True, panel_gemm: bool = True, kv_cache_dtype: str = "auto",
+                 cuda_graphs: bool = True):
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.device = torch.device(device)
@@ -63,6 +65,8 @@ class TorchRunner:
         self.pack_weights = pack_weights
         self.fused_kernels = fused_kernels
         self.panel_gemm = panel_gemm  # panels for our GEMM where the CPU builds it (bf16: AVX512-BF16, fp32: AVX512F)
+        self.cuda_graphs = cuda_graphs  # decode steps replayed from CUDA graphs on a CUDA device (off: eager)
+        self.graphs: DecodeGraphs | None = None
         self.model: LlamaModel | None = None
         self.cache: KVCache | None = None
         self.vocab_size = 0
@@ -96,8 +100,11 @@ class TorchRunner:
     def allocate_kv_blocks(self, num_blocks: int, block_size: int) -> None:
         cfg = self.model.config
         start = time.perf_counter()
-        self.cache = KVCache(cfg.num_hidden_layers, num_blocks, cfg.num_key_value_heads, block_size,
+        graphs = self.cuda_graphs and self.device.type == "cuda"  # one block more: the padding rows' scratch block
+        self.cache = KVCache(cfg.num_hidden_layers, num_blocks + graphs, cfg.num_key_value_heads, block_size,
                              cfg.head_dim, self.cache_dtype, self.device)
+        self.graphs = (DecodeGraphs(self.model, self.cache, scratch_block=num_blocks, max_batch=BATCH_SIZES[-1],
+                                    max_blocks=-(-self.max_model_len // block_size)) if graphs else None)
         log.info("KV cache: %d blocks x %d tokens in %s, %.0f MiB allocated in %.2f s",
                  num_blocks, block_size, str(self.cache_dtype).removeprefix("torch."), self.cache.nbytes() / 2**20,
                  time.perf_counter() - start)
@@ -144,7 +151,10 @@ class TorchRunner:
             logits_index=None if every_token else as_tensor(logits_index), sdpa_chunks=sdpa_chunks)
 
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        return self.model(self.build_batch(chunks), self.cache)
+        batch = self.build_batch(chunks)
+        if self.graphs is not None and self.graphs.applies(batch):
+            return self.graphs.run(batch)
+        return self.model(batch, self.cache)
 
     def release_slot(self, slot: int) -> None:
         """Cache positions are overwritten before they are read; nothing to clear."""

@@ -135,8 +135,9 @@ def attention_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     k_cache[slot_mapping // block_size, :, slot_mapping % block_size] = as_cache(k, k_cache.dtype)
     v_cache[slot_mapping // block_size, :, slot_mapping % block_size] = as_cache(
         v.reshape(num_tokens, num_kv_heads, head_dim), v_cache.dtype)
-    # every token against the longest context of the batch, keys past its own masked out
-    max_len = max(int(context_lens.max()), 1)
+    # every token against as many positions as the widest block table holds, keys past its own context masked out
+    # (the table's width rather than the longest context: no device-to-host sync, and a static shape to capture)
+    max_len = block_tables.shape[1] * block_size
     positions = torch.arange(max_len, device=qkv.device)
     blocks = block_tables[seq_index.long()][:, positions // block_size].long()  # [num_tokens, max_len]
     keys = k_cache[blocks, :, positions % block_size].transpose(1, 2).to(q.dtype)  # [num_tokens, Hkv, max_len, D]

@@ -81,6 +81,11 @@ def test_vllm_style_serve_flags_map_onto_the_config(tmp_path):
     assert (hub.model.source, hub.model.hf_id) == ("hf", "HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
+def test_enforce_eager_flag():
+    assert _serve_config([]).engine.enforce_eager is False  # CUDA decode steps replay captured graphs by default
+    assert _serve_config(["--enforce-eager"]).engine.enforce_eager is True
+
+
 def test_stream_interval_flag():
     assert _serve_config([]).server.stream_interval == 1
     assert _serve_config(["--stream-interval", "8"]).server.stream_interval == 8

@@ -37,8 +37,10 @@ MAX_LEN = 256
 FP32_TIE = 1e-4
 
 
-def _runner(model_dir, device: str, dtype: str = "float32", compressed=None, kv_cache_dtype: str = "auto") -> TorchRunner:
-    runner = TorchRunner(model_dir, MAX_LEN, dtype, device, compressed, kv_cache_dtype=kv_cache_dtype)
+def _runner(model_dir, device: str, dtype: str = "float32", compressed=None, kv_cache_dtype: str = "auto",
+            cuda_graphs: bool = True) -> TorchRunner:
+    runner = TorchRunner(model_dir, MAX_LEN, dtype, device, compressed, kv_cache_dtype=kv_cache_dtype,
+                         cuda_graphs=cuda_graphs)
     runner.load()
     return runner
 
@@ -85,6 +87,40 @@ def test_fp32_greedy_on_cuda_is_the_cpu_models_greedy(tiny_model_dir):
     ours = _greedy(tiny_model_dir, "cuda")
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     _assert_greedy_of(hf, load_tokenizer(tiny_model_dir), ours)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_decode_steps_replayed_from_cuda_graphs_match_the_same_steps_run_eagerly(tiny_model_dir, dtype):
+    """Paged decode steps of 3 and then 1 sequences (padded to 4 and 1) replayed from captured graphs give the logits
+    of the same padded steps run op by op (the CPU tests check padded against unpadded); both sizes were captured."""
+    tok = load_tokenizer(tiny_model_dir)
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    logits = {}
+    for replay in (True, False):
+        runner = _runner(tiny_model_dir, "cuda", dtype)
+        runner.allocate_kv_blocks(3 * (MAX_LEN // 16), 16)
+        runner.graphs.capture = replay
+        tables = [list(range(i * (MAX_LEN // 16), (i + 1) * (MAX_LEN // 16))) for i in range(3)]
+        runner.execute([SeqChunk(slot=i, token_ids=p, start_pos=0, block_table=tables[i])
+                        for i, p in enumerate(prompts)])
+        lens, steps = [len(p) for p in prompts], []
+        for step in range(6):
+            live = range(3) if step < 3 else range(1)
+            chunks = [SeqChunk(slot=i, token_ids=[100 + 7 * step + i], start_pos=lens[i], block_table=tables[i])
+                      for i in live]
+            steps.append(runner.execute(chunks).float().cpu())
+            lens = [n + 1 if i in live else n for i, n in enumerate(lens)]
+        assert runner.graphs.captured_sizes == ([1, 4] if replay else [])
+        logits[replay] = steps
+    for replayed, eager in zip(logits[True], logits[False]):
+        assert not replayed.isnan().any()
+        torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-6)
+
+
+def test_enforce_eager_runs_cuda_steps_op_by_op(tiny_model_dir):
+    runner = _runner(tiny_model_dir, "cuda", cuda_graphs=False)
+    runner.allocate_kv_blocks(8, 16)
+    assert runner.graphs is None and runner.cache.num_blocks == 8  # no scratch block either
 
 
 def test_prefill_logits_on_cuda_match_the_cpu(tiny_model_dir):
