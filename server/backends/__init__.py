@@ -21,7 +21,7 @@ def create_runner(cfg: Config, model_dir: Path):
                 raise ConfigError(f"device: {cfg.device!r} requested but torch sees no CUDA device")
         return TorchRunner(model_dir, cfg.engine.max_model_len, cfg.model.dtype, cfg.device, compressed,
                            cfg.engine.num_threads, kv_cache_dtype=cfg.engine.kv_cache_dtype,
-                           cuda_graphs=not cfg.engine.enforce_eager)
+                           cuda_graphs=not cfg.engine.enforce_eager, max_num_seqs=cfg.engine.max_num_seqs)
     if cfg.backend == "neuron":
         return create_neuron_runner(cfg, model_dir, compressed)
     raise ConfigError(f"backend: unknown backend {cfg.backend!r}")

@@ -3,7 +3,8 @@
 Why: a decode step of the compact Llama through the torch reference ops is ~1,500 small kernels. Launched one by one
 from Python, each costs more host time than GPU time: on a lent H200 the default model's batch-1 step took 36 ms
 (fp32) to 108 ms (bf16) for ~3 ms of kernels (docs/BENCHMARKS.md). As vLLM does, each padded batch size is captured
-once (at its first step) over static input buffers; a step copies its inputs in and replays.
+once over static input buffers (at start-up for the engine's batch sizes, else at a size's first step); a step
+copies its inputs in and replays.
 
 Padding rows (a batch of n runs as the next captured size) have no context: attention gives them zeros, and their
 cache writes land in a scratch block the runner keeps out of the engine's pool.
@@ -12,6 +13,7 @@ cache writes land in a scratch block the runner keeps out of the engine's pool.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -79,6 +81,20 @@ class DecodeGraphs:
         graph.replay()
         return logits[:rows].clone()  # the next replay overwrites the graph's output
 
+    def capture_up_to(self, rows: int) -> None:
+        """Capture every padded size a step of up to `rows` sequences runs as, now (start-up) rather than at each
+        size's first step; a no-op when not capturing."""
+        if not self.capture:
+            return
+        start = time.perf_counter()
+        sizes = [s for s in BATCH_SIZES if s <= (padded_size(rows, self.max_batch) or self.max_batch)]
+        for size in sizes:
+            if size not in self._graphs:
+                self._pad(0, size)  # every row a padding row: the warm-up and capture write only the scratch block
+                self._graphs[size] = self._record(size)
+        log.info("captured the decode step as CUDA graphs for batch sizes %s in %.2f s", sizes,
+                 time.perf_counter() - start)
+
     def _load(self, batch: FlatBatch, rows: int, size: int) -> None:
         """The batch into the static inputs' first rows; rows up to `size` padded (no context, scratch slot)."""
         inputs, width = self._inputs, batch.block_tables.shape[1]
@@ -86,7 +102,12 @@ class DecodeGraphs:
             getattr(inputs, name)[:rows].copy_(getattr(batch, name), non_blocking=True)
         inputs.block_tables[:rows, :width].copy_(batch.block_tables, non_blocking=True)
         inputs.block_tables[:rows, width:].fill_(0)  # read past a table only where masked: any block will do
+        self._pad(rows, size)
+
+    def _pad(self, rows: int, size: int) -> None:
+        """Rows rows..size-1 of the static inputs as padding: no context, writing the scratch slot."""
         if size > rows:
+            inputs = self._inputs
             inputs.slot_mapping[rows:size].fill_(self.scratch_slot)
             inputs.context_lens[rows:size].fill_(0)
             inputs.positions[rows:size].fill_(0)
@@ -112,5 +133,5 @@ class DecodeGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._step(size)
-        log.info("captured the decode step for batch size %d as a CUDA graph", size)
+        log.debug("captured the decode step for batch size %d as a CUDA graph", size)
         return graph, logits

@@ -53,7 +53,7 @@ class TorchRunner:
     def __init__(self, model_dir: Path, max_model_len: int, dtype: str = "auto", device: str = "cpu",
                  compressed: Path | None = None, num_threads: int | None = None, pack_weights: bool = True,
                  fused_kernels: bool = True, panel_gemm: bool = True, kv_cache_dtype: str = "auto",
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, max_num_seqs: int | None = None):
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.device = torch.device(device)
@@ -66,6 +66,7 @@ class TorchRunner:
         self.fused_kernels = fused_kernels
         self.panel_gemm = panel_gemm  # panels for our GEMM where the CPU builds it (bf16: AVX512-BF16, fp32: AVX512F)
         self.cuda_graphs = cuda_graphs  # decode steps replayed from CUDA graphs on a CUDA device (off: eager)
+        self.max_num_seqs = max_num_seqs  # the engine's largest batch: its graphs are captured at start-up
         self.graphs: DecodeGraphs | None = None
         self.model: LlamaModel | None = None
         self.cache: KVCache | None = None
@@ -105,6 +106,8 @@ class TorchRunner:
                              cfg.head_dim, self.cache_dtype, self.device)
         self.graphs = (DecodeGraphs(self.model, self.cache, scratch_block=num_blocks, max_batch=BATCH_SIZES[-1],
                                     max_blocks=-(-self.max_model_len // block_size)) if graphs else None)
+        if self.graphs is not None and self.max_num_seqs:
+            self.graphs.capture_up_to(self.max_num_seqs)
         log.info("KV cache: %d blocks x %d tokens in %s, %.0f MiB allocated in %.2f s",
                  num_blocks, block_size, str(self.cache_dtype).removeprefix("torch."), self.cache.nbytes() / 2**20,
                  time.perf_counter() - start)

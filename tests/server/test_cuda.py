@@ -117,6 +117,28 @@ def test_decode_steps_replayed_from_cuda_graphs_match_the_same_steps_run_eagerly
         torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-6)
 
 
+def test_the_engines_batch_sizes_are_captured_at_start_up(tiny_model_dir):
+    """With the engine's max_num_seqs (5) the runner captures sizes 1, 2, 4 and 8 when its cache is allocated (every
+    row padding then); a step of 5 sequences then replays the size-8 graph, giving the op-by-op step's logits."""
+    tok = load_tokenizer(tiny_model_dir)
+    prompts = [tok(p).input_ids for p in PROMPTS] + [tok("Hello there").input_ids, tok("1, 2, 3,").input_ids]
+    logits = []
+    for graphs in (True, False):
+        runner = TorchRunner(tiny_model_dir, MAX_LEN, "float32", "cuda", cuda_graphs=graphs, max_num_seqs=5)
+        runner.load()
+        runner.allocate_kv_blocks(5 * (MAX_LEN // 16), 16)
+        assert (runner.graphs.captured_sizes if graphs else runner.graphs) == ([1, 2, 4, 8] if graphs else None)
+        tables = [list(range(i * (MAX_LEN // 16), (i + 1) * (MAX_LEN // 16))) for i in range(5)]
+        runner.execute([SeqChunk(slot=i, token_ids=p, start_pos=0, block_table=tables[i])
+                        for i, p in enumerate(prompts)])
+        step = [SeqChunk(slot=i, token_ids=[42 + i], start_pos=len(p), block_table=tables[i])
+                for i, p in enumerate(prompts)]
+        logits.append(runner.execute(step).float().cpu())
+        if graphs:
+            assert runner.graphs.captured_sizes == [1, 2, 4, 8]  # replayed, nothing captured on the way
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=FP32_TIE)  # padded GEMMs sum in another order
+
+
 def test_enforce_eager_runs_cuda_steps_op_by_op(tiny_model_dir):
     runner = _runner(tiny_model_dir, "cuda", cuda_graphs=False)
     runner.allocate_kv_blocks(8, 16)
