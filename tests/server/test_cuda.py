@@ -1,6 +1,7 @@
 """The PyTorch backend on CUDA, against the CPU: greedy tokens, the auto dtype, compressed factors, recovery's
-training step and run on the GPU, and the served API with its engine process. Skipped without a CUDA device (CI has none);
-docs/BENCHMARKS.md records the run on a lent GPU."""
+training step and run on the GPU, and the served API with its engine process; decode steps replayed from CUDA graphs
+against the same steps op by op. Skipped without a CUDA device (CI has none); docs/BENCHMARKS.md records the runs on
+lent GPUs."""
 
 from __future__ import annotations
 
