@@ -144,6 +144,21 @@ def publish(out: Path, report: dict, md: str) -> int:
     return 0
 
 
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of process `pid` and all its descendants, MiB (psutil: a dev dependency). A child that exits
+    while being read is skipped."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = root.memory_info().rss
+    for child in root.children(recursive=True):
+        try:
+            total += child.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total / 2**20
+
+
 class ServerProcess:
     """`neuronmm serve` in a subprocess on a free loopback port, stdout+stderr to a log file."""
 
@@ -172,10 +187,8 @@ class ServerProcess:
             raise RuntimeError(f"{exc}: {self.log_text()[-2000:]}") from None
 
     def rss_mb(self) -> float:
-        """Resident memory of the server process, MiB (psutil: a dev dependency)."""
-        import psutil
-
-        return psutil.Process(self.proc.pid).memory_info().rss / 2**20
+        """Resident memory of the server, MiB: the API process and its children (the engine core runs in one)."""
+        return tree_rss_mb(self.proc.pid)
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the /metrics samples called `name` whose labels include `labels`."""
