@@ -109,6 +109,8 @@ class AppState:
         self.serving = OpenAIServing(self.engine, tokenizer, self.cfg, self.metrics)
         if isinstance(engine, AsyncEngine):
             engine.start()
+        else:
+            self.metrics.watch_engine_core(lambda: engine.pid)
         self.ready = True
 
 

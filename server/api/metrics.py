@@ -147,6 +147,11 @@ class ServerMetrics:
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
 
+    def watch_engine_core(self, pid: Callable[[], int | None]) -> None:
+        """Export the engine core process's CPU, memory and file descriptors as `neuronmm_engine_core_process_*`
+        (`process_*` are this, the API, process's: the model and the KV cache live in the core)."""
+        ProcessCollector(namespace="neuronmm_engine_core", pid=lambda: pid() or "none", registry=self.registry)
+
     def bind_gauges(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:
         self.running.set_function(running)
         self.waiting.set_function(waiting)

@@ -155,6 +155,11 @@ class EngineCoreClient:
             self._proc.join(timeout)
 
     @property
+    def pid(self) -> int | None:
+        """The core process's id (None before spawn)."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
     def is_alive(self) -> bool:
         return bool(self._proc and self._proc.is_alive() and self._reading)
 

@@ -11,6 +11,7 @@ import time
 from contextlib import contextmanager
 
 import httpx
+import psutil
 import pytest
 
 from server.engine.core_process import core_main
@@ -75,6 +76,18 @@ def test_concurrent_requests_batch_and_metrics_cross_the_process(server):
     metrics = httpx.get(f"{server.url}/metrics").text
     generated = [line for line in metrics.splitlines() if line.startswith("neuronmm_generation_tokens_total")]
     assert generated and float(generated[0].split()[-1]) >= 48
+
+
+def test_metrics_export_the_engine_core_process(server):
+    """`process_*` describe the API process; the core's own CPU and memory come as neuronmm_engine_core_process_*."""
+    samples = {line.split()[0]: float(line.split()[-1]) for line in httpx.get(f"{server.url}/metrics").text.splitlines()
+               if line and not line.startswith("#")}
+    core_rss = psutil.Process(server.state.engine.pid).memory_info().rss
+    assert server.state.engine.pid != os.getpid()
+    assert abs(samples["neuronmm_engine_core_process_resident_memory_bytes"] - core_rss) < 0.1 * core_rss
+    assert samples["neuronmm_engine_core_process_cpu_seconds_total"] > 0
+    api_rss = psutil.Process().memory_info().rss
+    assert abs(samples["process_resident_memory_bytes"] - api_rss) < 0.1 * api_rss
 
 
 def test_disconnect_mid_stream_aborts_and_the_engine_keeps_serving(server):
