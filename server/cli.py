@@ -175,8 +175,11 @@ def _serve_with(cfg, core) -> int:
     from server.api.app import serve
     from server.api.serving import load_chat_template
     from server.api.tool_parsers import get_tool_parser
+    from server.models.artifact import read_manifest
     from server.models.gemm_tuning import check_env as check_gemm_env
 
+    if cfg.model.compressed:  # its manifest (the core reads the factors): a wrong path stops the start, one line
+        read_manifest(cfg.model.compressed)
     try:
         get_tool_parser(cfg.server.tool_call_parser)
     except ValueError as exc:

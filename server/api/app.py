@@ -97,6 +97,12 @@ class AppState:
             raise
         self._serve_with(engine, tokenizer)
 
+    def not_ready_error(self) -> APIError:
+        """The 503 a request gets before serving: the model is loading (retry), or its load failed (no retry helps)."""
+        if self.load_error:
+            return APIError(503, f"model failed to load: {self.load_error}", code="load_failed")
+        return APIError(503, "model is loading", code="not_ready", headers={"Retry-After": "5"})
+
     def settle_heap(self) -> None:
         """Freeze this process's start-up heap, once, if asked to (server.gc_heap): the end of the API's start-up."""
         if self.freeze_startup_heap and not self._heap_frozen:
@@ -158,7 +164,7 @@ class GuardMiddleware:
             if self.state.draining:
                 return error_response(503, "server is shutting down", code="shutting_down")
             if not self.state.ready:
-                return error_response(503, "model is loading", code="not_ready", headers={"Retry-After": "5"})
+                return self.state.not_ready_error().response()
         return None
 
     async def _call_limited(self, scope, receive, send) -> None:
@@ -318,7 +324,7 @@ def _install_routes(app: FastAPI) -> None:
         """The serving layer, or 503 while the model loads (the guard lets these paths through)."""
         state: AppState = request.app.state.neuronmm
         if state.serving is None:
-            raise APIError(503, "model is loading", code="not_ready", headers={"Retry-After": "5"})
+            raise state.not_ready_error()
         return state.serving
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)

@@ -251,6 +251,27 @@ def test_engine_fault_fails_request_and_server_keeps_serving(tiny_model_dir):
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 20
 
 
+def test_after_a_failed_load_requests_say_so_without_a_retry_hint(tiny_model_dir):
+    from fastapi.testclient import TestClient
+
+    from server.api.app import create_app
+
+    def broken(_cfg):
+        raise RuntimeError("weights unreadable")
+
+    app = create_app(tiny_config(tiny_model_dir), broken)
+    with TestClient(app) as client:
+        state, deadline = app.state.neuronmm, time.monotonic() + 30
+        while state.load_error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "weights unreadable" in client.get("/health").json()["status"]
+        for path in ("/v1/completions", "/tokenize"):  # the guard's 503, and a route's own
+            resp = client.post(path, json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+            error = resp.json()["error"]
+            assert resp.status_code == 503 and error["code"] == "load_failed" and "Retry-After" not in resp.headers
+            assert error["message"] == "model failed to load: RuntimeError: weights unreadable"
+
+
 def test_stream_events_stay_one_line_for_splitlines_clients():
     """Sampled text can hold U+2028, U+2029 or U+0085: JSON leaves them raw, and str.splitlines (so httpx's
     aiter_lines) ends a line there. The event escapes them: one line, decoding to the same text."""

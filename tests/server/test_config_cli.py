@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+
 import subprocess
 import sys
 import textwrap
@@ -186,6 +187,19 @@ def test_unknown_tool_parser_and_template_are_one_line_errors(capsys):
     assert "known: hermes" in capsys.readouterr().err
     assert main(["serve", "--chat-template", "/no/such.jinja", "--port", "0"]) == 2
     assert "hermes_tools" in capsys.readouterr().err
+
+
+def test_a_missing_compressed_artifact_stops_the_start_with_one_line(tmp_path):
+    """As a missing model file does: not a server that loads in the background and answers 503 for ever (in a
+    child process with a timeout, so a regression fails rather than serves)."""
+    (tmp_path / "empty").mkdir()
+    for artifact in (tmp_path / "nope", tmp_path / "empty"):
+        proc = subprocess.run([sys.executable, "-c", "from server.cli import main; import sys; "
+                               f"sys.exit(main(['serve', '--compressed', '{artifact}', '--port', '0']))"],
+                              capture_output=True, text=True, timeout=120)
+        # (the engine core, spawned first, may log a line before it is stopped on a slow machine)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"compressed artifact {artifact}: not a compressed artifact" in proc.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("var", ["NEURONMM_BF16_FMA_ROWS", "NEURONMM_BF16_AMX_ROWS"])
