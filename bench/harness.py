@@ -78,7 +78,7 @@ def make_tiny_model(out: Path, tokenizer_dir: Path) -> Path:
     """The test suite's tiny random Llama (2 layers, hidden 64, seed 0) with the tokenizer of tokenizer_dir."""
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     torch.manual_seed(0)

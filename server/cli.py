@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
 import socket
@@ -150,7 +151,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from server.config import load_config
     from server.engine.engine_core import EngineCoreClient
-    from server.models.source import resolve_model_dir
+    from server.models.source import check_max_model_len, resolve_model_dir
 
     cfg = load_config(*serve_overrides(args))
     _check_port_free(cfg.server.host, cfg.server.port)
@@ -159,7 +160,8 @@ def _serve(args: argparse.Namespace) -> int:
         # The engine core first, on the model converted here (once, on first use): its imports and load (seconds)
         # then run on the other CPU core while this process imports the server (seconds too). Not for Neuron: a
         # missing SDK must be the error it reports before anything else, and its compile takes minutes anyway.
-        resolve_model_dir(cfg.model, cfg.cache_path)
+        model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
+        check_max_model_len(json.loads((model_dir / "config.json").read_text()), cfg.engine.max_model_len)
         core = EngineCoreClient(cfg)
         core.spawn()
     try:

@@ -13,6 +13,7 @@ from server.config import ConfigError
 from server.models.compressed import apply_compressed_artifact
 from server.models.llama import LlamaModel
 from server.models.module_init import no_init
+from server.models.source import check_max_model_len
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ def load_llama(model_dir: Path, max_len: int, dtype: torch.dtype = torch.float32
         raise ConfigError(f"model: architecture {sorted(archs)} not supported (need one of {sorted(SUPPORTED_ARCHS)})")
     if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
         raise ConfigError("model: Llama variants with biases are not supported")
+    check_max_model_len(config.to_dict(), max_len)
     with no_init():
         model = LlamaModel(config, max_len)
     state = {k.removeprefix("model."): v for k, v in load_state_dict(model_dir).items()}

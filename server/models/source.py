@@ -26,6 +26,17 @@ log = logging.getLogger(__name__)
 _COMPLETE_MARKER = "neuronmm-converted.json"
 
 
+def check_max_model_len(config: dict, max_model_len: int) -> None:
+    """A ConfigError when engine.max_model_len passes the positions the model was trained for (config.json's
+    max_position_embeddings), as vLLM refuses it; a config that scales RoPE sets its own reach and is not checked."""
+    limit = config.get("max_position_embeddings")
+    rope_type = (config.get("rope_parameters") or {}).get("rope_type", "default")
+    scaled = bool(config.get("rope_scaling")) or rope_type != "default"
+    if limit and not scaled and max_model_len > limit:
+        raise ConfigError(f"engine.max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit} "
+                          "(config.json): positions past it were never trained")
+
+
 def gguf_path(cfg: ModelConfig) -> Path:
     """The GGUF file a config names, from a path or from an installed package's resource."""
     if cfg.path:

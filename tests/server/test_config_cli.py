@@ -202,6 +202,31 @@ def test_a_missing_compressed_artifact_stops_the_start_with_one_line(tmp_path):
         assert f"compressed artifact {artifact}: not a compressed artifact" in proc.stderr.strip().splitlines()[-1]
 
 
+def test_max_model_len_past_the_models_positions_stops_the_start(tiny_model_dir, capsys):
+    """vLLM refuses a max_model_len past max_position_embeddings: checked before the engine core starts, one line."""
+    assert main(["serve", str(tiny_model_dir), "--max-model-len", "5000", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "engine.max_model_len 5000 exceeds the model's max_position_embeddings 4096" in err[0]
+
+
+@pytest.mark.parametrize("config, ok", [
+    ({"max_position_embeddings": 4096}, False),
+    ({"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, False),
+    ({"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, True),  # its own reach
+    ({"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, True),
+    ({}, True),  # no limit stated
+])
+def test_check_max_model_len(config, ok):
+    from server.models.source import check_max_model_len
+
+    check_max_model_len(config, 4096)  # at the limit: fine
+    if ok:
+        check_max_model_len(config, 8192)
+    else:
+        with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings 4096"):
+            check_max_model_len(config, 8192)
+
+
 @pytest.mark.parametrize("var", ["NEURONMM_BF16_FMA_ROWS", "NEURONMM_BF16_AMX_ROWS"])
 def test_bad_gemm_thresholds_stop_the_start_with_one_line(capsys, monkeypatch, var):
     """The engine process reads the GEMM thresholds when it packs the weights; serve checks them before loading."""

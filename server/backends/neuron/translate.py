@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from server.config import Config, ConfigError
+from server.models.source import check_max_model_len
 
 _TRN1_MAX_TP = 32  # trn1.32xlarge: 16 chips x 2 NeuronCores
 
@@ -38,10 +39,7 @@ def _check_model(cfg: Config, hf_config: dict[str, Any]) -> None:
     heads = hf_config.get("num_attention_heads")
     if heads and heads % tp:
         raise ConfigError(f"neuron.tp_degree: {tp} does not divide the model's {heads} attention heads")
-    max_pos = hf_config.get("max_position_embeddings")
-    if max_pos and cfg.engine.max_model_len > max_pos:
-        raise ConfigError(f"engine.max_model_len: {cfg.engine.max_model_len} exceeds the model's "
-                          f"max_position_embeddings {max_pos}")
+    check_max_model_len(hf_config, cfg.engine.max_model_len)
 
 
 def translate(cfg: Config, hf_config: dict[str, Any]) -> TnxArgs:
