@@ -23,8 +23,8 @@ from server.api.errors import APIError, error_response
 from server.api.metrics import ServerMetrics
 from server.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                  CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
-                                 HealthStatus, ModelCard, ModelList, TokenizeChatRequest,
-                                 TokenizeCompletionRequest, TokenizeResponse, VersionResponse)
+                                 HealthStatus, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+                                 VersionResponse)
 from server.api.serving import OpenAIServing
 from server.api.shutdown import GracefulServer
 from server.backends import check_backend_available
@@ -328,7 +328,7 @@ def _install_routes(app: FastAPI) -> None:
         return state.serving
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
-    async def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request):
+    async def tokenize(body: TokenizeRequest, request: Request):
         return ready_serving(request).tokenize(body)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)

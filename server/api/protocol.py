@@ -12,7 +12,8 @@ import uuid
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_serializer,
+                      model_validator)
 
 from server.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 
@@ -249,6 +250,16 @@ class ResponseFormat(_Lenient):
         return self
 
 
+def check_continuation(messages: list, add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """vLLM's rule for continue_final_message (the reply goes on from the last, assistant, message's text): it
+    excludes a generation prompt (an opened new turn) and needs an assistant message last."""
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
+
+
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
 
@@ -257,6 +268,7 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -264,6 +276,7 @@ class ChatCompletionRequest(_Request):
 
     @model_validator(mode="after")
     def _check(self):
+        check_continuation(self.messages, self.add_generation_prompt, self.continue_final_message)
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
@@ -445,8 +458,24 @@ class TokenizeChatRequest(_Lenient):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[Tool] | None = None
     return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _check(self):
+        check_continuation(self.messages, self.add_generation_prompt, self.continue_final_message)
+        return self
+
+
+def _tokenize_kind(body: Any) -> str:
+    return "chat" if isinstance(body, dict) and "messages" in body else "prompt"
+
+
+# POST /tokenize's body: chat messages when it has `messages`, else a prompt (so an error names the right one's fields)
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("prompt")] | Annotated[TokenizeChatRequest, Tag("chat")],
+    Discriminator(_tokenize_kind)]
 
 
 class TokenizeResponse(BaseModel):

@@ -157,11 +157,13 @@ class OpenAIServing:
             out.append(msg)
         return out
 
-    def _render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool,
+                continue_final_message: bool = False) -> str:
         try:
             return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                       chat_template=self.chat_template,
-                                                      add_generation_prompt=add_generation_prompt)
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message)
         except Exception as exc:  # template errors are the request's fault (e.g. role order)
             raise APIError(400, f"chat template rejected the messages: {exc}", param="messages") from None
 
@@ -173,7 +175,8 @@ class OpenAIServing:
             self._renders_tools = "probe_tool_xyz" in self._render(probe, tool, True)
         return self._renders_tools
 
-    def _chat_ids(self, messages, tools, add_generation_prompt: bool) -> list[int]:
+    def _chat_ids(self, messages, tools, add_generation_prompt: bool,
+                  continue_final_message: bool = False) -> list[int]:
         converted = self._template_messages(messages)
         num_chars = sum(len(m["content"]) for m in converted)
         if num_chars > self.max_prompt_chars:
@@ -187,7 +190,7 @@ class OpenAIServing:
                                     "--chat-template hermes_tools (bundled) or a template that does",
                                param="tools", code="tools_not_supported")
             tool_dicts = [t.model_dump(exclude_none=True) for t in tools]
-        text = self._render(converted, tool_dicts, add_generation_prompt)
+        text = self._render(converted, tool_dicts, add_generation_prompt, continue_final_message)
         # the template writes the special tokens (BOS, role markers) itself
         return self._tokenize(text, add_special_tokens=False) if text else self._tokenize("")
 
@@ -203,13 +206,15 @@ class OpenAIServing:
                            param="max_tokens", code="context_length_exceeded")
         return max_tokens
 
-    @staticmethod
-    def _params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,
+    def _params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,
                 structured: StructuredOutput | None = None) -> SamplingParams:
         try:
-            return req.sampling_params(max_tokens, logprobs, structured)
+            params = req.sampling_params(max_tokens, logprobs, structured)
         except ValueError as exc:  # cross-field limits (e.g. min_tokens > max_tokens)
             raise APIError(400, str(exc)) from None
+        if any(not 0 <= t < self.vocab_size for t in params.logit_bias):  # as vLLM: not silently ignored
+            raise APIError(400, f"logit_bias token ids must be in [0, {self.vocab_size})", param="logit_bias")
+        return params
 
     # ---- engine interaction ----------------------------------------------------------------
     def _submit(self, batch: list[tuple[list[int], SamplingParams]], n: int, rid: str) -> list:
@@ -382,7 +387,8 @@ class OpenAIServing:
         """Non-streamed ChatCompletionResponse, or an async iterator of SSE lines when stream is set."""
         self.check_model(req.model)
         self.check_fields(req)
-        ids = self._chat_ids(req.messages, req.tools if req.uses_tools else None, req.add_generation_prompt)
+        ids = self._chat_ids(req.messages, req.tools if req.uses_tools else None, req.add_generation_prompt,
+                             req.continue_final_message)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = self._max_tokens(req.max_completion_tokens or req.max_tokens, len(ids), None)
         params = self._params(req, max_tokens, logprobs, self._structured(req))
@@ -478,7 +484,7 @@ class OpenAIServing:
         self.check_model(req.model)
         self.check_fields(req)
         if isinstance(req, TokenizeChatRequest):
-            ids = self._chat_ids(req.messages, req.tools, req.add_generation_prompt)
+            ids = self._chat_ids(req.messages, req.tools, req.add_generation_prompt, req.continue_final_message)
         else:
             ids = self._tokenize(req.prompt, req.add_special_tokens) if req.prompt else []
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None

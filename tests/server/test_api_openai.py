@@ -118,10 +118,39 @@ def test_echo_prepends_the_prompt(client):
     assert resp.choices[0].text.startswith("Echo me") and len(resp.choices[0].text) > len("Echo me")
 
 
+def test_continue_final_message_goes_on_from_the_assistants_text(server, tokenizer):
+    """vLLM's continue_final_message: the prompt ends with the last assistant message's text (no end of turn, no new
+    turn), and the reply continues it, as a plain completion of that prompt does."""
+    messages = [{"role": "user", "content": "Count with me"}, {"role": "assistant", "content": "One, two,"}]
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = httpx.post(f"{server.url}/tokenize", json={"model": "tiny", "messages": messages, **fields}).json()["tokens"]
+    assert tokenizer.decode(ids).endswith("One, two,")
+    closed = httpx.post(f"{server.url}/tokenize", json={"model": "tiny", "messages": messages,
+                                                        "add_generation_prompt": False}).json()["tokens"]
+    assert closed[:len(ids)] == ids and len(closed) > len(ids)  # without it the template closes the turn
+    body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "messages": messages, **fields}).json()
+    plain = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": ids}).json()
+    assert chat["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
+    assert chat["usage"]["prompt_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize("fields, messages", [
+    ({"continue_final_message": True}, [{"role": "assistant", "content": "a"}]),  # add_generation_prompt defaults on
+    ({"continue_final_message": True, "add_generation_prompt": False}, [{"role": "user", "content": "a"}]),
+])
+def test_continue_final_message_needs_an_assistant_message_and_no_generation_prompt(server, fields, messages):
+    for path in ("/v1/chat/completions", "/tokenize"):
+        resp = httpx.post(f"{server.url}{path}", json={"model": "tiny", "messages": messages, **fields})
+        assert resp.status_code == 400 and "continue_final_message" in resp.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("body, param", [
     ({"logprobs": 21}, "logprobs"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 5}}, "logit_bias"),  # past the vocabulary: refused, not ignored
+    ({"logit_bias": {"-1": 5}}, "logit_bias"),
     ({"min_p": 2}, "min_p"),
     ({"max_tokens": 4, "min_tokens": 5}, None),
 ])
