@@ -157,8 +157,24 @@ class CompletionRequest(_Request):
 
 
 class ContentPart(_Lenient):
-    type: Literal["text"]
+    type: str = Field(description="text (the models served take text only)")
     text: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v):
+        if v != "text":
+            raise ValueError(f"content part type {v!r} is not supported: the models served take text parts only")
+        return v
+
+
+def _content_kind(value: Any) -> str:
+    return "parts" if isinstance(value, list) else "text"
+
+
+# A message's content: a string, or a list of parts (validated as parts when it is a list, so an error names them).
+Content = Annotated[Annotated[str, Tag("text")] | Annotated[list[ContentPart], Tag("parts")],
+                    Discriminator(_content_kind)]
 
 
 class FunctionCall(_Lenient):
@@ -187,22 +203,22 @@ class _Message(_Lenient):
 
 class SystemMessage(_Message):
     role: Literal["system", "developer"]
-    content: str | list[ContentPart]
+    content: Content
 
 
 class UserMessage(_Message):
     role: Literal["user"]
-    content: str | list[ContentPart]
+    content: Content
 
 
 class AssistantMessage(_Message):
     role: Literal["assistant"]
-    content: str | list[ContentPart] | None = None  # null when it only calls tools (read as empty otherwise)
+    content: Content | None = None  # null when it only calls tools (read as empty otherwise)
 
 
 class ToolMessage(_Message):
     role: Literal["tool"]
-    content: str | list[ContentPart]
+    content: Content
     tool_call_id: str
 
 

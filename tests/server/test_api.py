@@ -133,6 +133,17 @@ def test_chat_errors(server):
     assert httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
 
 
+def test_content_parts_other_than_text_are_named_in_the_error(server):
+    url = f"{server.url}/v1/chat/completions"
+    parts = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    resp = httpx.post(url, json={"model": "tiny", "messages": [{"role": "user", "content": parts}], "max_tokens": 2})
+    error = resp.json()["error"]
+    assert resp.status_code == 400 and "content part type 'image_url' is not supported" in error["message"]
+    assert error["param"].startswith("messages.0")
+    ok = httpx.post(url, json={"model": "tiny", "messages": [{"role": "user", "content": parts[:1]}], "max_tokens": 2})
+    assert ok.status_code == 200
+
+
 def test_concurrent_requests_share_a_forward(server, client):
     before = server.state.runtime.engine.max_batch_size_seen
 
