@@ -100,6 +100,12 @@ class _Request(_Lenient):
             raise ValueError(f"stop sequences are at most {MAX_STOP_LEN} characters")
         return v
 
+    @model_validator(mode="after")
+    def _check_stream_options(self):
+        if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 

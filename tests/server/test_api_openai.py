@@ -153,6 +153,7 @@ def test_continue_final_message_needs_an_assistant_message_and_no_generation_pro
     ({"logit_bias": {"-1": 5}}, "logit_bias"),
     ({"min_p": 2}, "min_p"),
     ({"max_tokens": 4, "min_tokens": 5}, None),
+    ({"stream_options": {"include_usage": True}}, None),  # without stream: true (OpenAI and vLLM refuse it too)
 ])
 def test_bad_sampling_fields_get_400(server, body, param):
     resp = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x", **body})
