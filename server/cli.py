@@ -180,7 +180,9 @@ def _serve_with(cfg, core) -> int:
     from server.models.artifact import read_manifest
     from server.models.gemm_tuning import check_env as check_gemm_env
 
-    if cfg.model.compressed:  # its manifest (the core reads the factors): a wrong path stops the start, one line
+    # The artifact's manifest (the core reads the factors): a wrong path stops the start, one line. Not for Neuron,
+    # whose missing SDK must be the first error it reports (its runner reads the artifact).
+    if cfg.model.compressed and cfg.backend == "torch":
         read_manifest(cfg.model.compressed)
     try:
         get_tool_parser(cfg.server.tool_call_parser)
