@@ -91,7 +91,8 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
     ("/v1/completions", {**CMPL, "prompt": [1] * 100_000}, "prompt"),
     # unknown fields, also nested: refused (server.strict_fields is on for this module)
     ("/v1/completions", {**CMPL, "functions": []}, "functions"),
-    ("/v1/completions", {**CMPL, "stream_options": {"include_usage": True, "extra": 1}}, "stream_options.extra"),
+    ("/v1/completions", {**CMPL, "stream": True, "stream_options": {"include_usage": True, "extra": 1}},
+     "stream_options.extra"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x", "mood": "ok"}]}, "messages.0.mood"),
 ])
 def test_bad_request_is_a_400_naming_the_field(live, path, body, param):
