@@ -11,8 +11,9 @@ import uuid
 from importlib.metadata import PackageNotFoundError, version
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
@@ -328,7 +329,7 @@ def _install_routes(app: FastAPI) -> None:
         return state.serving
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
-    async def tokenize(body: TokenizeRequest, request: Request):
+    async def tokenize(body: Annotated[TokenizeRequest, Body()], request: Request):  # Body(): FastAPI 0.115 needs it
         return ready_serving(request).tokenize(body)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
