@@ -138,6 +138,8 @@ def attention_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     # every token against as many positions as the widest block table holds, keys past its own context masked out
     # (the table's width rather than the longest context: no device-to-host sync, and a static shape to capture)
     max_len = block_tables.shape[1] * block_size
+    if not qkv.is_cuda:  # on the CPU the longest context costs no sync: no further (a slot cache's one block is long)
+        max_len = max(min(max_len, int(context_lens.max())), 1)
     positions = torch.arange(max_len, device=qkv.device)
     blocks = block_tables[seq_index.long()][:, positions // block_size].long()  # [num_tokens, max_len]
     keys = k_cache[blocks, :, positions % block_size].transpose(1, 2).to(q.dtype)  # [num_tokens, Hkv, max_len, D]
