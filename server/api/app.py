@@ -263,7 +263,7 @@ def _install_error_handlers(app: FastAPI) -> None:
             return error_response(400, f"request body is not valid JSON: {reason} (at character {where})")
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
-        msg = err.get("msg", "invalid request")
+        msg = err.get("msg", "invalid request").removeprefix("Value error, ")  # pydantic's prefix for our checks
         if err.get("type") == "extra_forbidden":
             msg = "unrecognized request argument"
         return error_response(400, f"{param}: {msg}" if param else msg, param=param)

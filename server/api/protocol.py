@@ -7,13 +7,14 @@ refuse them with 400 when `server.strict_fields` is on.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_serializer,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator,
+                      model_serializer, model_validator)
 
 from server.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 
@@ -52,6 +53,78 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Lenient):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    """OpenAI's response_format: free text, any JSON object, or JSON for a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
+
+    def spec(self) -> StructuredOutput | None:
+        """The decoding constraint this asks for (None for text)."""
+        if self.type == "json_schema":
+            return StructuredOutput("json_schema", json.dumps(self.json_schema.schema_))
+        return StructuredOutput("json_object") if self.type == "json_object" else None
+
+
+class StructuredOutputs(_Lenient):
+    """vLLM's `structured_outputs`: exactly one of json (a schema), regex, choice, grammar, json_object."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, description="GBNF (llama.cpp's) or Lark")
+    json_object: bool | None = None
+    whitespace_pattern: str | None = Field(None, description="JSON kinds: the whitespace allowed (default none)")
+    # vLLM's backend switches, accepted and without effect here (one backend, llguidance, and JSON is
+    # already written without free whitespace)
+    disable_fallback: bool | None = None
+    disable_any_whitespace: bool | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if "structural_tag" in (self.model_extra or {}):
+            raise ValueError("structural_tag is not supported")
+        if len(self._given()) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object; got "
+                             + (", ".join(self._given()) or "none"))
+        return self
+
+    def _given(self) -> list[str]:
+        values = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                  "json_object": self.json_object or None}
+        return [name for name, value in values.items() if value is not None]
+
+    def spec(self) -> StructuredOutput:
+        """The decoding constraint this asks for."""
+        kind, ws = self._given()[0], self.whitespace_pattern
+        if kind == "json":
+            schema = self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)
+            return StructuredOutput("json_schema", schema, whitespace_pattern=ws)
+        if kind == "json_object":
+            return StructuredOutput("json_object", whitespace_pattern=ws)
+        if kind == "choice":
+            return StructuredOutput("choice", json.dumps(self.choice))
+        return StructuredOutput(kind, self.regex if kind == "regex" else self.grammar)
+
+
+# vLLM's older names for structured_outputs' fields (removed in vLLM 0.12; clients still send them)
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern"}
+
+
 class _Request(_Lenient):
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -75,7 +148,16 @@ class _Request(_Lenient):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured output (one constraint at most)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
     # accepted for compatibility, no effect on generation
+    guided_decoding_backend: str | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
@@ -105,6 +187,29 @@ class _Request(_Lenient):
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
             raise ValueError("stream_options is only allowed with stream: true")
         return self
+
+    @model_validator(mode="after")
+    def _check_structured(self):
+        guided = {new: getattr(self, old) for old, new in _GUIDED_FIELDS.items() if getattr(self, old) is not None}
+        if guided:  # vLLM 0.11's spelling becomes the one structured_outputs reads
+            if self.structured_outputs is not None:
+                raise ValueError("use structured_outputs or the guided_* fields, not both")
+            try:
+                self.structured_outputs = StructuredOutputs.model_validate(guided)
+            except ValidationError as exc:  # name the field the client sent
+                err = exc.errors()[0]
+                old = {new: old for old, new in _GUIDED_FIELDS.items()}.get(err["loc"][0] if err["loc"] else None)
+                raise ValueError(f"{old or 'guided_*'}: {err['msg'].removeprefix('Value error, ')}") from None
+        if self.structured_outputs is not None and self.response_format and self.response_format.type != "text":
+            raise ValueError("response_format cannot be combined with structured_outputs (or guided_*)")
+        return self
+
+    def output_constraint(self) -> tuple[StructuredOutput, str] | None:
+        """The decoding constraint the request asks for, and the field that asked for it (for errors)."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.spec(), "structured_outputs"
+        spec = self.response_format.spec() if self.response_format else None
+        return (spec, "response_format") if spec else None
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -254,24 +359,6 @@ class NamedToolChoice(_Lenient):
     function: NamedFunction
 
 
-class JsonSchemaFormat(_Lenient):
-    name: str = "response"
-    description: str | None = None
-    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Lenient):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _check(self):
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("type json_schema needs a json_schema object")
-        return self
-
-
 def check_continuation(messages: list, add_generation_prompt: bool, continue_final_message: bool) -> None:
     """vLLM's rule for continue_final_message (the reply goes on from the last, assistant, message's text): it
     excludes a generation prompt (an opened new turn) and needs an assistant message last."""
@@ -291,7 +378,6 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -306,8 +392,8 @@ class ChatCompletionRequest(_Request):
         if isinstance(self.tool_choice, NamedToolChoice):
             if self.tool_choice.function.name not in {t.function.name for t in self.tools}:
                 raise ValueError(f"tool_choice names `{self.tool_choice.function.name}`, which is not in tools")
-        if self.forces_tool_call and self.response_format and self.response_format.type != "text":
-            raise ValueError("response_format cannot be combined with a required or named tool_choice")
+        if self.forces_tool_call and self.output_constraint():
+            raise ValueError(f"{self.output_constraint()[1]} cannot be combined with a required or named tool_choice")
         return self
 
     @property

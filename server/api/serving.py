@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
 _DISCONNECT_POLL_S = 0.05
+_CONSTRAINT_NAMES = {"json_schema": "schema", "json_object": "schema", "regex": "regex", "choice": "choices",
+                     "grammar": "grammar", "lark": "tools' schemas"}
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
 
 
@@ -329,7 +331,8 @@ class OpenAIServing:
         prompts = [self._tokenize(p) for p in req.prompts()]
         if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")
-        requests = [(ids, self._params(req, self._max_tokens(req.max_tokens, len(ids), 16), req.logprobs))
+        structured = self._structured(req)
+        requests = [(ids, self._params(req, self._max_tokens(req.max_tokens, len(ids), 16), req.logprobs, structured))
                     for ids in prompts]
         echoes = [self.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
         rid = f"cmpl-{raw.state.request_id}"
@@ -365,22 +368,18 @@ class OpenAIServing:
             self.metrics.observe_request(len(prompts[i // n]), count)
 
     # ---- chat ------------------------------------------------------------------------------
-    def _structured(self, req: ChatCompletionRequest) -> StructuredOutput | None:
-        """The decoding constraint a request asks for: a forced tool call or a response_format."""
-        if req.forces_tool_call:
+    def _structured(self, req: CompletionRequest | ChatCompletionRequest) -> StructuredOutput | None:
+        """The decoding constraint a request asks for: a forced tool call, structured_outputs or response_format."""
+        if isinstance(req, ChatCompletionRequest) and req.forces_tool_call:
             parallel = req.parallel_tool_calls and req.tool_choice == "required"  # a named function: one call
-            spec = StructuredOutput("lark", self.tool_parser.forced_grammar(req.forced_tools(), parallel))
-            param = "tools"
-        elif req.response_format and req.response_format.type == "json_object":
-            spec, param = StructuredOutput("json_object"), "response_format"
-        elif req.response_format and req.response_format.type == "json_schema":
-            spec = StructuredOutput("json_schema", json.dumps(req.response_format.json_schema.schema_))
-            param = "response_format"
+            spec, param = StructuredOutput("lark", self.tool_parser.forced_grammar(req.forced_tools(), parallel)), "tools"
+        elif (constraint := req.output_constraint()) is not None:
+            spec, param = constraint
         else:
             return None
         error = grammar_error(spec)
         if error:
-            raise APIError(400, f"{param}: cannot compile the schema: {error}", param=param)
+            raise APIError(400, f"{param}: cannot compile the {_CONSTRAINT_NAMES[spec.kind]}: {error}", param=param)
         return spec
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):

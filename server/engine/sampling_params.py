@@ -15,14 +15,18 @@ MAX_LOGIT_BIAS = 100.0
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """A decoding constraint: `kind` says how to read `value` (a JSON schema as JSON text, or a Lark grammar).
+    """A decoding constraint: `kind` says how to read `value`.
 
-    json_schema: output matches the schema; json_object: any JSON object (value unused);
+    json_schema: output matches the schema (JSON text); json_object: any JSON object (value unused);
+    regex: output matches the regular expression (Rust regex syntax); choice: output is one of the strings
+    of a JSON list; grammar: a GBNF (llama.cpp's) or Lark grammar from a client;
     lark: a Lark grammar in llguidance's dialect (may embed `%json {schema}`), used for tool calls.
+    whitespace_pattern: for the JSON kinds, a regex for the whitespace allowed between tokens (default none).
     """
 
-    kind: Literal["json_schema", "json_object", "lark"]
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar", "lark"]
     value: str = ""
+    whitespace_pattern: str | None = None
 
 
 @dataclass

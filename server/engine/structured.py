@@ -41,12 +41,16 @@ def lark_json(schema: dict) -> str:
 
 
 def grammar_for(spec: StructuredOutput) -> str:
-    """The llguidance grammar (serialised) for a spec."""
-    if spec.kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, defaults=JSON_OPTIONS)
-    if spec.kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_OPTIONS)
-    return llguidance.LLMatcher.grammar_from_lark(spec.value)
+    """The llguidance grammar (serialised) for a spec (ValueError for a GBNF grammar it cannot read)."""
+    if spec.kind in ("json_object", "json_schema"):
+        options = JSON_OPTIONS
+        if spec.whitespace_pattern is not None:
+            options = {**JSON_OPTIONS, "whitespace_pattern": spec.whitespace_pattern}
+        schema = _ANY_OBJECT if spec.kind == "json_object" else spec.value
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    if spec.kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(spec.value)
+    return llguidance.grammar_from(spec.kind, spec.value)  # regex, choice (a JSON list), grammar (GBNF or Lark)
 
 
 def grammar_error(spec: StructuredOutput) -> str | None:

@@ -4,6 +4,7 @@ fields, tokenizer/version/model endpoints, request ids, vLLM metric names, tools
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -238,6 +239,66 @@ def test_bad_schema_and_unknown_named_tool_are_400(server):
     assert unknown.status_code == 400
     no_template = httpx.post(url, json={**base, "tools": [tool]})  # SmolLM2's own template has no tools
     assert no_template.status_code == 400 and no_template.json()["error"]["code"] == "tools_not_supported"
+
+
+# vLLM's structured_outputs, its older guided_* spelling, and response_format on completions
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+@pytest.mark.parametrize("fields, pattern", [
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, r"yes|no"),
+    ({"guided_choice": ["yes", "no"]}, r"yes|no"),
+    ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}, r"[0-9]{3}-[a-z]{2}"),
+    ({"guided_regex": "[0-9]{3}-[a-z]{2}"}, r"[0-9]{3}-[a-z]{2}"),
+    ({"structured_outputs": {"grammar": 'root ::= ("on" | "off") " " [0-9]'}}, r"(on|off) [0-9]"),
+    ({"guided_grammar": 'start: ("on" | "off") " " /[0-9]/'}, r"(on|off) [0-9]"),
+])
+def test_structured_outputs_constrain_both_endpoints(server, endpoint, fields, pattern):
+    body = {"model": "tiny", "max_tokens": 40, "temperature": 1.0, "seed": 5, "n": 2, **fields}
+    body |= {"messages": [{"role": "user", "content": "x"}]} if endpoint.startswith("chat") else {"prompt": "x"}
+    resp = httpx.post(f"{server.url}/v1/{endpoint}", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    for choice in resp.json()["choices"]:
+        text = choice["text"] if "text" in choice else choice["message"]["content"]
+        assert choice["finish_reason"] == "stop" and re.fullmatch(pattern, text), text
+
+
+@pytest.mark.parametrize("fields", [{"structured_outputs": {"json": SCHEMA}}, {"guided_json": SCHEMA},
+                                    {"guided_json": json.dumps(SCHEMA)},
+                                    {"response_format": {"type": "json_schema",
+                                                         "json_schema": {"name": "trip", "schema": SCHEMA}}}])
+def test_json_constraints_on_completions(server, fields):
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 60, "temperature": 1.0, "seed": 2, **fields}
+    resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    value = json.loads(resp.json()["choices"][0]["text"])
+    assert value["city"] in ("Paris", "Rome") and set(value) == {"city", "days"}
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"guided_choice": []}, "guided_choice"),
+    ({"structured_outputs": {}}, "exactly one"),
+    ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "got regex, choice"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "exactly one"),
+    ({"structured_outputs": {"choice": ["a"]}, "guided_regex": "b"}, "not both"),
+    ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, "cannot be combined"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structural_tag is not supported"),
+    ({"structured_outputs": {"regex": "[a-"}}, "cannot compile the regex"),
+    ({"guided_grammar": "root ::= ("}, "cannot compile the grammar"),
+    ({"structured_outputs": {"json": "{not json"}}, "cannot compile the schema"),
+])
+def test_bad_structured_outputs_are_400(server, fields, says):
+    for endpoint, prompt in (("completions", {"prompt": "x"}),
+                             ("chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        resp = httpx.post(f"{server.url}/v1/{endpoint}", json={"model": "tiny", **prompt, **fields}, timeout=60)
+        assert resp.status_code == 400 and says in resp.json()["error"]["message"], resp.text
+        assert not resp.json()["error"]["message"].startswith("Value error")
+
+
+def test_structured_outputs_and_a_forced_tool_call_are_400(server):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    resp = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [tool], "tool_choice": "required",
+        "guided_choice": ["a"]})
+    assert resp.status_code == 400 and "structured_outputs cannot be combined" in resp.json()["error"]["message"]
 
 
 # ---- tool calling -----------------------------------------------------------------------------

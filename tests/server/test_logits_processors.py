@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import re
 
 import pytest
 import torch
@@ -111,12 +112,42 @@ def test_lark_grammar_with_embedded_schema(tokenizer):
     assert json.loads(text[len("<tool_call>\n"):-len("\n</tool_call>")])["colour"] in ("red", "green")
 
 
+@pytest.mark.parametrize("spec, pattern", [
+    (StructuredOutput("regex", "[0-9]{3}-[a-z]{2}"), r"[0-9]{3}-[a-z]{2}"),
+    (StructuredOutput("choice", json.dumps(["yes", "no", "a \"quoted\" one"])), r'yes|no|a "quoted" one'),
+    (StructuredOutput("grammar", 'root ::= ("on" | "off") " " [0-9] [0-9]?'), r"(on|off) [0-9][0-9]?"),  # GBNF
+    (StructuredOutput("grammar", 'start: ("on" | "off") " " /[0-9]{1,2}/'), r"(on|off) [0-9][0-9]?"),  # Lark
+])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_regex_choice_and_grammar_specs_force_matching_output(tokenizer, spec, pattern, seed):
+    for seq in _decode_under_grammar(tokenizer, spec, seed, n=2):
+        assert seq.output_ids[-1] == EOS
+        assert re.fullmatch(pattern, tokenizer.decode(seq.output_ids[:-1]))
+
+
+def test_whitespace_pattern_lets_json_breathe(tokenizer):
+    spec = StructuredOutput("json_object", whitespace_pattern=" {2}")
+    seq = _seq(tokenizer=tokenizer, structured=spec)
+    seq.output_ids = tokenizer.encode("{")
+    logits = torch.zeros(1, len(tokenizer))
+    apply_logits_processors(logits, [seq])
+    space = tokenizer.encode("  ", add_special_tokens=False)
+    assert len(space) == 1 and torch.isfinite(logits[0, space[0]])  # two spaces after "{" are allowed
+    seq = _seq(tokenizer=tokenizer, structured=StructuredOutput("json_object"))
+    seq.output_ids = tokenizer.encode("{")
+    logits = torch.zeros(1, len(tokenizer))
+    apply_logits_processors(logits, [seq])
+    assert math.isinf(logits[0, space[0]])  # by default JSON gets no free whitespace
+
+
 def test_spec_is_plain_picklable_data_and_bad_schemas_are_named():
     params = SamplingParams(structured=StructuredOutput("json_schema", json.dumps(SCHEMA)), logit_bias={1: 2.0})
     assert pickle.loads(pickle.dumps(params)) == params
     assert grammar_error(StructuredOutput("json_schema", json.dumps(SCHEMA))) is None
     assert "nonsense" in grammar_error(StructuredOutput("json_schema", '{"type": "nonsense"}'))
     assert grammar_error(StructuredOutput("json_schema", "{not json")).startswith("not JSON")
+    assert "unclosed character class" in grammar_error(StructuredOutput("regex", "[a-"))
+    assert "GBNF" in grammar_error(StructuredOutput("grammar", "root ::= ("))
 
 
 def test_token_bytes_of_a_split_character(tokenizer):
