@@ -148,6 +148,13 @@ class _Request(_Lenient):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    bad_words: list[str] | None = Field(None, description="words never written (as vLLM: with and without a "
+                                                          "leading space)")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="keep the prompt's last k tokens "
+                                                                       "(-1: max_model_len)")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each prompt token's logprob "
+                                                                                "and its top alternatives")
     # structured output (one constraint at most)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -186,6 +193,10 @@ class _Request(_Lenient):
     def _check_stream_options(self):
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
             raise ValueError("stream_options is only allowed with stream: true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available with stream: true")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or at least 1")
         return self
 
     @model_validator(mode="after")
@@ -229,7 +240,8 @@ class _Request(_Lenient):
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
             stop_token_ids=list(self.stop_token_ids or []), skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()}, structured=structured)
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()}, structured=structured,
+            allowed_token_ids=self.allowed_token_ids, prompt_logprobs=self.prompt_logprobs)
 
 
 class CompletionRequest(_Request):
@@ -253,7 +265,8 @@ class CompletionRequest(_Request):
                         structured: StructuredOutput | None = None) -> SamplingParams:
         """As for every request, plus prompt logprobs when echo and logprobs are both set (lm-eval's scoring)."""
         params = super().sampling_params(max_tokens, logprobs, structured)
-        return replace(params, prompt_logprobs=logprobs if self.echo else None)
+        wanted = [n for n in (logprobs if self.echo else None, self.prompt_logprobs) if n is not None]
+        return replace(params, prompt_logprobs=max(wanted) if wanted else None)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
@@ -378,6 +391,7 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -445,11 +459,30 @@ class Logprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry for one token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # per prompt token, token id -> entry; None for the first
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Logprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _prompt_logprobs_when_asked(self, handler):  # streamed chunks are this type too: no null on each
+        out = handler(self)
+        if out.get("prompt_logprobs") is None:
+            out.pop("prompt_logprobs", None)
+        return out
 
 
 class CompletionResponse(BaseModel):
@@ -481,6 +514,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ToolCallDelta(BaseModel):
@@ -567,6 +601,7 @@ class TokenizeChatRequest(_Lenient):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     return_token_strs: bool = False
 

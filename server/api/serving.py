@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import inspect
 import json
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 from fastapi import Request
@@ -17,7 +19,7 @@ from server.api.errors import APIError
 from server.api.metrics import ServerMetrics
 from server.api.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatMessageOut,
                                  ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse,
-                                 DetokenizeRequest, DetokenizeResponse, Logprobs,
+                                 DetokenizeRequest, DetokenizeResponse, Logprobs, PromptLogprob, PromptLogprobs,
                                  NamedToolChoice, PromptTokensDetails, StreamChunk, TokenizeChatRequest,
                                  TokenizeCompletionRequest, TokenizeResponse, ToolCallDelta, UsageInfo)
 from server.api.tool_parsers import ToolCallStream, get_tool_parser
@@ -98,6 +100,8 @@ class OpenAIServing:
             raise ConfigError(f"server.tool_call_parser: {exc}") from None
         self.chat_template = load_chat_template(cfg.server.chat_template)
         self._renders_tools: bool | None = None
+        # apply_chat_template's own arguments, which chat_template_kwargs must not reach
+        self._render_arguments = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
         self.vocab_size = len(tokenizer)
         # No token decodes to more characters than its longest vocabulary string, so a text longer than
         # max_model_len * that (x4 when a normaliser may merge characters) cannot fit: refuse it without
@@ -143,6 +147,12 @@ class OpenAIServing:
             raise APIError(400, "prompt must not be empty", param="prompt")
         return ids
 
+    def _truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len; None: all)."""
+        if keep is None:
+            return ids
+        return ids[-(self.max_model_len if keep == -1 else keep):]
+
     def _template_messages(self, messages) -> list[dict]:
         """Messages as chat templates expect them (tool-call arguments as objects, developer as system)."""
         out = []
@@ -160,12 +170,16 @@ class OpenAIServing:
         return out
 
     def _render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool,
-                continue_final_message: bool = False) -> str:
+                continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+        clash = sorted(set(template_kwargs or {}) & self._render_arguments)
+        if clash:  # the template's variables only, not apply_chat_template's own switches
+            raise APIError(400, f"chat_template_kwargs cannot set {', '.join(clash)}", param="chat_template_kwargs")
         try:
             return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                       chat_template=self.chat_template,
                                                       add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=continue_final_message)
+                                                      continue_final_message=continue_final_message,
+                                                      **(template_kwargs or {}))
         except Exception as exc:  # template errors are the request's fault (e.g. role order)
             raise APIError(400, f"chat template rejected the messages: {exc}", param="messages") from None
 
@@ -177,8 +191,8 @@ class OpenAIServing:
             self._renders_tools = "probe_tool_xyz" in self._render(probe, tool, True)
         return self._renders_tools
 
-    def _chat_ids(self, messages, tools, add_generation_prompt: bool,
-                  continue_final_message: bool = False) -> list[int]:
+    def _chat_ids(self, messages, tools, add_generation_prompt: bool, continue_final_message: bool = False,
+                  template_kwargs: dict | None = None) -> list[int]:
         converted = self._template_messages(messages)
         num_chars = sum(len(m["content"]) for m in converted)
         if num_chars > self.max_prompt_chars:
@@ -192,7 +206,7 @@ class OpenAIServing:
                                     "--chat-template hermes_tools (bundled) or a template that does",
                                param="tools", code="tools_not_supported")
             tool_dicts = [t.model_dump(exclude_none=True) for t in tools]
-        text = self._render(converted, tool_dicts, add_generation_prompt, continue_final_message)
+        text = self._render(converted, tool_dicts, add_generation_prompt, continue_final_message, template_kwargs)
         # the template writes the special tokens (BOS, role markers) itself
         return self._tokenize(text, add_special_tokens=False) if text else self._tokenize("")
 
@@ -216,7 +230,21 @@ class OpenAIServing:
             raise APIError(400, str(exc)) from None
         if any(not 0 <= t < self.vocab_size for t in params.logit_bias):  # as vLLM: not silently ignored
             raise APIError(400, f"logit_bias token ids must be in [0, {self.vocab_size})", param="logit_bias")
+        if any(not 0 <= t < self.vocab_size for t in params.allowed_token_ids or []):
+            raise APIError(400, f"allowed_token_ids must be in [0, {self.vocab_size})", param="allowed_token_ids")
+        if req.bad_words:
+            params = replace(params, bad_words_ids=self._bad_words_ids(req.bad_words))
         return params
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's tokens as written and after a space (how it reads mid-sentence), as vLLM bans them."""
+        found = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in found:
+                    found.append(ids)
+        return found
 
     # ---- engine interaction ----------------------------------------------------------------
     def _submit(self, batch: list[tuple[list[int], SamplingParams]], n: int, rid: str) -> list:
@@ -296,8 +324,9 @@ class OpenAIServing:
 
     def _completion_logprobs(self, lps: list[TokenLogprob], offsets: _TextOffsets,
                              prompt_ids: list[int] | None = None,
-                             prompt_lps: list[TokenLogprob | None] | None = None) -> Logprobs:
-        """Completions logprobs of the generated tokens, after those of the echoed prompt when given."""
+                             prompt_lps: list[TokenLogprob | None] | None = None, num_top: int | None = None) -> Logprobs:
+        """Completions logprobs of the generated tokens, after those of the echoed prompt when given (num_top of
+        each prompt token's alternatives: the engine may hold more, for prompt_logprobs)."""
         out = Logprobs()
         for token_id, lp in zip(prompt_ids or [], prompt_lps or []):
             token, data = self._token(token_id)
@@ -306,7 +335,7 @@ class OpenAIServing:
             out.token_logprobs.append(None if lp is None else lp.logprob)
             # as vLLM does: the prompt token itself is among its top alternatives
             out.top_logprobs.append(None if lp is None else {
-                **{self._token(t)[0]: v for t, v in lp.top}, token: lp.logprob})
+                **{self._token(t)[0]: v for t, v in lp.top[:num_top]}, token: lp.logprob})
         for lp in lps:
             token, data = self._token(lp.token_id)
             out.text_offset.append(offsets.next(data))
@@ -314,6 +343,19 @@ class OpenAIServing:
             out.token_logprobs.append(lp.logprob)
             out.top_logprobs.append({self._token(t)[0]: v for t, v in lp.top})
         return out
+
+    def _prompt_logprobs(self, choices: list[_Choice], num_top: int | None) -> PromptLogprobs | None:
+        """vLLM's prompt_logprobs of the prompt these choices share: each token, then its likeliest alternatives."""
+        lps = next((c.prompt_logprobs for c in choices if c.prompt_logprobs), None)
+        if num_top is None or lps is None:
+            return None
+
+        def entry(token_id: int, logprob: float, rank: int | None) -> tuple[str, PromptLogprob]:
+            return str(token_id), PromptLogprob(logprob=logprob, rank=rank, decoded_token=self._token(token_id)[0])
+
+        return [None if lp is None else dict([entry(lp.token_id, lp.logprob, lp.rank)] + [
+            entry(t, v, rank) for rank, (t, v) in enumerate(lp.top[:num_top], 1) if t != lp.token_id])
+            for lp in lps]
 
     def _chat_logprobs(self, lps: list[TokenLogprob]) -> dict:
         def entry(token_id: int, logprob: float) -> dict:
@@ -328,7 +370,7 @@ class OpenAIServing:
         """Non-streamed CompletionResponse, or an async iterator of SSE lines when stream is set."""
         self.check_model(req.model)
         self.check_fields(req)
-        prompts = [self._tokenize(p) for p in req.prompts()]
+        prompts = [self._truncated(self._tokenize(p), req.truncate_prompt_tokens) for p in req.prompts()]
         if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")
         structured = self._structured(req)
@@ -347,11 +389,14 @@ class OpenAIServing:
         choices = await self._collect(raw, gens, req.n)
         self._observe(prompts, req.n, [c.num_output_tokens for c in choices])
         usage = self._usage(num_prompt, sum(c.num_output_tokens for c in choices), self._cached(choices, req.n))
+        shared = [self._prompt_logprobs(choices[p * req.n:(p + 1) * req.n], req.prompt_logprobs)
+                  for p in range(len(prompts))]
         return CompletionResponse(id=rid, model=self.model_name, usage=usage, choices=[
             CompletionChoice(index=i, text=echoes[i // req.n] + c.text, finish_reason=c.finish_reason,
                              logprobs=(self._completion_logprobs(c.logprobs, _TextOffsets(), prompts[i // req.n],
-                                                                 c.prompt_logprobs)
-                                       if req.logprobs is not None else None))
+                                                                 c.prompt_logprobs, req.logprobs)
+                                       if req.logprobs is not None else None),
+                             prompt_logprobs=shared[i // req.n])
             for i, c in enumerate(choices)])
 
     def _completion_delta(self, out: SeqOutput, index: int, state: dict) -> CompletionChoice:
@@ -387,7 +432,8 @@ class OpenAIServing:
         self.check_model(req.model)
         self.check_fields(req)
         ids = self._chat_ids(req.messages, req.tools if req.uses_tools else None, req.add_generation_prompt,
-                             req.continue_final_message)
+                             req.continue_final_message, req.chat_template_kwargs)
+        ids = self._truncated(ids, req.truncate_prompt_tokens)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = self._max_tokens(req.max_completion_tokens or req.max_tokens, len(ids), None)
         params = self._params(req, max_tokens, logprobs, self._structured(req))
@@ -404,7 +450,8 @@ class OpenAIServing:
         self._observe([ids], req.n, [c.num_output_tokens for c in choices])
         usage = self._usage(len(ids), sum(c.num_output_tokens for c in choices), self._cached(choices, req.n))
         return ChatCompletionResponse(id=rid, model=self.model_name, usage=usage, choices=[
-            self._chat_choice(i, c, req, calls_reason) for i, c in enumerate(choices)])
+            self._chat_choice(i, c, req, calls_reason) for i, c in enumerate(choices)],
+            prompt_logprobs=self._prompt_logprobs(choices, req.prompt_logprobs))
 
     def _chat_choice(self, index: int, c: _Choice, req: ChatCompletionRequest, calls_reason: str) -> ChatChoice:
         content, calls = (self.tool_parser.extract(c.text) if req.uses_tools else (c.text, []))
@@ -483,7 +530,8 @@ class OpenAIServing:
         self.check_model(req.model)
         self.check_fields(req)
         if isinstance(req, TokenizeChatRequest):
-            ids = self._chat_ids(req.messages, req.tools, req.add_generation_prompt, req.continue_final_message)
+            ids = self._chat_ids(req.messages, req.tools, req.add_generation_prompt, req.continue_final_message,
+                                 req.chat_template_kwargs)
         else:
             ids = self._tokenize(req.prompt, req.add_special_tokens) if req.prompt else []
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None

@@ -216,10 +216,12 @@ def _record_prompt_logprobs(chunk: ScheduledTokens, logits: torch.Tensor) -> Non
         return
     logprobs = torch.log_softmax(logits[:len(targets)].float(), dim=-1)
     target_ids = torch.tensor(targets, device=logprobs.device)
-    chosen = logprobs.gather(1, target_ids.unsqueeze(1)).squeeze(1).tolist()
+    chosen_t = logprobs.gather(1, target_ids.unsqueeze(1))
+    ranks = ((logprobs > chosen_t).sum(-1) + 1).tolist()
+    chosen = chosen_t.squeeze(1).tolist()
     num_top = seq.params.prompt_logprobs
     tops = [[] for _ in targets]
     if num_top:
         values, ids = torch.topk(logprobs, num_top, dim=-1)
         tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-    seq.prompt_logprobs.extend(TokenLogprob(t, lp, top) for t, lp, top in zip(targets, chosen, tops))
+    seq.prompt_logprobs.extend(TokenLogprob(t, lp, top, rank) for t, lp, top, rank in zip(targets, chosen, tops, ranks))

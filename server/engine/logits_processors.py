@@ -1,5 +1,5 @@
-"""Per-sequence logits edits beyond temperature/top-k/top-p: logit_bias, min_tokens, repetition_penalty,
-min_p and the structured-output grammar mask.
+"""Per-sequence logits edits beyond temperature/top-k/top-p: logit_bias, allowed_token_ids, bad_words,
+min_tokens, repetition_penalty, min_p and the structured-output grammar mask.
 
 `apply_logits_processors` is the one entry the sampler calls (after the presence/frequency penalties).
 What a sequence needs between steps (its grammar matcher, its prompt's token set) lives lazily in
@@ -25,6 +25,7 @@ class LogitsState:
     """What a sequence's processors keep between steps."""
 
     prompt_ids: torch.Tensor | None = None  # unique prompt token ids (repetition penalty)
+    banned_outside: torch.Tensor | None = None  # bool [vocab]: True for tokens allowed_token_ids leaves out
     grammar: GrammarMatcher | None = None
     reported_error: bool = False
 
@@ -34,6 +35,9 @@ def _state(seq: Sequence, vocab_size: int) -> LogitsState:
         state = LogitsState()
         if seq.params.repetition_penalty != 1.0:
             state.prompt_ids = torch.tensor(sorted(set(seq.prompt_ids)), dtype=torch.long)
+        if seq.params.allowed_token_ids is not None:
+            state.banned_outside = torch.ones(vocab_size, dtype=torch.bool)
+            state.banned_outside[[t for t in seq.params.allowed_token_ids if 0 <= t < vocab_size]] = False
         if seq.params.structured is not None:
             state.grammar = GrammarMatcher(seq.params.structured, seq.detok.tokenizer, vocab_size,
                                            seq.eos_token_ids)
@@ -45,6 +49,15 @@ def _logit_bias(row: torch.Tensor, bias: dict[int, float]) -> None:
     ids = torch.tensor([t for t in bias if 0 <= t < row.shape[-1]], dtype=torch.long, device=row.device)
     values = torch.tensor([bias[t] for t in ids.tolist()], dtype=row.dtype, device=row.device)
     row.index_add_(0, ids, values)
+
+
+def _bad_words(row: torch.Tensor, seq: Sequence) -> None:
+    """Ban the token that would complete a bad word: its last token, where the output ends with the rest."""
+    out = seq.output_ids
+    for ids in seq.params.bad_words_ids:
+        prefix = ids[:-1]
+        if len(out) >= len(prefix) and (not prefix or out[-len(prefix):] == prefix) and 0 <= ids[-1] < row.shape[-1]:
+            row[ids[-1]] = float("-inf")
 
 
 def _min_tokens(row: torch.Tensor, seq: Sequence) -> None:
@@ -95,6 +108,10 @@ def apply_logits_processors(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         r = logits[row]
         if params.logit_bias:
             _logit_bias(r, params.logit_bias)
+        if state.banned_outside is not None:
+            r.masked_fill_(state.banned_outside.to(r.device), float("-inf"))
+        if params.bad_words_ids:
+            _bad_words(r, seq)
         if len(seq.output_ids) < params.min_tokens:
             _min_tokens(r, seq)
         if params.repetition_penalty != 1.0:

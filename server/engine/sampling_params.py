@@ -47,6 +47,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # CTRL-style, over prompt and output tokens (1: off)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (None: any)
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # token sequences never completed in the output
     logprobs: int | None = None  # number of top alternatives per token (0..MAX_LOGPROBS), None: off
     prompt_logprobs: int | None = None  # the same for every prompt token (echo + logprobs); None: off
     skip_special_tokens: bool = True
@@ -69,6 +71,10 @@ class SamplingParams:
         for value in (self.logprobs, self.prompt_logprobs):
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
+        if any(not ids for ids in self.bad_words_ids):
+            raise ValueError("a bad word must have at least one token")
         if any(abs(v) > MAX_LOGIT_BIAS for v in self.logit_bias.values()):
             raise ValueError(f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}")
 
@@ -83,5 +89,5 @@ class SamplingParams:
     @property
     def has_logits_processors(self) -> bool:
         """Whether apply_logits_processors has anything to do for this sequence."""
-        return bool(self.logit_bias or self.min_tokens or self.repetition_penalty != 1.0
-                    or self.min_p > 0.0 or self.structured is not None)
+        return bool(self.logit_bias or self.min_tokens or self.repetition_penalty != 1.0 or self.min_p > 0.0
+                    or self.structured is not None or self.allowed_token_ids is not None or self.bad_words_ids)

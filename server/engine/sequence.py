@@ -27,6 +27,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # 1 + how many tokens were likelier (kept for prompt tokens, as vLLM reports them)
 
 
 @dataclass

@@ -241,6 +241,74 @@ def test_bad_schema_and_unknown_named_tool_are_400(server):
     assert no_template.status_code == 400 and no_template.json()["error"]["code"] == "tools_not_supported"
 
 
+# ---- vLLM's prompt-side and vocabulary fields ---------------------------------------------------
+def test_prompt_logprobs_rank_each_prompt_token_as_vllm_reports_them(server, tokenizer):
+    prompt = "The capital of France is"
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "n": 2, "temperature": 1.0, "seed": 1,
+            "prompt_logprobs": 2, "echo": True, "logprobs": 0}
+    resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    ids = tokenizer(prompt).input_ids
+    first, second = (c["prompt_logprobs"] for c in resp["choices"])
+    assert first == second and len(first) == len(ids) and first[0] is None  # one prompt, shared by its choices
+    echoed = resp["choices"][0]["logprobs"]
+    for i, entry in enumerate(first[1:], 1):
+        own = entry[str(ids[i])]  # the prompt token itself, first, with its rank in the vocabulary
+        assert list(entry)[0] == str(ids[i]) and own["logprob"] == pytest.approx(echoed["token_logprobs"][i])
+        tops = sorted((e["rank"], e["logprob"]) for t, e in entry.items() if t != str(ids[i]) or e["rank"] <= 2)
+        assert [r for r, _ in tops] == [1, 2] and tops[0][1] >= tops[1][1] >= own["logprob"] - 1e-6
+        assert own["rank"] >= 1 and (own["rank"] > 2) == (len(entry) == 3)
+        assert len(echoed["top_logprobs"][i]) == 1  # logprobs 0: the echo keeps its own count
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # 0 alternatives: the token alone
+    streamed = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": True})
+    assert streamed.status_code == 400 and "stream" in streamed.json()["error"]["message"]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_tail(server):
+    ids = list(range(100, 120))
+    base = {"model": "tiny", "max_tokens": 6, "temperature": 0.0}
+    cut = httpx.post(f"{server.url}/v1/completions", json={**base, "prompt": ids, "truncate_prompt_tokens": 5}).json()
+    tail = httpx.post(f"{server.url}/v1/completions", json={**base, "prompt": ids[-5:]}).json()
+    assert cut["usage"]["prompt_tokens"] == 5 and cut["choices"][0]["text"] == tail["choices"][0]["text"]
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={
+        **base, "messages": [{"role": "user", "content": "Hi there"}], "truncate_prompt_tokens": 3}).json()
+    assert chat["usage"]["prompt_tokens"] == 3
+
+
+def test_allowed_token_ids_and_bad_words_steer_the_vocabulary(server, tokenizer):
+    a, b = tokenizer.convert_tokens_to_ids(["a", "b"])
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 8, "temperature": 1.0, "seed": 3}
+    only = httpx.post(f"{server.url}/v1/completions", json={**body, "allowed_token_ids": [a, b]}).json()
+    assert re.fullmatch("[ab]{8}", only["choices"][0]["text"])
+    greedy = {**body, "temperature": 0.0, "max_tokens": 4, "logprobs": 0}
+    word = httpx.post(f"{server.url}/v1/completions", json=greedy).json()["choices"][0]["logprobs"]["tokens"][0]
+    assert word.strip(), "the test needs a first token with letters in it"
+    banned = httpx.post(f"{server.url}/v1/completions", json={**greedy, "bad_words": [word.strip()]}).json()
+    assert banned["choices"][0]["logprobs"]["tokens"][0] != word
+
+
+def test_chat_template_kwargs_reach_the_template(server, monkeypatch):
+    serving = server.state.serving
+    monkeypatch.setattr(serving, "chat_template", "{{ greeting }}:{% for m in messages %}{{ m.content }}{% endfor %}")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"greeting": "Yo"}}
+    tokens = httpx.post(f"{server.url}/tokenize", json=body).json()["tokens"]
+    assert serving.tokenizer.decode(tokens) == "Yo:Hi"
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "max_tokens": 1}).json()
+    assert chat["usage"]["prompt_tokens"] == len(tokens)
+    clash = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "chat_template_kwargs": {"tokenize": True}})
+    assert clash.status_code == 400 and clash.json()["error"]["param"] == "chat_template_kwargs"
+
+
+@pytest.mark.parametrize("fields", [{"allowed_token_ids": []}, {"allowed_token_ids": [-1]},
+                                    {"allowed_token_ids": [10 ** 6]}, {"truncate_prompt_tokens": 0},
+                                    {"truncate_prompt_tokens": -2}, {"prompt_logprobs": 21}, {"bad_words": "x"}])
+def test_bad_vocabulary_and_prompt_fields_are_400(server, fields):
+    resp = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x", **fields})
+    assert resp.status_code == 400, resp.text
+
+
 # vLLM's structured_outputs, its older guided_* spelling, and response_format on completions
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
 @pytest.mark.parametrize("fields, pattern", [

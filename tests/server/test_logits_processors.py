@@ -40,6 +40,23 @@ def test_logit_bias_adds_to_the_named_tokens_only():
     assert logits[1].abs().sum() == 0  # another row is untouched
 
 
+def test_allowed_token_ids_leave_only_those():
+    logits = torch.zeros(2, VOCAB)
+    apply_logits_processors(logits, [_seq(allowed_token_ids=[3, 9]), _seq()])
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [3, 9]
+    assert torch.isfinite(logits[1]).all()
+
+
+def test_bad_words_ban_the_token_that_would_complete_them():
+    words = [[7], [4, 5, 6]]
+    logits = torch.zeros(3, VOCAB)
+    apply_logits_processors(logits, [_seq(output=[1, 4, 5], bad_words_ids=words),
+                                     _seq(output=[4, 9], bad_words_ids=words), _seq(bad_words_ids=words)])
+    assert math.isinf(logits[0, 7]) and math.isinf(logits[0, 6])  # a one-token word always; 4 5 -> not 6
+    assert math.isinf(logits[1, 7]) and torch.isfinite(logits[1, 6])  # 9 broke the run
+    assert torch.isinf(logits[2]).sum() == 1  # no output yet: only the one-token word
+
+
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     logits = torch.zeros(2, VOCAB)
     apply_logits_processors(logits, [_seq(output=[3], min_tokens=2, stop_token_ids=[11]),
