@@ -39,6 +39,19 @@ def _prefill_cap(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected auto, off or a number of tokens, got {text!r}") from None
 
 
+def _origins(text: str) -> list[str]:
+    """--allowed-origins: a JSON list (vLLM's form) or comma-separated origins."""
+    if text.lstrip().startswith("["):
+        try:
+            origins = json.loads(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return origins
+    return [o.strip() for o in text.split(",") if o.strip()]
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible server",
                        description="Flags override the config; each also reads NEURONMM_<FLAG> from the environment.")
@@ -47,6 +60,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         env = _env_default(name)
         if kwargs.get("action") == "store_true":
             kwargs["default"] = env is not None and env.lower() in ("1", "true", "yes", "on")
+        elif kwargs.get("action") is argparse.BooleanOptionalAction:  # unset: the config decides
+            kwargs["default"] = None if env is None else env.lower() in ("1", "true", "yes", "on")
         else:
             kwargs["default"] = env
         p.add_argument(name, **kwargs)
@@ -80,6 +95,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     flag("--stream-interval", type=int,
          help="tokens per streamed chunk after the first (default 1: each token as it comes)")
     flag("--num-threads", type=int)
+    flag("--seed", type=int, help="seeds the requests that bring no seed of their own")
+    flag("--block-size", type=int, help="KV cache positions per block")
+    flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+         help="share cached prompt-prefix blocks between requests (default: on)")
+    flag("--allowed-origins", type=_origins, metavar="ORIGINS",
+         help='CORS origins, a JSON list as vLLM takes it (\'["*"]\') or comma-separated (default: none)')
+    flag("--uvicorn-log-level", choices=["debug", "info", "warning", "error"], help="the server's log level")
     flag("--shutdown-grace-s", type=float,
          help="on SIGTERM, how long in-flight requests may take before they are cut off")
     p.set_defaults(func=_run_serve)
@@ -137,6 +159,9 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict]:
         "engine.num_threads": args.num_threads, "server.shutdown_grace_s": args.shutdown_grace_s,
         "server.stream_interval": args.stream_interval,
         "engine.enforce_eager": args.enforce_eager or None,
+        "engine.seed": args.seed, "engine.block_size": args.block_size,
+        "engine.enable_prefix_caching": args.enable_prefix_caching, "server.cors_origins": args.allowed_origins,
+        "server.log_level": args.uvicorn_log_level,
     })
     return config, overrides
 

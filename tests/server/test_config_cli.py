@@ -82,6 +82,25 @@ def test_vllm_style_serve_flags_map_onto_the_config(tmp_path):
     assert (hub.model.source, hub.model.hf_id) == ("hf", "HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
+def test_more_vllm_serve_flags(monkeypatch):
+    cfg = _serve_config(["--seed", "7", "--block-size", "32", "--no-enable-prefix-caching",
+                         "--allowed-origins", '["https://a.example", "https://b.example"]', "--uvicorn-log-level", "warning"])
+    assert (cfg.engine.seed, cfg.engine.block_size, cfg.engine.enable_prefix_caching) == (7, 32, False)
+    assert cfg.server.cors_origins == ["https://a.example", "https://b.example"] and cfg.server.log_level == "warning"
+    default = _serve_config([])
+    assert default.engine.enable_prefix_caching is True and default.server.cors_origins == []  # the config's
+    assert _serve_config(["--allowed-origins", "https://a.example, *"]).server.cors_origins == ["https://a.example", "*"]
+    monkeypatch.setenv("NEURONMM_ENABLE_PREFIX_CACHING", "false")
+    assert _serve_config([]).engine.enable_prefix_caching is False
+    assert _serve_config(["--enable-prefix-caching"]).engine.enable_prefix_caching is True
+
+
+def test_bad_allowed_origins_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        _serve_config(["--allowed-origins", '["a", 3]'])
+    assert "expected a JSON list of strings" in capsys.readouterr().err
+
+
 def test_enforce_eager_flag():
     assert _serve_config([]).engine.enforce_eager is False  # CUDA decode steps replay captured graphs by default
     assert _serve_config(["--enforce-eager"]).engine.enforce_eager is True
