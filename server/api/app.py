@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api.errors import APIError, error_response
@@ -41,7 +42,12 @@ log = logging.getLogger(__name__)
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 503)}
 # A POST answers JSON, or an SSE stream when the request sets `stream: true`.
 _POST_RESPONSES = {**_ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
-_OPEN_PATHS = {"/health", "/version"}  # and /metrics unless server.metrics_require_api_key
+_OPEN_PATHS = {"/health", "/ping", "/version"}  # and /metrics unless server.metrics_require_api_key
+
+
+def _generates(scope) -> bool:
+    """A request that may run the model: the OpenAI routes' POSTs and SageMaker's /invocations."""
+    return scope["method"] == "POST" and (scope["path"].startswith("/v1/") or scope["path"] == "/invocations")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -138,7 +144,7 @@ class GuardMiddleware:
         rejection = self._check(scope)
         if rejection is not None:
             return await rejection(scope, receive, send)
-        counted = scope["method"] == "POST" and scope["path"].startswith("/v1/")
+        counted = _generates(scope)
         self.state.num_active += counted
         try:
             await self._call_limited(scope, receive, send)
@@ -161,7 +167,7 @@ class GuardMiddleware:
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_body:
             return error_response(413, f"request body over {self.max_body} bytes", code="body_too_large")
-        if path.startswith("/v1/") and scope["method"] == "POST":
+        if _generates(scope):
             if self.state.draining:
                 return error_response(503, "server is shutting down", code="shutting_down")
             if not self.state.ready:
@@ -284,6 +290,8 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.get("/health", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
     @app.head("/health", include_in_schema=False)
+    @app.get("/ping", response_model=HealthStatus, responses={503: {"model": HealthStatus}})  # SageMaker's name
+    @app.post("/ping", include_in_schema=False)
     async def health(request: Request):
         state: AppState = request.app.state.neuronmm
         if state.ready and not state.draining and state.engine.is_alive:
@@ -349,6 +357,25 @@ def _install_routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_POST_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request):
         return await respond(await serving(request).chat(body, request))
+
+    either_body = {"anyOf": [{"$ref": f"#/components/schemas/{m.__name__}"}
+                             for m in (ChatCompletionRequest, CompletionRequest)]}
+
+    @app.post("/invocations", response_model=ChatCompletionResponse | CompletionResponse, responses=_POST_RESPONSES,
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": either_body}}}})
+    async def invocations(request: Request):
+        """SageMaker's inference route, as vLLM serves it: a chat body (with messages) or a completions body."""
+        try:
+            body = await request.json()
+        except ValueError:
+            raise APIError(400, "request body is not valid JSON") from None
+        kind = ChatCompletionRequest if isinstance(body, dict) and "messages" in body else CompletionRequest
+        try:
+            req = kind.model_validate(body)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
+        handle = serving(request).chat if kind is ChatCompletionRequest else serving(request).completions
+        return await respond(await handle(req, request))
 
 
 def _install_openapi(app: FastAPI) -> None:

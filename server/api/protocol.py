@@ -126,7 +126,7 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
 
 
 class _Request(_Lenient):
-    model: str
+    model: str | None = Field(None, description="the served name or an alias; absent: the served model (as vLLM)")
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)

@@ -113,7 +113,7 @@ class OpenAIServing:
 
     # ---- request checks --------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        """404 unless `model` is the served name or an alias (None: the tokenizer endpoints' default)."""
+        """404 unless `model` is the served name or an alias (None: the served model, as vLLM takes it)."""
         if model is not None and model not in self.model_names:
             raise APIError(404, f"The model `{model}` does not exist. Available: {', '.join(self.model_names)}",
                            param="model", code="model_not_found")

@@ -57,7 +57,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
     ("/v1/completions", {**CMPL, "temperature": "hot"}, "temperature"),
     ("/v1/completions", {**CMPL, "stream": [1]}, "stream"),
     ("/v1/completions", {**CMPL, "stop": 5}, "stop"),
-    ("/v1/completions", {**CMPL, "model": None}, "model"),
+    ("/v1/completions", {**CMPL, "model": 5}, "model"),
     ("/v1/chat/completions", {**CHAT, "messages": "hi"}, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}]}, "messages"),

@@ -106,14 +106,14 @@ def _fuzz(live, op, mode: GenerationMode, max_examples: int) -> None:
     run()
 
 
-@pytest.mark.parametrize("label", ["GET /health", "GET /metrics", "GET /v1/models", "GET /version",
+@pytest.mark.parametrize("label", ["GET /health", "GET /ping", "GET /metrics", "GET /v1/models", "GET /version",
                                    "GET /v1/models/{model_id}"])
 def test_fuzz_get_endpoints(live, schema, label):
     _fuzz(live, _operations(schema)[label], GenerationMode.POSITIVE, 5)
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-@pytest.mark.parametrize("label", ["POST /tokenize", "POST /detokenize"])
+@pytest.mark.parametrize("label", ["POST /tokenize", "POST /detokenize", "POST /invocations"])
 def test_fuzz_token_endpoints(live, schema, label, mode):
     _fuzz(live, _operations(schema)[label], mode, 40)
 

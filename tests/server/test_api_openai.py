@@ -241,6 +241,26 @@ def test_bad_schema_and_unknown_named_tool_are_400(server):
     assert no_template.status_code == 400 and no_template.json()["error"]["code"] == "tools_not_supported"
 
 
+# ---- SageMaker's routes, and requests without a model ---------------------------------------------
+def test_invocations_route_chat_and_completion_bodies_and_ping_answers_health(server):
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0.0}
+    via = httpx.post(f"{server.url}/invocations", json=chat).json()
+    direct = httpx.post(f"{server.url}/v1/chat/completions", json=chat).json()  # no model: the served one
+    assert via["object"] == "chat.completion" and via["model"] == "tiny"
+    assert via["choices"][0]["message"] == direct["choices"][0]["message"]
+    completion = httpx.post(f"{server.url}/invocations", json={"prompt": "Hi", "max_tokens": 3}).json()
+    assert completion["object"] == "text_completion" and completion["usage"]["completion_tokens"] == 3
+    events = _sse(f"{server.url}/invocations", {"prompt": "Hi", "max_tokens": 2, "stream": True})
+    assert "".join(e["choices"][0]["text"] for e in events) and events[-1]["choices"][0]["finish_reason"] == "length"
+    for body, says in ((b"{", "not valid JSON"), (b"[1]", "dictionary"), (b'{"prompt": "x", "max_tokens": "2"}',
+                                                                          "max_tokens")):
+        bad = httpx.post(f"{server.url}/invocations", content=body, headers={"content-type": "application/json"})
+        assert bad.status_code == 400 and says in bad.json()["error"]["message"], bad.text
+    assert httpx.post(f"{server.url}/invocations", json={**chat, "model": "nope"}).status_code == 404
+    for method in (httpx.get, httpx.post):
+        assert method(f"{server.url}/ping").json() == {"status": "ok"}
+
+
 # ---- vLLM's prompt-side and vocabulary fields ---------------------------------------------------
 def test_prompt_logprobs_rank_each_prompt_token_as_vllm_reports_them(server, tokenizer):
     prompt = "The capital of France is"

@@ -72,7 +72,8 @@ def _serve_config(argv: list[str]):
 
 def test_vllm_style_serve_flags_map_onto_the_config(tmp_path):
     cfg = _serve_config([str(tmp_path / "m.gguf"), "--served-model-name", "chat", "chat-2", "--max-model-len", "512",
-                         "--tensor-parallel-size", "2", "--chat-template", "hermes_tools", "--strict-fields"])
+                         "--tensor-parallel-size", "2", "--chat-template", "hermes_tools", "--strict-fields",
+                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     assert (cfg.model.source, cfg.model.path, cfg.model.name) == ("gguf", str(tmp_path / "m.gguf"), "chat")
     assert cfg.server.model_aliases == ["chat-2"] and cfg.engine.max_model_len == 512
     assert cfg.neuron.tp_degree == 2 and cfg.server.chat_template == "hermes_tools" and cfg.server.strict_fields
