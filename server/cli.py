@@ -97,6 +97,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     flag("--stream-interval", type=int,
          help="tokens per streamed chunk after the first (default 1: each token as it comes)")
     flag("--num-threads", type=int)
+    flag("--generation-config", help="sampling defaults for requests that set none: auto (the model's "
+                                      "generation_config.json), vllm (the API's own), or a folder holding one")
     flag("--seed", type=int, help="seeds the requests that bring no seed of their own")
     flag("--block-size", type=int, help="KV cache positions per block")
     flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -161,7 +163,7 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict]:
         "engine.num_threads": args.num_threads, "server.shutdown_grace_s": args.shutdown_grace_s,
         "server.stream_interval": args.stream_interval,
         "engine.enforce_eager": args.enforce_eager or None,
-        "engine.seed": args.seed, "engine.block_size": args.block_size,
+        "model.generation_config": args.generation_config, "engine.seed": args.seed, "engine.block_size": args.block_size,
         "engine.enable_prefix_caching": args.enable_prefix_caching, "server.cors_origins": args.allowed_origins,
         "server.log_level": args.uvicorn_log_level,
     })

@@ -34,6 +34,10 @@ class ModelConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # A compressed artifact (manifest.json + factors) applied on top of the dense weights.
     compressed: str | None = None
+    # vLLM's --generation-config: requests that leave temperature, top_p, top_k, min_p, repetition_penalty or
+    # max_tokens unset get the model's generation_config.json values (auto), the API's own (vllm), or a folder's
+    generation_config: str = Field("auto", description="sampling defaults: auto (the model's generation_config.json), "
+                                                      "vllm (none), or a folder with a generation_config.json")
 
     @model_validator(mode="after")
     def _source_fields(self) -> "ModelConfig":

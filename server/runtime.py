@@ -27,6 +27,7 @@ class Runtime:
     tokenizer: object
     runner: object
     engine: LLMEngine
+    model_dir: Path | None = None
 
 
 def load_tokenizer(model_dir: Path):
@@ -45,6 +46,31 @@ def eos_token_ids(model_dir: Path, tokenizer) -> set[int]:
         eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return ids
+
+
+# generation_config.json's sampling keys -> the request fields they default (vLLM reads the same ones)
+_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(model_dir: Path, setting: str) -> dict:
+    """Request-field defaults from a generation_config.json, as vLLM's --generation-config reads them.
+
+    setting: auto, the model folder's file; vllm, none (the API's own defaults); else a folder holding one.
+    """
+    if setting == "vllm":
+        return {}
+    folder = model_dir if setting == "auto" else Path(setting).expanduser()
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if setting != "auto":
+            raise ConfigError(f"model.generation_config: no generation_config.json in {folder}")
+        return {}
+    try:
+        found = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ConfigError(f"model.generation_config: {path} is not JSON ({exc})") from None
+    return {field: found[key] for key, field in _SAMPLING_KEYS.items() if found.get(key) is not None}
 
 
 def kv_pool_blocks(e: EngineConfig, bytes_per_token: int) -> int:
@@ -122,4 +148,4 @@ def load_runtime(cfg: Config) -> Runtime:
     runner.load()
     engine = build_engine(cfg, runner, tokenizer, eos_token_ids(model_dir, tokenizer))
     warm_up(engine, tokenizer.encode("Hello")[:8] or [0])
-    return Runtime(tokenizer, runner, engine)
+    return Runtime(tokenizer, runner, engine, model_dir)

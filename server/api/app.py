@@ -11,6 +11,7 @@ import uuid
 from importlib.metadata import PackageNotFoundError, version
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import Body, FastAPI, Request
@@ -35,7 +36,7 @@ from server.engine.async_engine import AsyncEngine
 from server.engine.engine_core import EngineCoreClient
 from server.gc_heap import freeze_heap
 from server.models.source import resolve_model_dir
-from server.runtime import Runtime, load_runtime, load_tokenizer
+from server.runtime import Runtime, load_runtime, load_tokenizer, sampling_defaults
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class AppState:
         self.runtime = runtime
         engine = AsyncEngine(runtime.engine, self.cfg.engine.max_queue, on_abort=lambda: self.metrics.finished("abort"))
         runtime.engine.observers.append(self.metrics.observe_step)
-        self._serve_with(engine, runtime.tokenizer)
+        self._serve_with(engine, runtime.tokenizer, runtime.model_dir)
 
     def start_engine_process(self, loop: asyncio.AbstractEventLoop, core: EngineCoreClient | None = None) -> None:
         """Serve from an engine core in its own process, read by `loop`; blocks until its model is loaded and warm.
@@ -96,13 +97,14 @@ class AppState:
             engine.spawn()
         self.starting_engine = engine  # a shutdown while it loads stops it (lifespan)
         try:
-            tokenizer = load_tokenizer(resolve_model_dir(self.cfg.model, self.cfg.cache_path))
+            model_dir = resolve_model_dir(self.cfg.model, self.cfg.cache_path)
+            tokenizer = load_tokenizer(model_dir)
             self.settle_heap()
             engine.wait_ready(loop)
         except BaseException:
             engine.stop()
             raise
-        self._serve_with(engine, tokenizer)
+        self._serve_with(engine, tokenizer, model_dir)
 
     def not_ready_error(self) -> APIError:
         """The 503 a request gets before serving: the model is loading (retry), or its load failed (no retry helps)."""
@@ -116,10 +118,11 @@ class AppState:
             self._heap_frozen = True
             freeze_heap("api")
 
-    def _serve_with(self, engine, tokenizer) -> None:
+    def _serve_with(self, engine, tokenizer, model_dir: Path | None) -> None:
         self.engine = engine
         self.metrics.bind_gauges(lambda: self.engine.num_running, lambda: self.engine.num_waiting)
-        self.serving = OpenAIServing(self.engine, tokenizer, self.cfg, self.metrics)
+        defaults = sampling_defaults(model_dir, self.cfg.model.generation_config) if model_dir else {}
+        self.serving = OpenAIServing(self.engine, tokenizer, self.cfg, self.metrics, defaults)
         if isinstance(engine, AsyncEngine):
             engine.start()
         else:

@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fastapi import Request
+from pydantic import ValidationError
 
 from server.api.errors import APIError
 from server.api.metrics import ServerMetrics
@@ -85,8 +86,9 @@ class _TextOffsets:
 class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
 
-    def __init__(self, engine, tokenizer, cfg: Config, metrics: ServerMetrics):
+    def __init__(self, engine, tokenizer, cfg: Config, metrics: ServerMetrics, sampling_defaults: dict | None = None):
         self.engine = engine
+        self.sampling_defaults = self._checked_defaults(sampling_defaults or {})
         self.tokenizer = tokenizer
         self.model_name = cfg.model.name
         self.model_names = [cfg.model.name, *cfg.server.model_aliases]
@@ -110,6 +112,24 @@ class OpenAIServing:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         slack = 1 if backend is not None and backend.normalizer is None else 4
         self.max_prompt_chars = self.max_model_len * longest * slack
+
+    @staticmethod
+    def _checked_defaults(defaults: dict) -> dict:
+        """The model's sampling defaults, checked once as a request's fields are (a bad one stops the start)."""
+        if defaults:
+            try:
+                CompletionRequest.model_validate({"prompt": "x", **defaults})
+            except ValidationError as exc:
+                raise ConfigError(f"model.generation_config: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']} "
+                                  "(--generation-config vllm ignores the model's file)") from None
+            log.info("sampling defaults from the model's generation config: %s (--generation-config vllm ignores "
+                     "them)", defaults)
+        return defaults
+
+    def _with_defaults(self, req: CompletionRequest | ChatCompletionRequest):
+        """The request with the model's sampling defaults in the fields it left unset."""
+        unset = {k: v for k, v in self.sampling_defaults.items() if k not in req.model_fields_set}
+        return req.model_copy(update=unset) if unset else req
 
     # ---- request checks --------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -370,6 +390,7 @@ class OpenAIServing:
         """Non-streamed CompletionResponse, or an async iterator of SSE lines when stream is set."""
         self.check_model(req.model)
         self.check_fields(req)
+        req = self._with_defaults(req)
         prompts = [self._truncated(self._tokenize(p), req.truncate_prompt_tokens) for p in req.prompts()]
         if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")
@@ -431,6 +452,7 @@ class OpenAIServing:
         """Non-streamed ChatCompletionResponse, or an async iterator of SSE lines when stream is set."""
         self.check_model(req.model)
         self.check_fields(req)
+        req = self._with_defaults(req)
         ids = self._chat_ids(req.messages, req.tools if req.uses_tools else None, req.add_generation_prompt,
                              req.continue_final_message, req.chat_template_kwargs)
         ids = self._truncated(ids, req.truncate_prompt_tokens)

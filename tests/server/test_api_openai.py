@@ -10,7 +10,10 @@ import httpx
 import openai
 import pytest
 
+from server.api.serving import OpenAIServing
+from server.config import ConfigError
 from server.engine.structured import token_bytes
+from server.runtime import sampling_defaults
 from support import live_server, tiny_config
 from test_api import metric
 
@@ -259,6 +262,31 @@ def test_invocations_route_chat_and_completion_bodies_and_ping_answers_health(se
     assert httpx.post(f"{server.url}/invocations", json={**chat, "model": "nope"}).status_code == 404
     for method in (httpx.get, httpx.post):
         assert method(f"{server.url}/ping").json() == {"status": "ok"}
+
+
+# ---- the model's sampling defaults (vLLM's --generation-config) -----------------------------------
+def test_generation_config_defaults_fill_only_the_fields_a_request_leaves_unset(tiny_model_dir, tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.0, "top_k": 5, "max_new_tokens": 3, "do_sample": False, "eos_token_id": 2}))
+    assert sampling_defaults(tiny_model_dir, "auto") == {}  # the tiny model's own file has no sampling keys
+    assert sampling_defaults(tiny_model_dir, str(tmp_path)) == {"temperature": 0.0, "top_k": 5, "max_tokens": 3}
+    assert sampling_defaults(tmp_path, "vllm") == {}
+    with pytest.raises(ConfigError, match="no generation_config.json"):
+        sampling_defaults(tiny_model_dir, str(tmp_path / "absent"))
+    with pytest.raises(ConfigError, match="top_p: Input should be less than or equal to 1"):
+        OpenAIServing._checked_defaults({"top_p": 5.0})
+    cfg = tiny_config(tiny_model_dir, max_model_len=256)
+    cfg.model.generation_config = str(tmp_path)
+    with live_server(cfg) as live:
+        url = f"{live.url}/v1/completions"
+        plain = [httpx.post(url, json={"prompt": "Hello", "seed": s}).json() for s in (1, 2)]
+        assert [p["usage"]["completion_tokens"] for p in plain] == [3, 3]  # max_new_tokens, not the API's 16
+        assert plain[0]["choices"][0]["text"] == plain[1]["choices"][0]["text"]  # temperature 0: greedy
+        own = httpx.post(url, json={"prompt": "Hello", "max_tokens": 6, "temperature": 1.0, "seed": 1}).json()
+        assert own["usage"]["completion_tokens"] == 6  # what a request sets wins
+        chat = httpx.post(f"{live.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                                    "max_completion_tokens": 4}).json()
+        assert chat["usage"]["completion_tokens"] <= 4
 
 
 # ---- vLLM's prompt-side and vocabulary fields ---------------------------------------------------

@@ -84,6 +84,8 @@ def test_vllm_style_serve_flags_map_onto_the_config(tmp_path):
 
 
 def test_more_vllm_serve_flags(monkeypatch):
+    assert _serve_config(["--generation-config", "vllm"]).model.generation_config == "vllm"
+    assert _serve_config([]).model.generation_config == "auto"
     cfg = _serve_config(["--seed", "7", "--block-size", "32", "--no-enable-prefix-caching",
                          "--allowed-origins", '["https://a.example", "https://b.example"]', "--uvicorn-log-level", "warning"])
     assert (cfg.engine.seed, cfg.engine.block_size, cfg.engine.enable_prefix_caching) == (7, 32, False)
