@@ -51,6 +51,7 @@ class _Lenient(BaseModel):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM's: usage so far in every chunk (with include_usage)")
 
 
 class JsonSchemaFormat(_Lenient):

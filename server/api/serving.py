@@ -20,8 +20,8 @@ from server.api.errors import APIError
 from server.api.metrics import ServerMetrics
 from server.api.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatMessageOut,
                                  ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse,
-                                 DetokenizeRequest, DetokenizeResponse, Logprobs, PromptLogprob, PromptLogprobs,
-                                 NamedToolChoice, PromptTokensDetails, StreamChunk, TokenizeChatRequest,
+                                 DetokenizeRequest, DetokenizeResponse, Logprobs, NamedToolChoice, PromptLogprob,
+                                 PromptLogprobs, PromptTokensDetails, StreamChunk, StreamOptions, TokenizeChatRequest,
                                  TokenizeCompletionRequest, TokenizeResponse, ToolCallDelta, UsageInfo)
 from server.api.tool_parsers import ToolCallStream, get_tool_parser
 from server.config import Config, ConfigError
@@ -402,10 +402,9 @@ class OpenAIServing:
         gens = self._submit(requests, req.n, rid)
         num_prompt = sum(len(ids) for ids in prompts)  # once per prompt, whatever n is
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
             state = {"echo": {i: echoes[i // req.n] for i in range(len(prompts) * req.n)},
                      "prompts": {i: prompts[i // req.n] for i in range(len(prompts) * req.n)}}
-            return self._stream(gens, req.n, num_prompt, include_usage, rid, "text_completion",
+            return self._stream(gens, req.n, num_prompt, req.stream_options, rid, "text_completion",
                                 lambda out, index: self._completion_delta(out, index, state))
         choices = await self._collect(raw, gens, req.n)
         self._observe(prompts, req.n, [c.num_output_tokens for c in choices])
@@ -464,9 +463,8 @@ class OpenAIServing:
         # a named function is what the client asked for: OpenAI ends that with "stop", others "tool_calls"
         calls_reason = "stop" if isinstance(req.tool_choice, NamedToolChoice) else "tool_calls"
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
             state = {"tools": req.uses_tools, "calls_reason": calls_reason}
-            return self._stream(gens, req.n, len(ids), include_usage, rid, "chat.completion.chunk",
+            return self._stream(gens, req.n, len(ids), req.stream_options, rid, "chat.completion.chunk",
                                 lambda out, index: self._chat_delta(out, index, state))
         choices = await self._collect(raw, gens, req.n)
         self._observe([ids], req.n, [c.num_output_tokens for c in choices])
@@ -506,10 +504,13 @@ class OpenAIServing:
                                 logprobs=self._chat_logprobs(out.logprobs) if out.logprobs else None)
 
     # ---- streaming -------------------------------------------------------------------------
-    async def _stream(self, gens, n: int, num_prompt_tokens: int, include_usage: bool, rid: str, obj: str,
+    async def _stream(self, gens, n: int, num_prompt_tokens: int, options: StreamOptions | None, rid: str, obj: str,
                       make_choice) -> AsyncIterator[str]:
         """SSE lines: a chunk per output (with a stream interval above 1, a choice's first token, then a chunk per
-        that many tokens and the last), an error chunk if the engine fails, then [DONE]."""
+        that many tokens and the last), an error chunk if the engine fails, then [DONE]; with include_usage a last
+        chunk with the usage (and with continuous_usage_stats the usage so far in every chunk)."""
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and options.continuous_usage_stats
         created = int(time.time())
         completion_tokens, cached_tokens = {}, {}  # a choice's output tokens sent so far; a prompt's cached ones
         held: dict[tuple[int, int], SeqOutput] = {}  # a choice's outputs not sent yet (stream interval > 1)
@@ -534,6 +535,9 @@ class OpenAIServing:
                     self.metrics.observe_request(item.num_prompt_tokens, item.num_output_tokens)
                 chunk = StreamChunk(id=rid, object=obj, created=created, model=self.model_name,
                                     choices=[make_choice(item, offset + item.index)])
+                if continuous:
+                    chunk.usage = self._usage(num_prompt_tokens, sum(completion_tokens.values()),
+                                              sum(cached_tokens.values()))
                 yield chunk.sse(include_usage)
             else:
                 if include_usage:

@@ -244,6 +244,18 @@ def test_bad_schema_and_unknown_named_tool_are_400(server):
     assert no_template.status_code == 400 and no_template.json()["error"]["code"] == "tools_not_supported"
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 4, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = _sse(f"{server.url}/v1/completions", body)
+    counts = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
+    assert counts == [1, 2, 3, 4] and all(e["usage"]["prompt_tokens"] == events[0]["usage"]["prompt_tokens"]
+                                          for e in events)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4
+    plain = _sse(f"{server.url}/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert all(e["usage"] is None for e in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 4
+
+
 # ---- SageMaker's routes, and requests without a model ---------------------------------------------
 def test_invocations_route_chat_and_completion_bodies_and_ping_answers_health(server):
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0.0}
