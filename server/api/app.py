@@ -28,6 +28,7 @@ from server.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, 
                                  CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                                  HealthStatus, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
                                  VersionResponse)
+from server.api.responses import ResponseObject, ResponsesAPI, ResponsesRequest
 from server.api.serving import OpenAIServing
 from server.api.shutdown import GracefulServer
 from server.backends import check_backend_available
@@ -360,6 +361,10 @@ def _install_routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_POST_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request):
         return await respond(await serving(request).chat(body, request))
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses=_POST_RESPONSES)
+    async def responses(body: ResponsesRequest, request: Request):
+        return await respond(await ResponsesAPI(serving(request)).create(body, request))
 
     either_body = {"anyOf": [{"$ref": f"#/components/schemas/{m.__name__}"}
                              for m in (ChatCompletionRequest, CompletionRequest)]}

@@ -27,7 +27,7 @@ _MIN_TOP_P = 1e-6
 Probability = Annotated[float, Field(allow_inf_nan=False)]
 
 
-class _Lenient(BaseModel):
+class RequestPart(BaseModel):
     """A request part that keeps unknown fields aside (in model_extra) instead of failing.
 
     Strict: a value of the wrong JSON type (`"stream": 0`, `"max_tokens": "5"`) is a 400, as the
@@ -43,25 +43,25 @@ class _Lenient(BaseModel):
             value = getattr(self, name)
             items = value if isinstance(value, list) else [value]
             for i, item in enumerate(items):
-                if isinstance(item, _Lenient):
+                if isinstance(item, RequestPart):
                     where = f"{name}.{i}" if isinstance(value, list) else name
                     names += item.unknown_fields(f"{prefix}{where}.")
         return names
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(RequestPart):
     include_usage: bool = False
     continuous_usage_stats: bool = Field(False, description="vLLM's: usage so far in every chunk (with include_usage)")
 
 
-class JsonSchemaFormat(_Lenient):
+class JsonSchemaFormat(RequestPart):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Lenient):
+class ResponseFormat(RequestPart):
     """OpenAI's response_format: free text, any JSON object, or JSON for a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -80,7 +80,7 @@ class ResponseFormat(_Lenient):
         return StructuredOutput("json_object") if self.type == "json_object" else None
 
 
-class StructuredOutputs(_Lenient):
+class StructuredOutputs(RequestPart):
     """vLLM's `structured_outputs`: exactly one of json (a schema), regex, choice, grammar, json_object."""
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
@@ -126,7 +126,7 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
                   "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern"}
 
 
-class _Request(_Lenient):
+class _Request(RequestPart):
     model: str | None = Field(None, description="the served name or an alias; absent: the served model (as vLLM)")
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
@@ -281,7 +281,7 @@ class CompletionRequest(_Request):
         return list(p)
 
 
-class ContentPart(_Lenient):
+class ContentPart(RequestPart):
     type: str = Field(description="text (the models served take text only)")
     text: str
 
@@ -302,18 +302,18 @@ Content = Annotated[Annotated[str, Tag("text")] | Annotated[list[ContentPart], T
                     Discriminator(_content_kind)]
 
 
-class FunctionCall(_Lenient):
+class FunctionCall(RequestPart):
     name: str
     arguments: str = Field(description="the arguments as a JSON object, serialised")
 
 
-class ToolCall(_Lenient):
+class ToolCall(RequestPart):
     id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class _Message(_Lenient):
+class _Message(RequestPart):
     """Fields every chat message may carry; the role classes below say which are required."""
 
     name: str | None = None
@@ -352,23 +352,23 @@ class ToolMessage(_Message):
 ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
 
 
-class FunctionDefinition(_Lenient):
+class FunctionDefinition(RequestPart):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Lenient):
+class Tool(RequestPart):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class NamedFunction(_Lenient):
+class NamedFunction(RequestPart):
     name: str
 
 
-class NamedToolChoice(_Lenient):
+class NamedToolChoice(RequestPart):
     type: Literal["function"] = "function"
     function: NamedFunction
 
@@ -586,7 +586,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeCompletionRequest(_Lenient):
+class TokenizeCompletionRequest(RequestPart):
     """POST /tokenize with a prompt (vLLM's shape)."""
 
     model: str | None = None
@@ -595,7 +595,7 @@ class TokenizeCompletionRequest(_Lenient):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(_Lenient):
+class TokenizeChatRequest(RequestPart):
     """POST /tokenize with chat messages, rendered through the chat template."""
 
     model: str | None = None
@@ -629,7 +629,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(RequestPart):
     model: str | None = None
     tokens: list[int]
 

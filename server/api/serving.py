@@ -10,6 +10,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import replace
 from pathlib import Path
 
@@ -447,8 +448,9 @@ class OpenAIServing:
             raise APIError(400, f"{param}: cannot compile the {_CONSTRAINT_NAMES[spec.kind]}: {error}", param=param)
         return spec
 
-    async def chat(self, req: ChatCompletionRequest, raw: Request):
-        """Non-streamed ChatCompletionResponse, or an async iterator of SSE lines when stream is set."""
+    async def chat(self, req: ChatCompletionRequest, raw: Request, as_chunks: bool = False):
+        """Non-streamed ChatCompletionResponse, or an async iterator of SSE lines when stream is set (of the
+        StreamChunk objects with as_chunks, for an API built on this one)."""
         self.check_model(req.model)
         self.check_fields(req)
         req = self._with_defaults(req)
@@ -464,8 +466,9 @@ class OpenAIServing:
         calls_reason = "stop" if isinstance(req.tool_choice, NamedToolChoice) else "tool_calls"
         if req.stream:
             state = {"tools": req.uses_tools, "calls_reason": calls_reason}
-            return self._stream(gens, req.n, len(ids), req.stream_options, rid, "chat.completion.chunk",
-                                lambda out, index: self._chat_delta(out, index, state))
+            stream = self._chunks if as_chunks else self._stream
+            return stream(gens, req.n, len(ids), req.stream_options, rid, "chat.completion.chunk",
+                          lambda out, index: self._chat_delta(out, index, state))
         choices = await self._collect(raw, gens, req.n)
         self._observe([ids], req.n, [c.num_output_tokens for c in choices])
         usage = self._usage(len(ids), sum(c.num_output_tokens for c in choices), self._cached(choices, req.n))
@@ -506,9 +509,18 @@ class OpenAIServing:
     # ---- streaming -------------------------------------------------------------------------
     async def _stream(self, gens, n: int, num_prompt_tokens: int, options: StreamOptions | None, rid: str, obj: str,
                       make_choice) -> AsyncIterator[str]:
-        """SSE lines: a chunk per output (with a stream interval above 1, a choice's first token, then a chunk per
-        that many tokens and the last), an error chunk if the engine fails, then [DONE]; with include_usage a last
-        chunk with the usage (and with continuous_usage_stats the usage so far in every chunk)."""
+        """SSE lines of `_chunks`, then [DONE]."""
+        include_usage = bool(options and options.include_usage)
+        async with aclosing(self._chunks(gens, n, num_prompt_tokens, options, rid, obj, make_choice)) as chunks:
+            async for chunk in chunks:
+                yield chunk.sse(include_usage) if isinstance(chunk, StreamChunk) else f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def _chunks(self, gens, n: int, num_prompt_tokens: int, options: StreamOptions | None, rid: str, obj: str,
+                      make_choice) -> AsyncIterator[StreamChunk | dict]:
+        """A chunk per output (with a stream interval above 1, a choice's first token, then a chunk per that many
+        tokens and the last), or an error body (a dict) if the engine fails, which ends the stream; with
+        include_usage a last chunk with the usage (and with continuous_usage_stats the usage so far in every one)."""
         include_usage = bool(options and options.include_usage)
         continuous = include_usage and options.continuous_usage_stats
         created = int(time.time())
@@ -520,8 +532,8 @@ class OpenAIServing:
                 if isinstance(item, Exception) or item.error:
                     err = item if isinstance(item, APIError) else APIError(
                         500, item.error if isinstance(item, SeqOutput) else str(item), code="engine_error")
-                    yield f"data: {json.dumps(err.body())}\n\n"
-                    break
+                    yield err.body()
+                    return
                 choice = (offset, item.index)
                 if choice in held:
                     item = held.pop(choice).followed_by(item)
@@ -538,14 +550,10 @@ class OpenAIServing:
                 if continuous:
                     chunk.usage = self._usage(num_prompt_tokens, sum(completion_tokens.values()),
                                               sum(cached_tokens.values()))
-                yield chunk.sse(include_usage)
-            else:
-                if include_usage:
-                    usage = self._usage(num_prompt_tokens, sum(completion_tokens.values()), sum(cached_tokens.values()))
-                    final = StreamChunk(id=rid, object=obj, created=created, model=self.model_name, choices=[],
-                                        usage=usage)
-                    yield final.sse(include_usage)
-            yield "data: [DONE]\n\n"
+                yield chunk
+            if include_usage:
+                usage = self._usage(num_prompt_tokens, sum(completion_tokens.values()), sum(cached_tokens.values()))
+                yield StreamChunk(id=rid, object=obj, created=created, model=self.model_name, choices=[], usage=usage)
         finally:
             await outputs.aclose()
             for gen in gens:

@@ -113,7 +113,7 @@ def test_fuzz_get_endpoints(live, schema, label):
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-@pytest.mark.parametrize("label", ["POST /tokenize", "POST /detokenize", "POST /invocations"])
+@pytest.mark.parametrize("label", ["POST /tokenize", "POST /detokenize", "POST /invocations", "POST /v1/responses"])
 def test_fuzz_token_endpoints(live, schema, label, mode):
     _fuzz(live, _operations(schema)[label], mode, 40)
 

@@ -1,0 +1,377 @@
+"""OpenAI's Responses API (POST /v1/responses) on top of chat completions.
+
+A Responses request is a chat request in another shape: `input` (a string, or messages, function calls and their
+outputs) and `instructions` become the messages, flat function tools become chat tools, `text.format` becomes
+`response_format`. The chat path generates; this module maps its answer back into output items (a message with
+`output_text`, then a `function_call` per tool call) and, streamed, its chunks into the API's typed events
+(`response.created` ... `response.output_text.delta` ... `response.completed`). Nothing is stored, so
+`previous_response_id` is refused: a client sends the whole conversation, as with chat.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Annotated, Any, Literal
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, model_validator
+
+from server.api.protocol import ChatCompletionRequest, ChatCompletionResponse, StreamChunk, ToolCall, RequestPart
+from server.api.serving import OpenAIServing
+
+
+# ---- the request -------------------------------------------------------------------------------
+class InputText(RequestPart):
+    """A text part of an input message (an earlier answer's text comes back as output_text)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+def _text_or_list(value: Any) -> str:
+    return "list" if isinstance(value, list) else "text"
+
+
+def _text_or(item: type) -> Any:
+    """A string, or a list of `item` (validated as that list when it is one, so an error names its parts)."""
+    return Annotated[Annotated[str, Tag("text")] | Annotated[list[item], Tag("list")], Discriminator(_text_or_list)]
+
+
+class InputMessage(RequestPart):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: _text_or(InputText)
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(RequestPart):
+    """A function call the model made earlier, sent back with the conversation."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(RequestPart):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+def _item_kind(item: Any) -> str:
+    """An input item's type; a bare {role, content} is a message (OpenAI's EasyInputMessage)."""
+    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
+
+
+InputItem = Annotated[Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(_item_kind)]
+
+
+class FunctionTool(RequestPart):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(RequestPart):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(RequestPart):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = "response"
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextOptions(RequestPart):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(RequestPart):
+    """POST /v1/responses."""
+
+    model: str | None = None
+    input: _text_or(InputItem)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    stream: bool = False
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool = True
+    text: TextOptions | None = None
+    previous_response_id: str | None = None
+    # accepted, without effect: nothing is stored here (the response says store: false)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.previous_response_id is not None:
+            raise ValueError("previous_response_id is not supported: responses are not stored here; send the "
+                             "conversation in input")
+        if isinstance(self.input, list) and not self.input:
+            raise ValueError("input must not be empty")
+        if self.text and self.text.format and self.text.format.type == "json_schema" and self.text.format.schema_ is None:
+            raise ValueError("text.format of type json_schema needs a schema")
+        return self
+
+    def messages(self) -> list[dict]:
+        """The conversation as chat messages: instructions first, a run of function calls as one assistant turn."""
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        for item in items:
+            if isinstance(item, InputMessage):
+                messages.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                last = messages[-1] if messages else None
+                if last and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                    last["tool_calls"].append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            else:
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        return messages
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat request that generates this response (fields the client left unset stay unset)."""
+        body: dict[str, Any] = {"model": self.model, "messages": self.messages(), "stream": self.stream,
+                                "parallel_tool_calls": self.parallel_tool_calls}
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        for ours, chat in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
+                           ("top_p", "top_p"), ("user", "user")):
+            if getattr(self, ours) is not None:
+                body[chat] = getattr(self, ours)
+        if self.tools:
+            body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True)}
+                             for t in self.tools]
+        if isinstance(self.tool_choice, NamedFunction):
+            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice
+        fmt = self.text.format if self.text else None
+        if fmt and fmt.type == "json_schema":
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": fmt.name, "schema": fmt.schema_}}
+        elif fmt:
+            body["response_format"] = {"type": fmt.type}
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:  # e.g. a tool_choice naming no tool: the 400 the chat route gives
+            raise RequestValidationError(exc.errors()) from None
+
+
+# ---- the response ------------------------------------------------------------------------------
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str = Field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText] = Field(default_factory=list)
+
+
+class OutputFunctionCall(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str = Field(default_factory=lambda: f"fc_{uuid.uuid4().hex}")
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed"] = "completed"
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+class ResponseObject(BaseModel):
+    """A response as OpenAI's API returns it (nothing is stored: store is false)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    model: str
+    output: list[Annotated[OutputMessage | OutputFunctionCall, Field(discriminator="type")]]
+    usage: ResponseUsage | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    previous_response_id: None = None
+    store: bool = False
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+def _usage(usage) -> ResponseUsage:
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    return ResponseUsage(input_tokens=usage.prompt_tokens, input_tokens_details=InputTokensDetails(cached_tokens=cached),
+                         output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens)
+
+
+def _calls(tool_calls: list[ToolCall]) -> list[OutputFunctionCall]:
+    return [OutputFunctionCall(call_id=c.id, name=c.function.name, arguments=c.function.arguments) for c in tool_calls]
+
+
+class ResponsesAPI:
+    """POST /v1/responses through an OpenAIServing's chat path."""
+
+    def __init__(self, serving: OpenAIServing):
+        self.serving = serving
+
+    async def create(self, req: ResponsesRequest, raw: Request):
+        """A ResponseObject, or an async iterator of the API's SSE events when stream is set."""
+        self.serving.check_fields(req)
+        chat = req.as_chat()
+        shell = self._shell(req, f"resp_{raw.state.request_id}")
+        if req.stream:
+            return self._events(req, shell, await self.serving.chat(chat, raw, as_chunks=True))
+        answer: ChatCompletionResponse = await self.serving.chat(chat, raw)
+        choice = answer.choices[0]
+        output: list = []
+        if choice.message.content or not choice.message.tool_calls:
+            output.append(OutputMessage(content=[OutputText(text=choice.message.content or "")]))
+        output += _calls(choice.message.tool_calls)
+        return self._finished(shell, output, choice.finish_reason, _usage(answer.usage))
+
+    def _shell(self, req: ResponsesRequest, rid: str) -> ResponseObject:
+        """The response before any output: what the request asked for, echoed as OpenAI echoes it."""
+        tool_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunction) else (
+            req.tool_choice or "auto")
+        text = (req.text.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
+                if req.text and req.text.format else None)
+        return ResponseObject(
+            id=rid, created_at=int(time.time()), status="in_progress", model=self.serving.model_name, output=[],
+            instructions=req.instructions, max_output_tokens=req.max_output_tokens, temperature=req.temperature,
+            top_p=req.top_p, tools=[t.model_dump(exclude_none=True) for t in req.tools or []], tool_choice=tool_choice,
+            parallel_tool_calls=req.parallel_tool_calls, metadata=req.metadata or {},
+            **({"text": text} if text else {}))
+
+    @staticmethod
+    def _finished(shell: ResponseObject, output: list, finish_reason: str | None,
+                  usage: ResponseUsage | None) -> ResponseObject:
+        cut = finish_reason == "length"
+        for item in output:
+            if isinstance(item, OutputMessage):
+                item.status = "incomplete" if cut else "completed"
+        return shell.model_copy(update={
+            "status": "incomplete" if cut else "completed", "output": output, "usage": usage,
+            "incomplete_details": IncompleteDetails(reason="max_output_tokens") if cut else None})
+
+    async def _events(self, req: ResponsesRequest, shell: ResponseObject,
+                      chunks: AsyncIterator[StreamChunk | dict]) -> AsyncIterator[str]:
+        """The chat chunks as the Responses API's typed SSE events, each with its sequence number."""
+        seq = 0
+
+        def event(kind: str, **data) -> str:
+            nonlocal seq
+            seq += 1
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **data})}\n\n"
+
+        def dump(model: BaseModel) -> dict:
+            return model.model_dump(mode="json", exclude_none=False)
+
+        yield event("response.created", response=dump(shell))
+        yield event("response.in_progress", response=dump(shell))
+        output: list = []
+        message: OutputMessage | None = None  # the message being streamed, while text comes
+        finish, usage = None, None
+        async with aclosing(chunks) as stream:
+            async for chunk in stream:
+                if isinstance(chunk, dict):  # the engine failed: the response failed
+                    failed = shell.model_copy(update={"status": "failed", "output": output, "error": ResponseError(
+                        code=chunk["error"].get("code") or "server_error", message=chunk["error"]["message"])})
+                    yield event("response.failed", response=dump(failed))
+                    return
+                if chunk.usage is not None and not chunk.choices:
+                    usage = _usage(chunk.usage)
+                    continue
+                choice = chunk.choices[0]
+                finish = choice.finish_reason or finish
+                text, calls = choice.delta.content, choice.delta.tool_calls or []
+                if text:
+                    if message is None:
+                        message = OutputMessage(status="in_progress", content=[OutputText(text="")])
+                        output.append(message)
+                        yield event("response.output_item.added", output_index=len(output) - 1,
+                                    item={**dump(message), "content": []})
+                        yield event("response.content_part.added", item_id=message.id, output_index=len(output) - 1,
+                                    content_index=0, part=dump(OutputText(text="")))
+                    message.content[0].text += text
+                    yield event("response.output_text.delta", item_id=message.id, output_index=len(output) - 1,
+                                content_index=0, delta=text)
+                for call in _calls([ToolCall(id=c.id, function=c.function) for c in calls]):
+                    output.append(call)
+                    index = len(output) - 1
+                    yield event("response.output_item.added", output_index=index,
+                                item={**dump(call), "arguments": "", "status": "in_progress"})
+                    yield event("response.function_call_arguments.delta", item_id=call.id, output_index=index,
+                                delta=call.arguments)
+                    yield event("response.function_call_arguments.done", item_id=call.id, output_index=index,
+                                arguments=call.arguments)
+                    yield event("response.output_item.done", output_index=index, item=dump(call))
+        if message is None and not output:  # nothing was said: an empty message, as a non-streamed answer has
+            message = OutputMessage(content=[OutputText(text="")])
+            output.append(message)
+            yield event("response.output_item.added", output_index=0, item={**dump(message), "content": []})
+        done = self._finished(shell, output, finish, usage)
+        if message is not None:
+            index = output.index(message)
+            part = message.content[0]
+            yield event("response.output_text.done", item_id=message.id, output_index=index, content_index=0,
+                        text=part.text)
+            yield event("response.content_part.done", item_id=message.id, output_index=index, content_index=0,
+                        part=dump(part))
+            yield event("response.output_item.done", output_index=index, item=dump(message))
+        yield event("response.incomplete" if done.status == "incomplete" else "response.completed", response=dump(done))

@@ -1,0 +1,109 @@
+"""OpenAI's Responses API on the chat path: the official client's calls, streamed events, tools, errors."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from support import live_server, tiny_config
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                          "required": ["city"], "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    cfg = tiny_config(tiny_model_dir, max_model_len=1024)
+    cfg.server.chat_template = "hermes_tools"  # a template that renders tools and tool results
+    with live_server(cfg) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def _chat_text(client, messages, **kw) -> str:
+    return client.chat.completions.create(model="tiny", messages=messages, **kw).choices[0].message.content
+
+
+def test_a_response_is_the_chat_answer_to_the_same_conversation(client):
+    resp = client.responses.create(model="tiny", input="Hello there", instructions="Be brief.", temperature=0,
+                                   max_output_tokens=12)
+    same = _chat_text(client, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
+                      temperature=0, max_tokens=12)
+    assert resp.output_text == same and resp.object == "response" and resp.id.startswith("resp_")
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    assert resp.usage.output_tokens == 12 and resp.usage.total_tokens == resp.usage.input_tokens + 12
+    assert resp.instructions == "Be brief." and resp.max_output_tokens == 12 and resp.store is False
+
+
+def test_streamed_events_rebuild_the_same_response(client):
+    kw = dict(model="tiny", input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+              temperature=0, max_output_tokens=10)
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text == events[-1].response.output_text
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 1
+    # the client's own helper reads them too (it returns a final response for response.completed only)
+    done = {**kw, "text": {"format": {"type": "json_schema", "name": "c", "schema": {"enum": ["yes", "no"]}}}}
+    with client.responses.stream(**done) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output_text == client.responses.create(**done).output_text
+
+
+def test_function_calls_come_out_as_items_and_go_back_in_as_input(client, server):
+    resp = client.responses.create(model="tiny", input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
+                                   parallel_tool_calls=False, temperature=1.0, max_output_tokens=60)
+    (call,) = [item for item in resp.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    assert call.call_id.startswith("call_") and resp.status == "completed"
+    events = list(client.responses.create(stream=True, model="tiny", input="Weather?", tools=[WEATHER],
+                                          tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+                                          max_output_tokens=60))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and json.loads(done[0].arguments)["city"] in ("Paris", "Rome")
+    # the call and its output sent back render as the chat template renders the same conversation
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "21 C"}]
+    again = client.responses.create(model="tiny", input=history, tools=[WEATHER], max_output_tokens=1)
+    chat = [history[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "21 C"}]
+    tools = [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
+    tokens = httpx.post(f"{server.url}/tokenize", json={"messages": chat, "tools": tools}).json()["count"]
+    assert again.usage.input_tokens == tokens
+
+
+def test_text_format_json_schema_constrains_the_output(client):
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+              "additionalProperties": False}
+    resp = client.responses.create(model="tiny", input="A city", max_output_tokens=40, temperature=1.0,
+                                   text={"format": {"type": "json_schema", "name": "c", "schema": schema}})
+    assert json.loads(resp.output_text)["city"] in ("Paris", "Rome") and resp.status == "completed"
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"input": "x", "previous_response_id": "resp_1"}, "not stored"),
+    ({"input": []}, "must not be empty"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input_text"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "reasoning"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "function"),
+    ({"input": "x", "tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]}, "nope"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "needs a schema"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "model": "other"}, "does not exist"),
+])
+def test_bad_requests_are_openai_errors(server, body, says):
+    resp = httpx.post(f"{server.url}/v1/responses", json=body)
+    assert resp.status_code in (400, 404) and says in resp.json()["error"]["message"], resp.text
