@@ -90,7 +90,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
          help="CUDA: run decode steps op by op instead of replaying captured CUDA graphs")
     flag("--tensor-parallel-size", type=int, help="NeuronCores to shard over (backend neuron)")
     flag("--chat-template", help="a Jinja file, or `hermes_tools` (bundled ChatML with tool calls)")
-    flag("--tool-call-parser", help="how the model writes tool calls (default: hermes)")
+    flag("--tool-call-parser", help="how the model writes tool calls: hermes (default; Qwen's form) or llama3_json")
     flag("--enable-auto-tool-choice", action="store_true",
          help="accepted as vLLM's command lines give it: `auto` tool calls are always parsed here")
     flag("--strict-fields", action="store_true", help="400 for unknown request fields (default: ignore, log)")

@@ -487,3 +487,21 @@ def test_named_tool_round_trip_and_streamed_deltas_reassemble(tools_client):
         *messages, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}])
     assert follow.choices[0].message.role == "assistant" and follow.usage.prompt_tokens > resp.usage.prompt_tokens
+
+
+def test_llama3_json_calls_forced_parsed_and_streamed(tiny_model_dir):
+    cfg = tiny_config(tiny_model_dir, max_model_len=1024)
+    cfg.server.chat_template, cfg.server.tool_call_parser = "hermes_tools", "llama3_json"
+    with live_server(cfg) as live:
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+        args = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Rome?"}], tools=[WEATHER, TIME],
+                    tool_choice="required", parallel_tool_calls=False, max_tokens=80, temperature=0)
+        resp = client.chat.completions.create(**args)
+        (call,) = resp.choices[0].message.tool_calls
+        assert resp.choices[0].finish_reason == "tool_calls" and resp.choices[0].message.content is None
+        assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments), dict)
+        streamed = [d for chunk in client.chat.completions.create(stream=True, **args)
+                    for d in chunk.choices[0].delta.tool_calls or []]
+        assert [(d.function.name, d.function.arguments) for d in streamed] == [(call.function.name,
+                                                                                call.function.arguments)]
+

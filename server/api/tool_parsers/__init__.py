@@ -1,16 +1,17 @@
 """Tool-call parsers: how a model writes tool calls in its text, chosen by `server.tool_call_parser`.
 
-A parser turns finished text into (content, tool calls), follows a stream with `ToolCallStream`, and
+A parser turns finished text into (content, tool calls), follows a stream with a `ToolCallStream`, and
 writes the Lark grammar that forces calls when tool_choice is "required" or names a function. Add a
-format by subclassing ToolParser and listing it in PARSERS.
+format by subclassing ToolParser (TaggedToolParser for calls between tags) and listing it in PARSERS.
 """
 
 from __future__ import annotations
 
 from server.api.tool_parsers.base import ToolCallStream, ToolParser
 from server.api.tool_parsers.hermes import HermesToolParser
+from server.api.tool_parsers.llama3_json import Llama3JsonToolParser
 
-PARSERS: dict[str, type[ToolParser]] = {HermesToolParser.name: HermesToolParser}
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
 
 
 def get_tool_parser(name: str) -> ToolParser:

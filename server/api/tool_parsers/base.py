@@ -1,9 +1,9 @@
-"""The parser interface and the streaming follower shared by tag-delimited formats."""
+"""The parser interface, the JSON call both formats write, and the streaming follower of tag-delimited formats."""
 
 from __future__ import annotations
 
 import json
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from server.api.protocol import FunctionCall, Tool, ToolCall
 
@@ -13,16 +13,69 @@ def tool_call(name: str, arguments) -> ToolCall:
     return ToolCall(function=FunctionCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False)))
 
 
+def json_call(data: Any) -> ToolCall | None:
+    """A call from `{"name": ..., "arguments" | "parameters": {...}}` (arguments may come serialised); None if not one."""
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return None
+    arguments = data.get("arguments", data.get("parameters", {}))
+    if isinstance(arguments, str):  # some models serialise the arguments themselves
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    return tool_call(data["name"], arguments)
+
+
+def call_schemas(tools: list[Tool], arguments_key: str) -> dict:
+    """The JSON schema of one call to any of `tools`, its arguments under `arguments_key`."""
+    schemas = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
+                "properties": {"name": {"const": t.function.name},
+                               arguments_key: t.function.parameters or {"type": "object"}}} for t in tools]
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+class ToolCallStream:
+    """Follows a streamed reply: `feed` each delta, then `finish`; both give (content to emit now, calls completed)."""
+
+    def __init__(self):
+        self.calls: list[ToolCall] = []
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        raise NotImplementedError
+
+
 class ToolParser:
-    """A format where each call is a JSON object between `start` and `end` tags."""
+    """How a model writes tool calls: parse a finished reply, follow a streamed one, force calls by grammar."""
 
     name: ClassVar[str]
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, or None when only calls were written; calls); a reply whose calls do not parse stays content."""
+        raise NotImplementedError
+
+    def stream(self) -> ToolCallStream:
+        raise NotImplementedError
+
+    def forced_grammar(self, tools: list[Tool], parallel: bool) -> str:
+        """A Lark grammar (llguidance dialect) whose sentences are one call (or several if parallel)."""
+        raise NotImplementedError
+
+
+class TaggedToolParser(ToolParser):
+    """A format where each call is a JSON object between `start` and `end` tags."""
+
     start: ClassVar[str]
     end: ClassVar[str]
 
     def parse_call(self, body: str) -> ToolCall | None:
         """One call from the text between the tags; None if it is not a valid call."""
-        raise NotImplementedError
+        try:
+            return json_call(json.loads(body))
+        except ValueError:
+            return None
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content before the first call or None, calls); text with a malformed call stays content."""
@@ -41,26 +94,21 @@ class ToolParser:
             calls.append(call)
         return (content.strip() or None), calls
 
-    def stream(self) -> "ToolCallStream":
-        return ToolCallStream(self)
-
-    def forced_grammar(self, tools: list[Tool], parallel: bool) -> str:
-        """A Lark grammar (llguidance dialect) whose sentences are one call (or several if parallel)."""
-        raise NotImplementedError
+    def stream(self) -> "TaggedCallStream":
+        return TaggedCallStream(self)
 
 
-class ToolCallStream:
-    """Follows streamed text: content passes through, except what may be the start of a call, and each
-    call is emitted whole once its end tag (or the end of the stream) arrives."""
+class TaggedCallStream(ToolCallStream):
+    """Content passes through, except what may be the start of a call, and each call is emitted whole once its
+    end tag (or the end of the stream) arrives."""
 
-    def __init__(self, parser: ToolParser):
+    def __init__(self, parser: TaggedToolParser):
+        super().__init__()
         self.parser = parser
         self.buffer = ""
         self.in_call = False
-        self.calls: list[ToolCall] = []
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
-        """(content to emit now, calls completed by this delta)."""
         self.buffer += delta
         content, calls = "", []
         while True:
@@ -78,12 +126,15 @@ class ToolCallStream:
             at = self.buffer.find(self.parser.end)
             if at == -1:
                 return content, calls
-            call = self.parser.parse_call(self.buffer[:at])
+            body = self.buffer[:at]
+            call = self.parser.parse_call(body)
             self.buffer = self.buffer[at + len(self.parser.end):]
             self.in_call = False
             if call is not None:
                 calls.append(call)
                 self.calls.append(call)
+            elif not self.calls:  # not a call after all: its text is content, as extract() keeps it
+                content += self.parser.start + body + self.parser.end
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """At the end of the stream: an unclosed call if it parses, else the held-back text as content."""

@@ -1,0 +1,93 @@
+"""Tool-call parsers: finished replies, streamed replies split anywhere, and the grammars that force calls."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+
+from server.api.protocol import Tool
+from server.api.tool_parsers import PARSERS, get_tool_parser
+
+WEATHER = Tool.model_validate({"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                          "required": ["city"]}}})
+TIME = Tool.model_validate({"type": "function", "function": {"name": "get_time"}})
+
+# (parser, reply, expected content, expected calls as (name, arguments))
+CASES = [
+    ("hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+     "Sure.", [("get_weather", {"city": "Paris"})]),
+    ("hermes", '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": '
+               '"{\\"x\\": 1}"}</tool_call>', None, [("a", {}), ("b", {"x": 1})]),
+    ("hermes", "No tools needed: 3 < 4.", "No tools needed: 3 < 4.", []),
+    ("hermes", "<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', None,
+     [("get_weather", {"city": "Paris"})]),
+    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}', None,
+     [("a", {}), ("b", {"x": 1})]),
+    ("llama3_json", '  {"name": "a", "parameters": {}}\n', None, [("a", {})]),
+    ("llama3_json", '{"name": "a", "parameters": {}}; {"name": "b", "param', None, [("a", {})]),  # cut off
+    ("llama3_json", "Paris is sunny {today}.", "Paris is sunny {today}.", []),
+    ("llama3_json", '{"city": "Paris"}', '{"city": "Paris"}', []),  # JSON, but no call: content
+    ("llama3_json", "{not json", "{not json", []),
+]
+
+
+def _calls(calls) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("name, reply, content, calls", CASES)
+def test_extract(name, reply, content, calls):
+    got_content, got_calls = get_tool_parser(name).extract(reply)
+    assert got_content == content and _calls(got_calls) == calls
+
+
+@pytest.mark.parametrize("split", [1, 2, 3, 7])
+@pytest.mark.parametrize("name, reply, content, calls", CASES)
+def test_a_stream_split_anywhere_gives_what_extract_gives(name, reply, content, calls, split):
+    follower = get_tool_parser(name).stream()
+    streamed_text, streamed_calls = "", []
+    for at in range(0, len(reply), split):
+        text, new = follower.feed(reply[at:at + split])
+        streamed_text, streamed_calls = streamed_text + text, streamed_calls + new
+    text, new = follower.finish()
+    streamed_text, streamed_calls = streamed_text + text, streamed_calls + new
+    assert _calls(streamed_calls) == calls and _calls(follower.calls) == calls
+    assert streamed_text.strip() == (content or "")  # a stream cannot take back the space before a call
+
+
+def test_llama3_calls_come_out_as_their_json_closes():
+    follower = get_tool_parser("llama3_json").stream()
+    assert follower.feed('{"name": "a", "parameters": {"x": 1}') == ("", [])
+    text, calls = follower.feed('}; {"name": "b", ')
+    assert text == "" and _calls(calls) == [("a", {"x": 1})]
+    text, calls = follower.feed('"parameters": {}}')
+    assert _calls(calls) == [("b", {})] and follower.finish() == ("", [])
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+@pytest.mark.parametrize("parallel", [False, True])
+def test_forced_grammars_accept_what_the_parser_reads_back(smol_dir, name, parallel):
+    """Each parser's forced grammar compiles, and the calls it allows parse back to the same calls."""
+    from transformers import AutoTokenizer
+
+    parser = get_tool_parser(name)
+    grammar = parser.forced_grammar([WEATHER, TIME], parallel)
+    assert not llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar))
+    key = "parameters" if name == "llama3_json" else "arguments"
+    one = {"name": "get_weather", key: {"city": "Paris"}}
+    two = {"name": "get_time", key: {}}
+    if name == "hermes":
+        text = "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in ([one, two] if parallel else [one]))
+    else:
+        text = "; ".join(json.dumps(c) for c in ([one, two] if parallel else [one]))
+    tokenizer = AutoTokenizer.from_pretrained(smol_dir)
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer),
+                                   llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+    assert matcher.try_consume_tokens(tokenizer.encode(text, add_special_tokens=False)) > 0
+    assert matcher.is_accepting() and not matcher.is_error()
+    assert _calls(parser.extract(text)[1]) == [("get_weather", {"city": "Paris"})] + (
+        [("get_time", {})] if parallel else [])
