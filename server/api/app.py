@@ -47,6 +47,17 @@ _POST_RESPONSES = {**_ERRORS, 200: {"content": {"text/event-stream": {"schema": 
 _OPEN_PATHS = {"/health", "/ping", "/version"}  # and /metrics unless server.metrics_require_api_key
 
 
+def _as_json(scope) -> dict:
+    """Every POST body here is JSON: read it as JSON whatever its Content-Type says (curl's -d sends a form type,
+    which FastAPI would not parse), as llama.cpp's server reads it."""
+    headers = scope["headers"]
+    kind = next((v for k, v in headers if k == b"content-type"), b"")
+    if kind.split(b";")[0].strip().lower().endswith(b"json"):
+        return scope
+    return {**scope, "headers": [(k, v) for k, v in headers if k != b"content-type"]
+            + [(b"content-type", b"application/json")]}
+
+
 def _generates(scope) -> bool:
     """A request that may run the model: the OpenAI routes' POSTs and SageMaker's /invocations."""
     return scope["method"] == "POST" and (scope["path"].startswith("/v1/") or scope["path"] == "/invocations")
@@ -148,6 +159,8 @@ class GuardMiddleware:
         rejection = self._check(scope)
         if rejection is not None:
             return await rejection(scope, receive, send)
+        if scope["method"] == "POST":
+            scope = _as_json(scope)
         counted = _generates(scope)
         self.state.num_active += counted
         try:

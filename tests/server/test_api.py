@@ -297,3 +297,15 @@ def test_stream_events_stay_one_line_for_splitlines_clients():
     assert len(lines) == 1 and lines[0].startswith("data: ")
     assert json.loads(lines[0][6:])["choices"][0]["text"] == text
     assert "é" in lines[0]  # other non-ASCII stays raw UTF-8
+
+
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain"])
+def test_a_json_body_is_read_whatever_its_content_type(server, content_type):
+    """curl -d sends a form type: the body is still the request, as llama.cpp's server reads it."""
+    headers = {"content-type": content_type} if content_type else {}
+    body = b'{"model": "tiny", "prompt": "Hi", "max_tokens": 2}'
+    resp = httpx.post(f"{server.url}/v1/completions", content=body, headers=headers)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 2
+    broken = httpx.post(f"{server.url}/v1/completions", content=b"prompt=Hi", headers=headers)
+    assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]["message"]
+
