@@ -39,6 +39,17 @@ def _prefill_cap(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected auto, off or a number of tokens, got {text!r}") from None
 
 
+def _speculative(text: str) -> dict:
+    """--speculative-config: a JSON object (the config checks its fields)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
 def _origins(text: str) -> list[str]:
     """--allowed-origins: a JSON list (vLLM's form) or comma-separated origins."""
     if text.lstrip().startswith("["):
@@ -99,6 +110,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     flag("--num-threads", type=int)
     flag("--generation-config", help="sampling defaults for requests that set none: auto (the model's "
                                       "generation_config.json), vllm (the API's own), or a folder holding one")
+    flag("--speculative-config", type=_speculative, metavar="JSON",
+         help='n-gram speculative decoding as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
+              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (greedy requests; off by default)')
     flag("--seed", type=int, help="seeds the requests that bring no seed of their own")
     flag("--block-size", type=int, help="KV cache positions per block")
     flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -163,7 +177,8 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict]:
         "engine.num_threads": args.num_threads, "server.shutdown_grace_s": args.shutdown_grace_s,
         "server.stream_interval": args.stream_interval,
         "engine.enforce_eager": args.enforce_eager or None,
-        "model.generation_config": args.generation_config, "engine.seed": args.seed, "engine.block_size": args.block_size,
+        "model.generation_config": args.generation_config, "engine.seed": args.seed,
+        "engine.speculative": args.speculative_config, "engine.block_size": args.block_size,
         "engine.enable_prefix_caching": args.enable_prefix_caching, "server.cors_origins": args.allowed_origins,
         "server.log_level": args.uvicorn_log_level,
     })

@@ -50,6 +50,24 @@ class ModelConfig(_Strict):
         return self
 
 
+class SpeculativeConfig(_Strict):
+    """vLLM's --speculative-config, n-gram method: draft tokens looked up in the sequence's own text (prompt lookup
+    decoding), checked by the model in one step; greedy requests only, outputs as without it."""
+
+    method: Literal["ngram"]
+    num_speculative_tokens: int = Field(ge=1, le=16, description="draft tokens a step checks")
+    prompt_lookup_max: int = Field(4, ge=1, description="the longest tail n-gram looked up")
+    prompt_lookup_min: int = Field(2, ge=1, description="the shortest (a single token matches too often to pay)")
+    # a batch's forward is compute-bound once it is large: drafts the model rejects then cost their rows' FLOPs
+    disable_by_batch_size: int | None = Field(None, ge=1, description="no drafts while more sequences than this run")
+
+    @model_validator(mode="after")
+    def _window(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
+        return self
+
+
 class EngineConfig(_Strict):
     """Continuous-batching limits (the names vLLM users know)."""
 
@@ -74,6 +92,7 @@ class EngineConfig(_Strict):
     enable_prefix_caching: bool = Field(True, description="share cached prompt-prefix blocks between requests")
     enforce_eager: bool = Field(False, description="CUDA: run every step op by op instead of replaying decode steps "
                                                    "from captured CUDA graphs (vLLM's --enforce-eager)")
+    speculative: SpeculativeConfig | None = Field(None, description="n-gram speculative decoding (off by default)")
 
     @field_validator("max_prefill_tokens_while_decoding", mode="before")
     @classmethod

@@ -128,6 +128,11 @@ class ServerMetrics:
                                      ["model_name"], registry=reg).labels(**labels)
         self.generation_tokens = Counter("neuronmm_generation_tokens", "Tokens generated",
                                          ["model_name"], registry=reg).labels(**labels)
+        self.draft_tokens = Counter("neuronmm_spec_decode_num_draft_tokens", "Speculative draft tokens checked",
+                                    ["model_name"], registry=reg).labels(**labels)
+        self.accepted_tokens = Counter("neuronmm_spec_decode_num_accepted_tokens",
+                                       "Speculative draft tokens the model agreed with", ["model_name"],
+                                       registry=reg).labels(**labels)
         self._requests = Counter("neuronmm_request_success", "Finished sequences by finish reason",
                                  ["model_name", "finished_reason"], registry=reg)
         token_buckets = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -161,6 +166,9 @@ class ServerMetrics:
         self.batch_size.observe(stats.batch_size)
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_generation_tokens)
+        if stats.num_draft_tokens:
+            self.draft_tokens.inc(stats.num_draft_tokens)
+            self.accepted_tokens.inc(stats.num_accepted_tokens)
         for ttft in stats.ttfts:
             self.ttft.observe(ttft)
         for queued in stats.queue_times:

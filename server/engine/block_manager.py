@@ -89,18 +89,19 @@ class PagedKV:
             self.stats.prefix_queries += seq.num_tokens
             self.stats.prefix_hits += seq.num_computed
 
-    def ensure_next_slot(self, seq: Sequence) -> bool:
-        """Make room for the sequence's newest token; False when no block is free (the caller preempts)."""
-        if len(seq.block_table) * self.block_size >= seq.num_tokens:
-            return True
-        if not self.free:
-            return False
-        after = seq.block_table[-1] + 1 if seq.block_table else self.capacity
-        owner = self.reserved_by.get(after) if after < self.capacity else None
-        if after < self.capacity and after in self.free and self.block_hash[after] is None and owner in (None, _key(seq)):
-            seq.block_table.append(self._take(after))
-        else:
-            seq.block_table.append(self._take(self._evict_one()))
+    def ensure_next_slot(self, seq: Sequence, extra: int = 0) -> bool:
+        """Make room for the sequence's newest token (and `extra` positions after it, a speculative draft's); False
+        when no block is free (the caller preempts, or drafts less)."""
+        while len(seq.block_table) * self.block_size < seq.num_tokens + extra:
+            if not self.free:
+                return False
+            after = seq.block_table[-1] + 1 if seq.block_table else self.capacity
+            owner = self.reserved_by.get(after) if after < self.capacity else None
+            if (after < self.capacity and after in self.free and self.block_hash[after] is None
+                    and owner in (None, _key(seq))):
+                seq.block_table.append(self._take(after))
+            else:
+                seq.block_table.append(self._take(self._evict_one()))
         return True
 
     def register_full_blocks(self, seq: Sequence) -> None:
@@ -248,8 +249,8 @@ class SlotKV:
         seq.num_computed = 0
         self.stats.num_used_blocks += 1
 
-    def ensure_next_slot(self, seq: Sequence) -> bool:
-        return True
+    def ensure_next_slot(self, seq: Sequence, extra: int = 0) -> bool:
+        return True  # a slot spans max_model_len
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Nothing to share."""

@@ -10,9 +10,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from server.backends.base import ModelRunner, SeqChunk
+from server.config import SpeculativeConfig
 from server.engine.block_manager import KVStats, PagedKV, SlotKV
 from server.engine.detokenizer import IncrementalDetokenizer
-from server.engine.sampler import sample
+from server.engine.ngram import propose
+from server.engine.sampler import argmax, sample
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import ScheduledTokens, Scheduler
 from server.engine.sequence import Sequence, SeqOutput, SeqStatus, TokenLogprob
@@ -30,6 +32,8 @@ class StepStats:
     queue_times: list[float] = field(default_factory=list)  # arrival -> admitted, of those same sequences
     itls: list[float] = field(default_factory=list)  # seconds between the two newest tokens, the others
     finished: list[tuple[str, float]] = field(default_factory=list)  # (finish reason, e2e seconds)
+    num_draft_tokens: int = 0  # speculative draft tokens checked
+    num_accepted_tokens: int = 0  # of those, the ones the model agreed with
     kv: KVStats | None = None  # the KV cache's totals after the step
     padding: dict | None = None  # static-shape backends: {(phase, bucket): counts} totals (runner.padding)
 
@@ -42,13 +46,17 @@ class LLMEngine:
 
     def __init__(self, runner: ModelRunner, tokenizer, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, kv: PagedKV | SlotKV, eos_token_ids: set[int] | None = None, seed: int = 0,
-                 max_prefill_tokens_while_decoding: int | None = None):
+                 max_prefill_tokens_while_decoding: int | None = None, speculative: SpeculativeConfig | None = None):
         self.runner = runner
         # seeds for requests that bring none: drawn from the engine's seed, so a run replays
         self._seeds = torch.Generator().manual_seed(seed)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, kv, max_prefill_tokens_while_decoding)
+        if speculative is not None and not getattr(runner, "supports_prompt_logprobs", False):
+            raise ValueError("speculative decoding needs a backend that returns every position's logits")
+        self.speculative = speculative
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, kv, max_prefill_tokens_while_decoding,
+                                   self._draft if speculative else None)
         self.eos_token_ids = frozenset(eos_token_ids or ())
         self.seqs: dict[str, list[Sequence]] = {}
         self.observers: list[StepObserver] = []
@@ -84,32 +92,42 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[SeqOutput]:
-        """Schedule, run one forward, sample, detokenize; outputs for sequences that advanced."""
+        """Schedule, run one forward, sample (or check drafts), detokenize; outputs for sequences that advanced."""
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
         self.max_batch_size_seen = max(self.max_batch_size_seen, len(chunks))
-        sampled = [c for c in chunks if c.completes_seq]
-        scored = [c.seq.wants_prompt_logits for c in chunks]
+        sampled = [c for c in chunks if c.completes_seq and not c.draft]
+        drafted = [c for c in chunks if c.draft]
+        every_row = [c.seq.wants_prompt_logits or bool(c.draft) for c in chunks]
         try:
             logits = self.runner.execute([
-                SeqChunk(c.seq.slot, c.seq.token_slice(c.start, c.start + c.num_tokens), c.start, c.completes_seq,
-                         c.seq.block_table or None, all_logits)
-                for c, all_logits in zip(chunks, scored)])
+                SeqChunk(c.seq.slot, c.token_ids(), c.start, c.completes_seq, c.seq.block_table or None, all_rows)
+                for c, all_rows in zip(chunks, every_row)])
             # the runner may hand back inference-mode tensors, which penalties edit in place
             with torch.inference_mode():
-                if any(scored):
-                    logits = self._score_prompts(chunks, scored, logits)
+                checked = []
+                if any(every_row):
+                    logits, checked = self._split_rows(chunks, every_row, logits)
                 tokens, logprobs = sample(logits, [c.seq for c in sampled])
+                accepted = [_accept(c.draft, argmax(rows)) for c, rows in zip(drafted, checked)]
         except Exception as exc:  # fail this step's sequences, keep the engine alive
             log.exception("forward or sampling failed for %d sequences", len(chunks))
             return [self.fail(c.seq, f"engine error: {exc.__class__.__name__}: {exc}") for c in chunks]
         num_prompt_tokens = sum(c.num_tokens for c in chunks if c.start < len(c.seq.prompt_ids))
-        self.scheduler.mark_computed(chunks)
+        self.scheduler.mark_computed([c for c in chunks if not c.draft])
         now = time.monotonic()
-        outputs = [self._advance(c, tok, lp, now) for c, tok, lp in zip(sampled, tokens, logprobs)]
+        outputs = [self._advance(c, [tok], [lp], now) for c, tok, lp in zip(sampled, tokens, logprobs)]
+        for chunk, new in zip(drafted, accepted):
+            outputs.append(self._advance(chunk, new, [None] * len(new), now))
+            if not chunk.seq.is_finished:  # the checked draft tokens' K/V stay; a rejected tail is overwritten later
+                chunk.num_tokens = len(new)
+                self.scheduler.mark_computed([chunk])
         if self.observers:
-            stats = self._stats([c.seq for c in sampled], num_prompt_tokens, len(chunks), now)
+            stats = self._stats([c.seq for c in sampled + drafted], num_prompt_tokens, len(chunks), now)
+            stats.num_generation_tokens = len(sampled) + sum(len(new) for new in accepted)
+            stats.num_draft_tokens = sum(len(c.draft) for c in drafted)
+            stats.num_accepted_tokens = sum(len(new) - 1 for new in accepted)
             stats.kv = replace(self.scheduler.kv.stats)
             padding = getattr(self.runner, "padding", None)  # backends with compiled buckets count their waste
             stats.padding = padding.snapshot() if padding is not None else None
@@ -117,19 +135,38 @@ class LLMEngine:
                 observer(stats)
         return outputs
 
-    @staticmethod
-    def _score_prompts(chunks: list[ScheduledTokens], scored: list[bool], logits: torch.Tensor) -> torch.Tensor:
-        """Record prompt logprobs from the all-position rows of scored chunks; the rows the sampler needs."""
-        keep, row = [], 0
-        for chunk, all_logits in zip(chunks, scored):
-            num_rows = chunk.num_tokens if all_logits else int(chunk.completes_seq)
-            if all_logits:
-                _record_prompt_logprobs(chunk, logits[row:row + num_rows])
-            if chunk.completes_seq:
-                keep.append(row + num_rows - 1)
-            row += num_rows
-        return logits[keep]
+    def _draft(self, seq: Sequence) -> list[int]:
+        """A decoding sequence's speculative draft: greedy requests whose next token only the model's argmax
+        decides (no penalties, processors or logprobs), within max_tokens and max_model_len, while the running
+        batch is no larger than disable_by_batch_size."""
+        params, spec = seq.params, self.speculative
+        if (not params.is_greedy or params.has_penalties or params.has_logits_processors
+                or params.logprobs is not None):
+            return []
+        if spec.disable_by_batch_size is not None and self.scheduler.num_running > spec.disable_by_batch_size:
+            return []
+        room = min(spec.num_speculative_tokens, params.max_tokens - len(seq.output_ids) - 1,
+                   self.max_model_len - seq.num_tokens)
+        if room <= 0:
+            return []
+        return propose(seq.prompt_ids + seq.output_ids, room, spec.prompt_lookup_max, spec.prompt_lookup_min)
 
+    @staticmethod
+    def _split_rows(chunks: list[ScheduledTokens], every_row: list[bool],
+                    logits: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """From a forward with every-position rows: record prompt logprobs; (the rows the sampler needs, each
+        drafted chunk's rows in order)."""
+        keep, checked, row = [], [], 0
+        for chunk, all_rows in zip(chunks, every_row):
+            num_rows = chunk.num_tokens if all_rows else int(chunk.completes_seq)
+            if chunk.draft:
+                checked.append(logits[row:row + num_rows])
+            elif chunk.completes_seq:
+                keep.append(row + num_rows - 1)
+            if all_rows and not chunk.draft:
+                _record_prompt_logprobs(chunk, logits[row:row + num_rows])
+            row += num_rows
+        return logits[keep], checked
     @staticmethod
     def _stats(seqs: list[Sequence], num_prompt_tokens: int, batch_size: int, now: float) -> StepStats:
         stats = StepStats(batch_size, num_prompt_tokens, len(seqs))
@@ -143,18 +180,23 @@ class LLMEngine:
                 stats.finished.append((seq.finish_reason, now - seq.arrival_time))
         return stats
 
-    def _advance(self, chunk: ScheduledTokens, token: int, logprob, now: float) -> SeqOutput:
+    def _advance(self, chunk: ScheduledTokens, tokens: list[int], logprobs: list, now: float) -> SeqOutput:
+        """Append this step's tokens (one, or a checked draft's and the next), up to the first that ends the seq."""
         seq = chunk.seq
-        seq.output_ids.append(token)
         seq.first_token_time = seq.first_token_time or now
-        seq.last_itl = None if seq.last_token_time is None else now - seq.last_token_time
+        seq.last_itl = None if seq.last_token_time is None else (now - seq.last_token_time) / len(tokens)
         seq.last_token_time = now
-        if logprob is not None:
-            seq.pending_logprobs.append(logprob)
-        reason = self._finish_reason(seq, token)
-        if reason:
-            self._finish(seq, reason)
-        return self._output(seq)
+        count = 0
+        for token, logprob in zip(tokens, logprobs):
+            seq.output_ids.append(token)
+            count += 1
+            if logprob is not None:
+                seq.pending_logprobs.append(logprob)
+            reason = self._finish_reason(seq, token)
+            if reason:
+                self._finish(seq, reason)
+                break
+        return self._output(seq, num_new=count)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
@@ -168,9 +210,9 @@ class LLMEngine:
             return "length"
         return None
 
-    def _output(self, seq: Sequence, error: str | None = None) -> SeqOutput:
+    def _output(self, seq: Sequence, error: str | None = None, num_new: int = 1) -> SeqOutput:
         finished = seq.is_finished
-        token_ids = seq.output_ids[-1:] if seq.output_ids else []
+        token_ids = seq.output_ids[-num_new:] if seq.output_ids and num_new else []
         lps = seq.pending_logprobs or None
         seq.pending_logprobs = []
         prompt_lps = seq.prompt_logprobs if seq.output_ids and seq.prompt_logprobs else None
@@ -204,6 +246,16 @@ class LLMEngine:
         for rid in request_ids:
             self.seqs.pop(rid, None)
         return outputs
+
+
+def _accept(draft: list[int], targets: torch.Tensor) -> list[int]:
+    """The tokens a checked draft gives: its lead the model's greedy picks agree with, then the model's next pick
+    (targets[i] is the greedy token after the draft's first i tokens)."""
+    picks = targets.tolist()
+    agreed = 0
+    while agreed < len(draft) and draft[agreed] == picks[agreed]:
+        agreed += 1
+    return draft[:agreed] + [picks[agreed]]
 
 
 def _record_prompt_logprobs(chunk: ScheduledTokens, logits: torch.Tensor) -> None:

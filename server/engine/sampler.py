@@ -134,7 +134,7 @@ def _fused_ops_apply(logits: torch.Tensor) -> bool:
             and fused_ops.load())
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Greedy tokens: the fused op where it applies (torch's CPU argmax takes ~0.5 ms for 16 rows of a 49k vocab)."""
     return torch.ops.neuronmm.argmax_rows(logits) if _fused_ops_apply(logits) else logits.argmax(dim=-1)
 
@@ -159,7 +159,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     if len(sampled) == len(seqs):  # no greedy row: no argmax, no row gather
         tokens = _sample_rows(logits, seqs)
     else:
-        tokens = _argmax(logits)
+        tokens = argmax(logits)
         if sampled:
             rows = torch.tensor(sampled, device=logits.device)
             tokens[rows] = _sample_rows(logits[rows], [seqs[row] for row in sampled])

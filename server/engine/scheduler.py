@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from server.engine.block_manager import PagedKV, SlotKV
 from server.engine.sequence import Sequence, SeqStatus
@@ -12,10 +13,12 @@ from server.engine.sequence import Sequence, SeqStatus
 
 @dataclass
 class ScheduledTokens:
-    """`num_tokens` tokens of `seq`, starting at its first uncomputed position."""
+    """`num_tokens` tokens of `seq`, starting at its first uncomputed position; a decode with a speculative
+    `draft` runs its newest token and then the draft's, whose positions the model checks in the same forward."""
 
     seq: Sequence
     num_tokens: int
+    draft: list[int] = field(default_factory=list)
 
     @property
     def start(self) -> int:
@@ -24,7 +27,12 @@ class ScheduledTokens:
     @property
     def completes_seq(self) -> bool:
         """True when this chunk reaches the sequence's newest token, so it yields a next token."""
-        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed + self.num_tokens - len(self.draft) == self.seq.num_tokens
+
+    def token_ids(self) -> list[int]:
+        """The tokens the forward runs: the sequence's, then the draft's."""
+        end = self.start + self.num_tokens - len(self.draft)
+        return self.seq.token_slice(self.start, end) + self.draft
 
 
 class Scheduler:
@@ -33,19 +41,22 @@ class Scheduler:
     Each step: every running sequence in decode gets its one token first (so decodes never starve),
     making room in the KV cache for it, and preempting the newest sequence (freed, requeued at the
     front, recomputed later) when none is left; then running prefills continue; then waiting sequences
-    are admitted while slots, budget and KV blocks last. Long prompts are cut into chunks of whatever
+    are admitted while slots, budget and KV blocks last. With speculation on, a decode may also take a
+    draft's tokens from the budget (and the KV room for them) before any prompt does. Long prompts are cut into chunks of whatever
     budget remains (chunked prefill), at most `max_prefill_tokens_while_decoding` of them in a step that
     also decodes; a prompt prefix found in the prefix cache is not computed again.
     """
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, kv: PagedKV | SlotKV,
-                 max_prefill_tokens_while_decoding: int | None = None):
+                 max_prefill_tokens_while_decoding: int | None = None,
+                 propose: Callable[[Sequence], list[int]] | None = None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token each)")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
         self.kv = kv
+        self.propose = propose  # a decoding sequence's speculative draft ([] for none); None: no speculation
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -72,6 +83,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks = [ScheduledTokens(s, 1) for s in self._decodes_with_room()]
         budget -= len(chunks)
+        if self.propose is not None:
+            for chunk in chunks:
+                budget -= self._add_draft(chunk, budget)
         if chunks and self.max_prefill_tokens_while_decoding is not None:
             # a step beside running streams holds every one of them: keep its prompt tokens few (Sarathi-Serve's
             # stall-free batching); with nothing decoding, a prompt gets the whole budget
@@ -109,6 +123,15 @@ class Scheduler:
             else:
                 ready.append(seq)
         return [s for s in ready if s.status is SeqStatus.RUNNING]
+
+    def _add_draft(self, chunk: ScheduledTokens, budget: int) -> int:
+        """Give a decode its draft where the budget and the KV cache have room for it; the draft tokens taken."""
+        draft = self.propose(chunk.seq)[:max(budget, 0)] if budget > 0 else []
+        if not draft or not self.kv.ensure_next_slot(chunk.seq, len(draft)):
+            return 0  # no draft, or no free block for one: decode one token
+        chunk.draft = draft
+        chunk.num_tokens += len(draft)
+        return len(draft)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

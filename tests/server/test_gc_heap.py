@@ -103,7 +103,7 @@ class _FakeCore:
 def test_the_api_spawns_the_core_then_freezes_its_heap_while_the_core_loads(tiny_model_dir, monkeypatch, fail):
     core = _FakeCore(fail)
     monkeypatch.setattr(app_module, "EngineCoreClient", core)
-    monkeypatch.setattr(app_module.AppState, "_serve_with", lambda self, engine, tokenizer: None)
+    monkeypatch.setattr(app_module.AppState, "_serve_with", lambda self, engine, tokenizer, model_dir: None)
     state = app_module.AppState(tiny_config(tiny_model_dir), freeze_startup_heap=True)
     with collections_held():
         if fail:

@@ -1,0 +1,131 @@
+"""n-gram speculative decoding: drafts from the sequence's own text, checked in one forward; greedy outputs as without."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from server.backends.torch_runner import TorchRunner
+from server.config import ConfigError, SpeculativeConfig, load_config
+from server.engine.ngram import propose
+from server.engine.sampling_params import SamplingParams
+from server.runtime import build_engine, eos_token_ids
+from support import tiny_config
+from test_config_cli import _serve_config
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# the default model on text it partly copies (drafts taken and rejected), and on text it does not
+PROMPTS = ["Copy the list exactly.\nList: apple, banana, cherry, date, elderberry, fig, grape\nCopy: apple, banana,",
+           "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+           "The three primary colors are"]
+
+
+def test_propose_takes_what_followed_the_latest_earlier_tail():
+    assert propose([1, 2, 3, 4, 5, 1, 2, 3], 3, 4, 2) == [4, 5, 1]  # tail 1 2 3 occurred at the start
+    assert propose([9, 2, 3, 7, 1, 2, 3, 8, 2, 3], 2, 4, 2) == [8, 2]  # the latest occurrence of 2 3
+    assert propose([1, 2, 3, 4], 3, 4, 2) == [] and propose([], 3, 4, 1) == [] and propose([5], 3, 4, 1) == []
+    assert propose([4, 5, 6, 4], 2, 4, 1) == [5, 6]  # a single token where no longer tail repeats
+
+
+@pytest.fixture(scope="module")
+def parts(smol_dir):
+    """The default model in fp32 (its fused kernels): real text, where drafts are both right and wrong."""
+    runner = TorchRunner(smol_dir, 256, "float32", fused_kernels=True)
+    runner.load()
+    return smol_dir, runner, AutoTokenizer.from_pretrained(smol_dir)
+
+
+def _run(parts, speculative, params_of, prompts=PROMPTS):
+    """Every prompt (text, or token ids) in one engine; (tokens, finish reasons, step stats)."""
+    model_dir, runner, tok = parts
+    cfg = tiny_config(model_dir, max_model_len=256, max_num_batched_tokens=512)  # every prompt in the first step
+    cfg.engine.speculative = SpeculativeConfig(**speculative) if speculative else None
+    engine = build_engine(cfg, runner, tok, eos_token_ids(model_dir, tok))
+    steps = []
+    engine.observers.append(steps.append)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), tok(prompt).input_ids if isinstance(prompt, str) else prompt, params_of(i))
+    got = {str(i): [] for i in range(len(prompts))}
+    finish = {}
+    while engine.has_work():
+        for out in engine.step():
+            got[out.request_id].extend(out.token_ids)
+            finish[out.request_id] = out.finish_reason or finish.get(out.request_id)
+    return [got[str(i)] for i in range(len(prompts))], [finish[str(i)] for i in range(len(prompts))], steps
+
+
+def test_greedy_output_is_the_same_with_and_without_drafts(parts):
+    greedy = lambda i: SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)  # noqa: E731
+    plain, _, plain_steps = _run(parts, None, greedy)
+    drafted, _, steps = _run(parts, SPEC, greedy)
+    assert drafted == plain
+    made, held = sum(s.num_draft_tokens for s in steps), sum(s.num_accepted_tokens for s in steps)
+    assert 0 < held < made  # drafts were right and wrong
+    assert sum(s.num_generation_tokens for s in steps) == 3 * 40 and len(steps) < len(plain_steps)
+
+
+def test_a_draft_stops_at_max_tokens_and_stop_tokens(parts):
+    plain, _, _ = _run(parts, None, lambda i: SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    for max_tokens in (5, 6, 7):
+        got, finish, _ = _run(parts, SPEC, lambda i: SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                     ignore_eos=True))
+        assert got == [p[:max_tokens] for p in plain] and finish == ["length"] * 3
+    stop_at = plain[0][9]  # in the copied list, where drafts hold
+    got, finish, steps = _run(parts, SPEC, lambda i: SamplingParams(
+        max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_at]), prompts=PROMPTS[:1])
+    assert got[0] == plain[0][:plain[0].index(stop_at) + 1] and finish == ["stop"]
+
+
+def test_sampled_and_logprob_requests_are_not_drafted(parts):
+    kinds = [SamplingParams(max_tokens=20, temperature=0.8, seed=1, ignore_eos=True),
+             SamplingParams(max_tokens=20, temperature=0.0, logprobs=1, ignore_eos=True),
+             SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.2, ignore_eos=True)]
+    with_spec, _, steps = _run(parts, SPEC, lambda i: kinds[i])
+    without, _, _ = _run(parts, None, lambda i: kinds[i])
+    assert with_spec == without and sum(s.num_draft_tokens for s in steps) == 0
+
+
+def test_no_drafts_above_disable_by_batch_size(parts):
+    greedy = lambda i: SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)  # noqa: E731
+    _, _, three = _run(parts, {**SPEC, "disable_by_batch_size": 2}, greedy)  # three prompts run together
+    _, _, one = _run(parts, {**SPEC, "disable_by_batch_size": 2}, greedy, prompts=PROMPTS[:2])
+    assert sum(s.num_draft_tokens for s in three) == 0 and sum(s.num_draft_tokens for s in one) > 0
+
+
+def test_prefix_cache_blocks_written_with_drafts_serve_a_later_prompt(parts):
+    """Blocks filled by checked drafts are published with the tokens they hold: a later prompt that repeats the
+    first request's text reuses them and decodes as a run without the cache does."""
+    model_dir, runner, tok = parts
+    cfg = tiny_config(model_dir, max_model_len=256)
+    cfg.engine.speculative = SpeculativeConfig(**SPEC)
+    engine = build_engine(cfg, runner, tok, eos_token_ids(model_dir, tok))
+    prompt = tok(PROMPTS[0]).input_ids
+    engine.add_request("a", prompt, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
+    first = []
+    while engine.has_work():
+        first += [t for out in engine.step() for t in out.token_ids]
+    follow = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request("b", prompt + first, follow)
+    second, cached = [], 0
+    while engine.has_work():
+        for out in engine.step():
+            second += out.token_ids
+            cached = max(cached, out.num_cached_tokens)
+    assert cached >= (len(prompt) + len(first)) // 16 * 16 - 16  # every whole block but perhaps the last step's
+    fresh, _, _ = _run(parts, None, lambda i: follow, prompts=[prompt + first])
+    assert second == fresh[0]
+
+
+def test_speculative_config_and_flag():
+    cfg = load_config(None, {"engine.speculative": SPEC})
+    assert cfg.engine.speculative.num_speculative_tokens == 4
+    for bad in ({**SPEC, "method": "eagle"}, {**SPEC, "prompt_lookup_min": 5}, {**SPEC, "num_speculative_tokens": 0}):
+        with pytest.raises(ConfigError, match="engine.speculative"):
+            load_config(None, {"engine.speculative": bad})
+    cli = _serve_config(["--speculative-config", json.dumps(SPEC)]).engine.speculative
+    assert (cli.method, cli.num_speculative_tokens, cli.prompt_lookup_min) == ("ngram", 4, 1)
+    with pytest.raises(SystemExit):
+        _serve_config(["--speculative-config", "ngram"])
+
