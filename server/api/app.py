@@ -383,7 +383,8 @@ def _install_routes(app: FastAPI) -> None:
                              for m in (ChatCompletionRequest, CompletionRequest)]}
 
     @app.post("/invocations", response_model=ChatCompletionResponse | CompletionResponse, responses=_POST_RESPONSES,
-              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": either_body}}}})
+              openapi_extra={"requestBody": {"required": True,
+                                             "content": {"application/json": {"schema": either_body}}}})
     async def invocations(request: Request):
         """SageMaker's inference route, as vLLM serves it: a chat body (with messages) or a completions body."""
         try:

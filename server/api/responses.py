@@ -129,7 +129,8 @@ class ResponsesRequest(RequestPart):
                              "conversation in input")
         if isinstance(self.input, list) and not self.input:
             raise ValueError("input must not be empty")
-        if self.text and self.text.format and self.text.format.type == "json_schema" and self.text.format.schema_ is None:
+        fmt = self.text.format if self.text else None
+        if fmt and fmt.type == "json_schema" and fmt.schema_ is None:
             raise ValueError("text.format of type json_schema needs a schema")
         return self
 
@@ -163,7 +164,8 @@ class ResponsesRequest(RequestPart):
             if getattr(self, ours) is not None:
                 body[chat] = getattr(self, ours)
         if self.tools:
-            body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True)}
+            body["tools"] = [{"type": "function",
+                              "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True)}
                              for t in self.tools]
         if isinstance(self.tool_choice, NamedFunction):
             body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
@@ -256,7 +258,8 @@ class ResponseObject(BaseModel):
 
 def _usage(usage) -> ResponseUsage:
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-    return ResponseUsage(input_tokens=usage.prompt_tokens, input_tokens_details=InputTokensDetails(cached_tokens=cached),
+    return ResponseUsage(input_tokens=usage.prompt_tokens,
+                         input_tokens_details=InputTokensDetails(cached_tokens=cached),
                          output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens)
 
 

@@ -345,7 +345,8 @@ class OpenAIServing:
 
     def _completion_logprobs(self, lps: list[TokenLogprob], offsets: _TextOffsets,
                              prompt_ids: list[int] | None = None,
-                             prompt_lps: list[TokenLogprob | None] | None = None, num_top: int | None = None) -> Logprobs:
+                             prompt_lps: list[TokenLogprob | None] | None = None,
+                             num_top: int | None = None) -> Logprobs:
         """Completions logprobs of the generated tokens, after those of the echoed prompt when given (num_top of
         each prompt token's alternatives: the engine may hold more, for prompt_logprobs)."""
         out = Logprobs()
@@ -438,7 +439,8 @@ class OpenAIServing:
         """The decoding constraint a request asks for: a forced tool call, structured_outputs or response_format."""
         if isinstance(req, ChatCompletionRequest) and req.forces_tool_call:
             parallel = req.parallel_tool_calls and req.tool_choice == "required"  # a named function: one call
-            spec, param = StructuredOutput("lark", self.tool_parser.forced_grammar(req.forced_tools(), parallel)), "tools"
+            grammar = self.tool_parser.forced_grammar(req.forced_tools(), parallel)
+            spec, param = StructuredOutput("lark", grammar), "tools"
         elif (constraint := req.output_constraint()) is not None:
             spec, param = constraint
         else:

@@ -167,6 +167,7 @@ class LLMEngine:
                 _record_prompt_logprobs(chunk, logits[row:row + num_rows])
             row += num_rows
         return logits[keep], checked
+
     @staticmethod
     def _stats(seqs: list[Sequence], num_prompt_tokens: int, batch_size: int, now: float) -> StepStats:
         stats = StepStats(batch_size, num_prompt_tokens, len(seqs))

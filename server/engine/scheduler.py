@@ -42,9 +42,9 @@ class Scheduler:
     making room in the KV cache for it, and preempting the newest sequence (freed, requeued at the
     front, recomputed later) when none is left; then running prefills continue; then waiting sequences
     are admitted while slots, budget and KV blocks last. With speculation on, a decode may also take a
-    draft's tokens from the budget (and the KV room for them) before any prompt does. Long prompts are cut into chunks of whatever
-    budget remains (chunked prefill), at most `max_prefill_tokens_while_decoding` of them in a step that
-    also decodes; a prompt prefix found in the prefix cache is not computed again.
+    draft's tokens from the budget (and the KV room for them) before any prompt does. Long prompts are cut into
+    chunks of whatever budget remains (chunked prefill), at most `max_prefill_tokens_while_decoding` of them in a
+    step that also decodes; a prompt prefix found in the prefix cache is not computed again.
     """
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, kv: PagedKV | SlotKV,

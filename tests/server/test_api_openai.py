@@ -352,7 +352,8 @@ def test_allowed_token_ids_and_bad_words_steer_the_vocabulary(server, tokenizer)
 def test_chat_template_kwargs_reach_the_template(server, monkeypatch):
     serving = server.state.serving
     monkeypatch.setattr(serving, "chat_template", "{{ greeting }}:{% for m in messages %}{{ m.content }}{% endfor %}")
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"greeting": "Yo"}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
+            "chat_template_kwargs": {"greeting": "Yo"}}
     tokens = httpx.post(f"{server.url}/tokenize", json=body).json()["tokens"]
     assert serving.tokenizer.decode(tokens) == "Yo:Hi"
     chat = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "max_tokens": 1}).json()
@@ -499,7 +500,8 @@ def test_llama3_json_calls_forced_parsed_and_streamed(tiny_model_dir):
         resp = client.chat.completions.create(**args)
         (call,) = resp.choices[0].message.tool_calls
         assert resp.choices[0].finish_reason == "tool_calls" and resp.choices[0].message.content is None
-        assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments), dict)
+        assert call.function.name in ("get_weather", "get_time")
+        assert isinstance(json.loads(call.function.arguments), dict)
         streamed = [d for chunk in client.chat.completions.create(stream=True, **args)
                     for d in chunk.choices[0].delta.tool_calls or []]
         assert [(d.function.name, d.function.arguments) for d in streamed] == [(call.function.name,

@@ -87,12 +87,14 @@ def test_more_vllm_serve_flags(monkeypatch):
     assert _serve_config(["--generation-config", "vllm"]).model.generation_config == "vllm"
     assert _serve_config([]).model.generation_config == "auto"
     cfg = _serve_config(["--seed", "7", "--block-size", "32", "--no-enable-prefix-caching",
-                         "--allowed-origins", '["https://a.example", "https://b.example"]', "--uvicorn-log-level", "warning"])
+                         "--allowed-origins", '["https://a.example", "https://b.example"]',
+                         "--uvicorn-log-level", "warning"])
     assert (cfg.engine.seed, cfg.engine.block_size, cfg.engine.enable_prefix_caching) == (7, 32, False)
     assert cfg.server.cors_origins == ["https://a.example", "https://b.example"] and cfg.server.log_level == "warning"
     default = _serve_config([])
     assert default.engine.enable_prefix_caching is True and default.server.cors_origins == []  # the config's
-    assert _serve_config(["--allowed-origins", "https://a.example, *"]).server.cors_origins == ["https://a.example", "*"]
+    commas = _serve_config(["--allowed-origins", "https://a.example, *"])
+    assert commas.server.cors_origins == ["https://a.example", "*"]
     monkeypatch.setenv("NEURONMM_ENABLE_PREFIX_CACHING", "false")
     assert _serve_config([]).engine.enable_prefix_caching is False
     assert _serve_config(["--enable-prefix-caching"]).engine.enable_prefix_caching is True

@@ -1,4 +1,5 @@
-"""n-gram speculative decoding: drafts from the sequence's own text, checked in one forward; greedy outputs as without."""
+"""n-gram speculative decoding: drafts from the sequence's own text, checked in one forward; greedy outputs as
+without them."""
 
 from __future__ import annotations
 

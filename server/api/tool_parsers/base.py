@@ -14,7 +14,8 @@ def tool_call(name: str, arguments) -> ToolCall:
 
 
 def json_call(data: Any) -> ToolCall | None:
-    """A call from `{"name": ..., "arguments" | "parameters": {...}}` (arguments may come serialised); None if not one."""
+    """A call from `{"name": ..., "arguments" | "parameters": {...}}` (arguments may come serialised); None if
+    `data` is not one."""
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return None
     arguments = data.get("arguments", data.get("parameters", {}))

@@ -14,4 +14,5 @@ class HermesToolParser(TaggedToolParser):
 
     def forced_grammar(self, tools: list[Tool], parallel: bool) -> str:
         calls = 'call ("\\n" call)*' if parallel else "call"
-        return f'start: {calls}\ncall: "{self.start}\\n" {lark_json(call_schemas(tools, "arguments"))} "\\n{self.end}"\n'
+        call = lark_json(call_schemas(tools, "arguments"))
+        return f'start: {calls}\ncall: "{self.start}\\n" {call} "\\n{self.end}"\n'
