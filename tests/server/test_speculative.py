@@ -4,6 +4,7 @@ without them."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from transformers import AutoTokenizer
@@ -28,6 +29,23 @@ def test_propose_takes_what_followed_the_latest_earlier_tail():
     assert propose([9, 2, 3, 7, 1, 2, 3, 8, 2, 3], 2, 4, 2) == [8, 2]  # the latest occurrence of 2 3
     assert propose([1, 2, 3, 4], 3, 4, 2) == [] and propose([], 3, 4, 1) == [] and propose([5], 3, 4, 1) == []
     assert propose([4, 5, 6, 4], 2, 4, 1) == [5, 6]  # a single token where no longer tail repeats
+
+
+def _propose_plainly(tokens, num_draft, lookup_max, lookup_min):
+    for n in range(min(lookup_max, len(tokens) - 1), lookup_min - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[-n:]:
+                return tokens[start + n:start + n + num_draft]
+    return []
+
+
+def test_propose_matches_whole_tokens_only():
+    """The byte search finds no match across token boundaries: ids whose bytes overlap (256 = 00 01 00 00) agree
+    with a plain search over the ids."""
+    rng = random.Random(0)
+    for _ in range(3000):
+        tokens = [rng.choice([0, 1, 2, 256, 65536, 16777216]) for _ in range(rng.randrange(0, 40))]
+        assert propose(tokens, 3, 4, 1) == _propose_plainly(tokens, 3, 4, 1), tokens
 
 
 @pytest.fixture(scope="module")
