@@ -1,6 +1,6 @@
 """n-gram speculative decoding (`engine.speculative`) against plain decoding, the engine in-process, one request at
 a time (or --concurrency of them): output tokens/s on replies that copy from their prompt (BoolQ passages to
-repeat with a change), and on replies that do not (questions answered freely), greedy, the two engines
+repeat with a change), and on replies that do not (questions answered freely), greedy (or --temperature), the two engines
 alternating round by round.
 
     python -m bench.speculative [--rounds 3] [--prompts 6] [--max-tokens 128] [--concurrency 1]
@@ -41,7 +41,8 @@ def workloads(tokenizer, num_prompts: int) -> dict[str, list[list[int]]]:
             "free": [chat(f"Answer in a few sentences: {r['question']}?") for r in rows]}
 
 
-def run(engine, prompts: list[list[int]], max_tokens: int, concurrency: int) -> tuple[float, list[list[int]], int, int]:
+def run(engine, prompts: list[list[int]], max_tokens: int, concurrency: int,
+        temperature: float) -> tuple[float, list[list[int]], int, int]:
     """(seconds, each reply's tokens, draft tokens, accepted) for the prompts, `concurrency` of them in flight."""
     steps = []
     engine.observers.append(steps.append)
@@ -51,7 +52,7 @@ def run(engine, prompts: list[list[int]], max_tokens: int, concurrency: int) -> 
     while queue or in_flight:
         while queue and len(in_flight) < concurrency:
             i, ids = queue.pop(0)
-            engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+            engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i))
             in_flight.add(f"r{i}")
         for out in engine.step():
             replies[out.request_id] += out.token_ids
@@ -70,9 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight (1: one at a time)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (replies compared token for "
+                                                                       "token); above: sampled, seeded per prompt")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    args.out = args.out or RESULTS / f"speculative-c{args.concurrency}.json"
+    sampled = f"-t{args.temperature:g}" if args.temperature else ""
+    args.out = args.out or RESULTS / f"speculative-c{args.concurrency}{sampled}.json"
 
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=args.draft_tokens)
     plain_cfg = load_config(None)
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.rounds):
         for name, engine in engines.items():
             for kind, prompts in work.items():
-                seconds, got, made, held = run(engine, prompts, args.max_tokens, args.concurrency)
+                seconds, got, made, held = run(engine, prompts, args.max_tokens, args.concurrency, args.temperature)
                 times[(name, kind)].append(seconds)
                 tokens[(name, kind)] = sum(len(r) for r in got)
                 drafts[(name, kind)] = (made, held)
@@ -93,14 +97,15 @@ def main(argv: list[str] | None = None) -> int:
                     "|---|---:|---:|---:|---:|---:|"]
     for kind in work:
         rate = {e: tokens[(e, kind)] / statistics.median(times[(e, kind)]) for e in engines}
-        equal = sum(a == b for a, b in zip(replies[("plain", kind)], replies[("ngram", kind)]))
+        equal = (sum(a == b for a, b in zip(replies[("plain", kind)], replies[("ngram", kind)]))
+                 if not args.temperature else None)  # sampled: the same distribution, other draws
         made, held = drafts[("ngram", kind)]
         rows.append({"workload": kind, "plain_tok_s": rate["plain"], "ngram_tok_s": rate["ngram"],
                      "speedup": rate["ngram"] / rate["plain"], "draft_tokens": made, "accepted_tokens": held,
                      "replies_equal": equal, "replies": len(work[kind]), "seconds": {f"{e}": times[(e, kind)]
                                                                                      for e in engines}})
         md.append(f"| {kind} | {rate['plain']:.1f} | {rate['ngram']:.1f} | {rate['ngram'] / rate['plain']:.2f} x | "
-                  f"{made} / {held} | {equal} / {len(work[kind])} |")
+                  f"{made} / {held} | {'-' if equal is None else f'{equal} / {len(work[kind])}'} |")
     report = {"machine": machine_facts(), "args": {k: str(v) for k, v in vars(args).items()},
               "speculative": spec.model_dump(), "rows": rows}
     return publish(args.out, report, "\n".join(md))

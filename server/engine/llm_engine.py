@@ -14,7 +14,7 @@ from server.config import SpeculativeConfig
 from server.engine.block_manager import KVStats, PagedKV, SlotKV
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.ngram import propose
-from server.engine.sampler import argmax, sample
+from server.engine.sampler import check_draft, sample
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import ScheduledTokens, Scheduler
 from server.engine.sequence import Sequence, SeqOutput, SeqStatus, TokenLogprob
@@ -110,7 +110,7 @@ class LLMEngine:
                 if any(every_row):
                     logits, checked = self._split_rows(chunks, every_row, logits)
                 tokens, logprobs = sample(logits, [c.seq for c in sampled])
-                accepted = [_accept(c.draft, argmax(rows)) for c, rows in zip(drafted, checked)]
+                accepted = [check_draft(rows, c.draft, c.seq) for c, rows in zip(drafted, checked)]
         except Exception as exc:  # fail this step's sequences, keep the engine alive
             log.exception("forward or sampling failed for %d sequences", len(chunks))
             return [self.fail(c.seq, f"engine error: {exc.__class__.__name__}: {exc}") for c in chunks]
@@ -136,12 +136,11 @@ class LLMEngine:
         return outputs
 
     def _draft(self, seq: Sequence) -> list[int]:
-        """A decoding sequence's speculative draft: greedy requests whose next token only the model's argmax
-        decides (no penalties, processors or logprobs), within max_tokens and max_model_len, while the running
-        batch is no larger than disable_by_batch_size."""
+        """A decoding sequence's speculative draft: requests whose next token only the model's distribution under
+        temperature, top-k and top-p decides (no penalties, processors or logprobs), within max_tokens and
+        max_model_len, while the running batch is no larger than disable_by_batch_size."""
         params, spec = seq.params, self.speculative
-        if (not params.is_greedy or params.has_penalties or params.has_logits_processors
-                or params.logprobs is not None):
+        if params.has_penalties or params.has_logits_processors or params.logprobs is not None:
             return []
         if spec.disable_by_batch_size is not None and self.scheduler.num_running > spec.disable_by_batch_size:
             return []
@@ -247,16 +246,6 @@ class LLMEngine:
         for rid in request_ids:
             self.seqs.pop(rid, None)
         return outputs
-
-
-def _accept(draft: list[int], targets: torch.Tensor) -> list[int]:
-    """The tokens a checked draft gives: its lead the model's greedy picks agree with, then the model's next pick
-    (targets[i] is the greedy token after the draft's first i tokens)."""
-    picks = targets.tolist()
-    agreed = 0
-    while agreed < len(draft) and draft[agreed] == picks[agreed]:
-        agreed += 1
-    return draft[:agreed] + [picks[agreed]]
 
 
 def _record_prompt_logprobs(chunk: ScheduledTokens, logits: torch.Tensor) -> None:

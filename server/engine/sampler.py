@@ -139,6 +139,43 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.ops.neuronmm.argmax_rows(logits) if _fused_ops_apply(logits) else logits.argmax(dim=-1)
 
 
+def check_draft(rows: torch.Tensor, draft: list[int], seq: Sequence) -> list[int]:
+    """The tokens a checked speculative draft gives (rows[i]: fp32 logits after the draft's first i tokens).
+
+    Greedy: the draft's lead the argmax agrees with, then the argmax. Sampled (temperature, top-k, top-p): each
+    draft token is kept with the probability the model's distribution gives it, the first one refused is replaced
+    by a draw from that distribution without it, and after a wholly kept draft the model draws the next token:
+    for a draft proposed without the model (a one-hot guess) this is exactly sampling token by token.
+    """
+    if seq.params.is_greedy:
+        picks = argmax(rows).tolist()
+        agreed = 0
+        while agreed < len(draft) and draft[agreed] == picks[agreed]:
+            agreed += 1
+        return draft[:agreed] + [picks[agreed]]
+    probs = _distributions(rows, seq)
+    tokens = []
+    for row, guess in enumerate(draft):
+        if torch.rand(1, generator=seq.generator).item() < probs[row, guess].item():
+            tokens.append(guess)
+            continue
+        rest = probs[row:row + 1].clone()
+        rest[0, guess] = 0.0
+        return tokens + [int(_inverse_cdf(rest, torch.rand(1, generator=seq.generator))[0])]
+    return tokens + [int(_inverse_cdf(probs[-1:], torch.rand(1, generator=seq.generator))[0])]
+
+
+def _distributions(rows: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """The sequence's sampling distribution over each row: temperature, then its top-k and top-p."""
+    params, vocab = seq.params, rows.shape[-1]
+    scaled = rows.float() / params.temperature
+    if 0 < params.top_k < vocab or params.top_p < 1.0:
+        top_k = torch.full((rows.shape[0],), params.top_k if 0 < params.top_k < vocab else vocab, device=rows.device)
+        top_p = torch.full((rows.shape[0],), params.top_p, dtype=scaled.dtype, device=rows.device)
+        scaled = filter_top_k_top_p(scaled, top_k, top_p)
+    return scaled.softmax(-1)
+
+
 def _logprobs(raw_logprobs: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
     top = []
     if num_top > 0:

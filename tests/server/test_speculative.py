@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from server.backends.torch_runner import TorchRunner
 from server.config import ConfigError, SpeculativeConfig, load_config
+from server.engine import sampler
 from server.engine.ngram import propose
 from server.engine.sampling_params import SamplingParams
 from server.runtime import build_engine, eos_token_ids
@@ -97,13 +100,36 @@ def test_a_draft_stops_at_max_tokens_and_stop_tokens(parts):
     assert got[0] == plain[0][:plain[0].index(stop_at) + 1] and finish == ["stop"]
 
 
-def test_sampled_and_logprob_requests_are_not_drafted(parts):
-    kinds = [SamplingParams(max_tokens=20, temperature=0.8, seed=1, ignore_eos=True),
-             SamplingParams(max_tokens=20, temperature=0.0, logprobs=1, ignore_eos=True),
+def test_logprob_and_penalty_requests_are_not_drafted_and_sampled_ones_are(parts):
+    kinds = [SamplingParams(max_tokens=20, temperature=0.0, logprobs=1, ignore_eos=True),
              SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.2, ignore_eos=True)]
-    with_spec, _, steps = _run(parts, SPEC, lambda i: kinds[i])
-    without, _, _ = _run(parts, None, lambda i: kinds[i])
+    with_spec, _, steps = _run(parts, SPEC, lambda i: kinds[i], prompts=PROMPTS[:2])
+    without, _, _ = _run(parts, None, lambda i: kinds[i], prompts=PROMPTS[:2])
     assert with_spec == without and sum(s.num_draft_tokens for s in steps) == 0
+    sampled = lambda i: SamplingParams(max_tokens=30, temperature=0.7, top_p=0.9, seed=i, ignore_eos=True)  # noqa
+    first, _, steps = _run(parts, SPEC, sampled)
+    again, _, _ = _run(parts, SPEC, sampled)
+    assert first == again and [len(t) for t in first] == [30] * 3  # a seed replays under the same config
+    assert sum(s.num_accepted_tokens for s in steps) > 0
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_a_sampled_draft_gives_the_models_distribution(top_p):
+    """Speculative sampling with a guessed draft: the first token is distributed as the model's first row, and
+    (first, second) as row 0 then row 1 when the first is the guess; whatever the guess."""
+    rows = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0, 1.5, 0.2, 1.0, -0.5], [1.0, 0.0, 0.0, 0.0, 0.0]])
+    params = SamplingParams(max_tokens=8, temperature=0.8, top_p=top_p)
+    probs = sampler._distributions(rows, SimpleNamespace(params=params))
+    trials, draft = 20000, [1, 3]
+    seq = SimpleNamespace(params=params, generator=torch.Generator().manual_seed(7))
+    firsts, pairs = torch.zeros(5), torch.zeros(5)
+    for _ in range(trials):
+        tokens = sampler.check_draft(rows, draft, seq)
+        firsts[tokens[0]] += 1
+        if tokens[0] == draft[0]:
+            pairs[tokens[1]] += 1
+    assert torch.allclose(firsts / trials, probs[0], atol=0.015)
+    assert torch.allclose(pairs / trials, probs[0, draft[0]] * probs[1], atol=0.015)
 
 
 def test_no_drafts_above_disable_by_batch_size(parts):
