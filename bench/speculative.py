@@ -1,7 +1,7 @@
 """n-gram speculative decoding (`engine.speculative`) against plain decoding, the engine in-process, one request at
 a time (or --concurrency of them): output tokens/s on replies that copy from their prompt (BoolQ passages to
-repeat with a change), and on replies that do not (questions answered freely), greedy (or --temperature), the two engines
-alternating round by round.
+repeat with a change), and on replies that do not (questions answered freely), greedy (or --temperature), the
+two engines alternating round by round.
 
     python -m bench.speculative [--rounds 3] [--prompts 6] [--max-tokens 128] [--concurrency 1]
 

@@ -112,7 +112,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                                       "generation_config.json), vllm (the API's own), or a folder holding one")
     flag("--speculative-config", type=_speculative, metavar="JSON",
          help='n-gram speculative decoding as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
-              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (greedy requests; off by default)')
+              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (off by default)')
     flag("--seed", type=int, help="seeds the requests that bring no seed of their own")
     flag("--block-size", type=int, help="KV cache positions per block")
     flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction,

@@ -52,7 +52,8 @@ class ModelConfig(_Strict):
 
 class SpeculativeConfig(_Strict):
     """vLLM's --speculative-config, n-gram method: draft tokens looked up in the sequence's own text (prompt lookup
-    decoding), checked by the model in one step; greedy requests only, outputs as without it."""
+    decoding), checked by the model in one step; greedy replies as without it, sampled ones from the same
+    distribution."""
 
     method: Literal["ngram"]
     num_speculative_tokens: int = Field(ge=1, le=16, description="draft tokens a step checks")

@@ -130,8 +130,10 @@ def build_engine(cfg: Config, runner, tokenizer, eos_ids: set[int]) -> LLMEngine
     log.info("KV: %s, prefix caching %s", f"{kv.stats.num_blocks} blocks of {kv.block_size} tokens"
              if kv.block_size else f"{kv.stats.num_blocks} slots", "on" if kv.enable_prefix_caching else "off")
     if e.speculative is not None:
-        log.info("speculative decoding: n-gram drafts of up to %d tokens (lookup %d-%d), greedy requests only",
-                 e.speculative.num_speculative_tokens, e.speculative.prompt_lookup_min, e.speculative.prompt_lookup_max)
+        spec = e.speculative
+        log.info("speculative decoding: n-gram drafts of up to %d tokens (lookup %d-%d) for requests without "
+                 "penalties, processors or logprobs", spec.num_speculative_tokens, spec.prompt_lookup_min,
+                 spec.prompt_lookup_max)
     try:
         return LLMEngine(runner, tokenizer, e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len, kv, eos_ids,
                          e.seed, cap, e.speculative)
