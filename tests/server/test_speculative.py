@@ -7,6 +7,7 @@ import json
 import random
 from types import SimpleNamespace
 
+import httpx
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -17,7 +18,7 @@ from server.engine import sampler
 from server.engine.ngram import propose
 from server.engine.sampling_params import SamplingParams
 from server.runtime import build_engine, eos_token_ids
-from support import tiny_config
+from support import live_server, tiny_config
 from test_config_cli import _serve_config
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -173,4 +174,24 @@ def test_speculative_config_and_flag():
     assert (cli.method, cli.num_speculative_tokens, cli.prompt_lookup_min) == ("ngram", 4, 1)
     with pytest.raises(SystemExit):
         _serve_config(["--speculative-config", "ngram"])
+
+
+def test_served_streams_carry_several_tokens_a_step_and_equal_the_plain_server(tiny_model_dir):
+    """Through the API: a drafted step's tokens arrive as one delta (or several), the text and usage as without."""
+    body = {"model": "tiny", "prompt": "one two one two one two", "max_tokens": 24, "temperature": 0.0,
+            "ignore_eos": True}
+    answers = []
+    for speculative in (None, SPEC):
+        cfg = tiny_config(tiny_model_dir, max_model_len=256)
+        cfg.engine.speculative = SpeculativeConfig(**speculative) if speculative else None
+        with live_server(cfg) as live:
+            whole = httpx.post(f"{live.url}/v1/completions", json=body, timeout=60).json()
+            with httpx.stream("POST", f"{live.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+            answers.append((whole["choices"][0]["text"], whole["usage"]["completion_tokens"],
+                            "".join(e["choices"][0]["text"] for e in events), len(events)))
+    (plain_text, plain_count, plain_streamed, plain_chunks), (text, count, streamed, chunks) = answers
+    assert (text, count, streamed) == (plain_text, plain_count, plain_streamed) == (plain_text, 24, plain_text)
+    assert chunks < plain_chunks  # fewer, fuller chunks: several tokens a step
 
