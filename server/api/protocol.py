@@ -293,13 +293,18 @@ class ContentPart(RequestPart):
         return v
 
 
-def _content_kind(value: Any) -> str:
+def _text_or_parts(value: Any) -> str:
     return "parts" if isinstance(value, list) else "text"
 
 
-# A message's content: a string, or a list of parts (validated as parts when it is a list, so an error names them).
-Content = Annotated[Annotated[str, Tag("text")] | Annotated[list[ContentPart], Tag("parts")],
-                    Discriminator(_content_kind)]
+def text_or_parts(part: type) -> Any:
+    """A string, or a list of `part` (validated as that list when it is one, so an error names its parts rather
+    than the string's failure)."""
+    return Annotated[Annotated[str, Tag("text")] | Annotated[list[part], Tag("parts")], Discriminator(_text_or_parts)]
+
+
+# A message's content: a string, or a list of text parts.
+Content = text_or_parts(ContentPart)
 
 
 class FunctionCall(RequestPart):

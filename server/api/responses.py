@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, model_validator
 
-from server.api.protocol import ChatCompletionRequest, ChatCompletionResponse, StreamChunk, ToolCall, RequestPart
+from server.api.protocol import ChatCompletionRequest, ChatCompletionResponse, RequestPart, StreamChunk, text_or_parts
 from server.api.serving import OpenAIServing
 
 
@@ -33,19 +33,10 @@ class InputText(RequestPart):
     text: str
 
 
-def _text_or_list(value: Any) -> str:
-    return "list" if isinstance(value, list) else "text"
-
-
-def _text_or(item: type) -> Any:
-    """A string, or a list of `item` (validated as that list when it is one, so an error names its parts)."""
-    return Annotated[Annotated[str, Tag("text")] | Annotated[list[item], Tag("list")], Discriminator(_text_or_list)]
-
-
 class InputMessage(RequestPart):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: _text_or(InputText)
+    content: text_or_parts(InputText)
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -85,7 +76,9 @@ class FunctionTool(RequestPart):
     strict: bool | None = None
 
 
-class NamedFunction(RequestPart):
+class NamedFunctionTool(RequestPart):
+    """tool_choice naming a function (the Responses API's flat form)."""
+
     type: Literal["function"]
     name: str
 
@@ -106,14 +99,14 @@ class ResponsesRequest(RequestPart):
     """POST /v1/responses."""
 
     model: str | None = None
-    input: _text_or(InputItem)
+    input: text_or_parts(InputItem)
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     stream: bool = False
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionTool | None = None
     parallel_tool_calls: bool = True
     text: TextOptions | None = None
     previous_response_id: str | None = None
@@ -167,7 +160,7 @@ class ResponsesRequest(RequestPart):
             body["tools"] = [{"type": "function",
                               "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True)}
                              for t in self.tools]
-        if isinstance(self.tool_choice, NamedFunction):
+        if isinstance(self.tool_choice, NamedFunctionTool):
             body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
         elif self.tool_choice is not None:
             body["tool_choice"] = self.tool_choice
@@ -263,7 +256,8 @@ def _usage(usage) -> ResponseUsage:
                          output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens)
 
 
-def _calls(tool_calls: list[ToolCall]) -> list[OutputFunctionCall]:
+def _calls(tool_calls: list) -> list[OutputFunctionCall]:
+    """Function call items from chat tool calls (whole ones, or a stream's deltas, which carry whole calls)."""
     return [OutputFunctionCall(call_id=c.id, name=c.function.name, arguments=c.function.arguments) for c in tool_calls]
 
 
@@ -290,7 +284,7 @@ class ResponsesAPI:
 
     def _shell(self, req: ResponsesRequest, rid: str) -> ResponseObject:
         """The response before any output: what the request asked for, echoed as OpenAI echoes it."""
-        tool_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunction) else (
+        tool_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunctionTool) else (
             req.tool_choice or "auto")
         text = (req.text.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
                 if req.text and req.text.format else None)
@@ -354,7 +348,7 @@ class ResponsesAPI:
                     message.content[0].text += text
                     yield event("response.output_text.delta", item_id=message.id, output_index=len(output) - 1,
                                 content_index=0, delta=text)
-                for call in _calls([ToolCall(id=c.id, function=c.function) for c in calls]):
+                for call in _calls(calls):
                     output.append(call)
                     index = len(output) - 1
                     yield event("response.output_item.added", output_index=index,

@@ -126,7 +126,7 @@ class Scheduler:
 
     def _add_draft(self, chunk: ScheduledTokens, budget: int) -> int:
         """Give a decode its draft where the budget and the KV cache have room for it; the draft tokens taken."""
-        draft = self.propose(chunk.seq)[:max(budget, 0)] if budget > 0 else []
+        draft = self.propose(chunk.seq)[:budget] if budget > 0 else []
         if not draft or not self.kv.ensure_next_slot(chunk.seq, len(draft)):
             return 0  # no draft, or no free block for one: decode one token
         chunk.draft = draft
