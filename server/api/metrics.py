@@ -57,6 +57,8 @@ VLLM_NAMES = {
     "neuronmm_request_success": ["vllm:request_success"],
     "neuronmm_request_prompt_tokens": ["vllm:request_prompt_tokens"],
     "neuronmm_request_generation_tokens": ["vllm:request_generation_tokens"],
+    "neuronmm_spec_decode_num_draft_tokens": ["vllm:spec_decode_num_draft_tokens"],
+    "neuronmm_spec_decode_num_accepted_tokens": ["vllm:spec_decode_num_accepted_tokens"],
 }
 
 

@@ -19,6 +19,7 @@ from server.engine.ngram import propose
 from server.engine.sampling_params import SamplingParams
 from server.runtime import build_engine, eos_token_ids
 from support import live_server, tiny_config
+from test_api import metric
 from test_config_cli import _serve_config
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -189,6 +190,9 @@ def test_served_streams_carry_several_tokens_a_step_and_equal_the_plain_server(t
             with httpx.stream("POST", f"{live.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
                 events = [json.loads(line[6:]) for line in r.iter_lines()
                           if line.startswith("data: ") and line != "data: [DONE]"]
+            drafted = metric(live.url, "neuronmm_spec_decode_num_draft_tokens_total")
+            accepted = metric(live.url, "vllm:spec_decode_num_accepted_tokens_total")  # vLLM's name too
+            assert (drafted > 0 and 0 < accepted <= drafted) if speculative else drafted == accepted == 0
             answers.append((whole["choices"][0]["text"], whole["usage"]["completion_tokens"],
                             "".join(e["choices"][0]["text"] for e in events), len(events)))
     (plain_text, plain_count, plain_streamed, plain_chunks), (text, count, streamed, chunks) = answers
