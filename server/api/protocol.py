@@ -388,6 +388,17 @@ def check_continuation(messages: list, add_generation_prompt: bool, continue_fin
             raise ValueError("continue_final_message needs the last message to be the assistant's")
 
 
+class Prediction(RequestPart):
+    """OpenAI's Predicted Outputs: text the reply is expected to repeat, drafted and checked by the model (the
+    reply stays the model's own; where it follows the prediction, several tokens a step)."""
+
+    type: Literal["content"]
+    content: Content
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
 
@@ -401,6 +412,7 @@ class ChatCompletionRequest(_Request):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    prediction: Prediction | None = None
 
     @model_validator(mode="after")
     def _check(self):
@@ -436,11 +448,19 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    """With a predicted reply (OpenAI's names): its drafted tokens the reply kept, and those the model refused."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class ErrorInfo(BaseModel):

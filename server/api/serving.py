@@ -21,9 +21,10 @@ from server.api.errors import APIError
 from server.api.metrics import ServerMetrics
 from server.api.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatMessageOut,
                                  ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse,
-                                 DetokenizeRequest, DetokenizeResponse, Logprobs, NamedToolChoice, PromptLogprob,
-                                 PromptLogprobs, PromptTokensDetails, StreamChunk, StreamOptions, TokenizeChatRequest,
-                                 TokenizeCompletionRequest, TokenizeResponse, ToolCallDelta, UsageInfo)
+                                 CompletionTokensDetails, DetokenizeRequest, DetokenizeResponse, Logprobs,
+                                 NamedToolChoice, Prediction, PromptLogprob, PromptLogprobs, PromptTokensDetails,
+                                 StreamChunk, StreamOptions, TokenizeChatRequest, TokenizeCompletionRequest,
+                                 TokenizeResponse, ToolCallDelta, UsageInfo)
 from server.api.tool_parsers import ToolCallStream, get_tool_parser
 from server.config import Config, ConfigError
 from server.engine.async_engine import EngineDeadError, QueueFullError
@@ -69,6 +70,7 @@ class _Choice:
         self.finish_reason: str | None = None
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
+        self.prediction_tokens: tuple[int, int] | None = None  # with a predicted reply: (kept, refused) so far
 
 
 class _TextOffsets:
@@ -167,6 +169,15 @@ class OpenAIServing:
         if not ids:
             raise APIError(400, "prompt must not be empty", param="prompt")
         return ids
+
+    def _prediction_ids(self, prediction: Prediction) -> list[int] | None:
+        """A predicted reply's tokens, as the reply would start (no special tokens); None for an empty one."""
+        text = prediction.text()
+        if len(text) > self.max_prompt_chars:
+            raise APIError(400, f"prediction of {len(text)} characters is longer than any reply can be "
+                                f"(max_model_len {self.max_model_len})", param="prediction")
+        _check_unicode(text, "prediction")
+        return self.tokenizer.encode(text, add_special_tokens=False) or None
 
     def _truncated(self, ids: list[int], keep: int | None) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len; None: all)."""
@@ -298,6 +309,7 @@ class OpenAIServing:
                 c.prompt_logprobs = out.prompt_logprobs or c.prompt_logprobs
                 c.num_output_tokens = out.num_output_tokens
                 c.num_cached_tokens = max(c.num_cached_tokens, out.num_cached_tokens)
+                c.prediction_tokens = out.prediction_tokens or c.prediction_tokens
                 c.finish_reason = out.finish_reason or c.finish_reason
 
         work = asyncio.gather(*(drain(i * n, g) for i, g in enumerate(gens)))
@@ -324,10 +336,19 @@ class OpenAIServing:
             await asyncio.sleep(_DISCONNECT_POLL_S)
 
     @staticmethod
-    def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+    def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+               prediction_tokens: list[tuple[int, int] | None] = ()) -> UsageInfo:
+        """The usage a response reports; its completion details only where the choices followed a predicted reply
+        (`prediction_tokens`: each choice's kept and refused drafted tokens, None without a prediction)."""
+        predicted = [p for p in prediction_tokens if p is not None]
+        details = None
+        if predicted:
+            details = CompletionTokensDetails(accepted_prediction_tokens=sum(kept for kept, _ in predicted),
+                                              rejected_prediction_tokens=sum(refused for _, refused in predicted))
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                          total_tokens=prompt_tokens + completion_tokens,
-                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+                         completion_tokens_details=details)
 
     @staticmethod
     def _cached(choices: list["_Choice"], n: int) -> int:
@@ -462,6 +483,8 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = self._max_tokens(req.max_completion_tokens or req.max_tokens, len(ids), None)
         params = self._params(req, max_tokens, logprobs, self._structured(req))
+        if req.prediction is not None:
+            params = replace(params, prediction=self._prediction_ids(req.prediction))
         rid = f"chatcmpl-{raw.state.request_id}"
         gens = self._submit([(ids, params)], req.n, rid)
         # a named function is what the client asked for: OpenAI ends that with "stop", others "tool_calls"
@@ -473,7 +496,8 @@ class OpenAIServing:
                           lambda out, index: self._chat_delta(out, index, state))
         choices = await self._collect(raw, gens, req.n)
         self._observe([ids], req.n, [c.num_output_tokens for c in choices])
-        usage = self._usage(len(ids), sum(c.num_output_tokens for c in choices), self._cached(choices, req.n))
+        usage = self._usage(len(ids), sum(c.num_output_tokens for c in choices), self._cached(choices, req.n),
+                            [c.prediction_tokens for c in choices])
         return ChatCompletionResponse(id=rid, model=self.model_name, usage=usage, choices=[
             self._chat_choice(i, c, req, calls_reason) for i, c in enumerate(choices)],
             prompt_logprobs=self._prompt_logprobs(choices, req.prompt_logprobs))
@@ -527,6 +551,7 @@ class OpenAIServing:
         continuous = include_usage and options.continuous_usage_stats
         created = int(time.time())
         completion_tokens, cached_tokens = {}, {}  # a choice's output tokens sent so far; a prompt's cached ones
+        predicted = {}  # a choice's kept and refused drafted tokens of a predicted reply, so far
         held: dict[tuple[int, int], SeqOutput] = {}  # a choice's outputs not sent yet (stream interval > 1)
         outputs = _merged(gens, n)
         try:
@@ -545,16 +570,18 @@ class OpenAIServing:
                     continue
                 completion_tokens[choice] = item.num_output_tokens
                 cached_tokens[offset] = max(cached_tokens.get(offset, 0), item.num_cached_tokens)
+                predicted[choice] = item.prediction_tokens
                 if item.finish_reason is not None:
                     self.metrics.observe_request(item.num_prompt_tokens, item.num_output_tokens)
                 chunk = StreamChunk(id=rid, object=obj, created=created, model=self.model_name,
                                     choices=[make_choice(item, offset + item.index)])
                 if continuous:
                     chunk.usage = self._usage(num_prompt_tokens, sum(completion_tokens.values()),
-                                              sum(cached_tokens.values()))
+                                              sum(cached_tokens.values()), list(predicted.values()))
                 yield chunk
             if include_usage:
-                usage = self._usage(num_prompt_tokens, sum(completion_tokens.values()), sum(cached_tokens.values()))
+                usage = self._usage(num_prompt_tokens, sum(completion_tokens.values()), sum(cached_tokens.values()),
+                                    list(predicted.values()))
                 yield StreamChunk(id=rid, object=obj, created=created, model=self.model_name, choices=[], usage=usage)
         finally:
             await outputs.aclose()

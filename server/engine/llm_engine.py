@@ -14,6 +14,7 @@ from server.config import SpeculativeConfig
 from server.engine.block_manager import KVStats, PagedKV, SlotKV
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.ngram import propose
+from server.engine.predicted import PREDICTION_DRAFT_TOKENS, PredictedOutput
 from server.engine.sampler import check_draft, sample
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import ScheduledTokens, Scheduler
@@ -52,11 +53,13 @@ class LLMEngine:
         self._seeds = torch.Generator().manual_seed(seed)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        if speculative is not None and not getattr(runner, "supports_prompt_logprobs", False):
+        # a draft is checked on every position's logits: backends without them ignore predicted replies
+        self.checks_drafts = getattr(runner, "supports_prompt_logprobs", False)
+        if speculative is not None and not self.checks_drafts:
             raise ValueError("speculative decoding needs a backend that returns every position's logits")
         self.speculative = speculative
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, kv, max_prefill_tokens_while_decoding,
-                                   self._draft if speculative else None)
+                                   self._draft if self.checks_drafts else None)
         self.eos_token_ids = frozenset(eos_token_ids or ())
         self.seqs: dict[str, list[Sequence]] = {}
         self.observers: list[StepObserver] = []
@@ -79,6 +82,8 @@ class LLMEngine:
                            IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
                                                   params.include_stop_str_in_output),
                            self.eos_token_ids, generator)
+            if params.prediction and self.checks_drafts:
+                seq.prediction = PredictedOutput(params.prediction)
             self.scheduler.add(seq)
             seqs.append(seq)
         self.seqs[request_id] = seqs
@@ -136,19 +141,28 @@ class LLMEngine:
         return outputs
 
     def _draft(self, seq: Sequence) -> list[int]:
-        """A decoding sequence's speculative draft: requests whose next token only the model's distribution under
-        temperature, top-k and top-p decides (no penalties, processors or logprobs), within max_tokens and
-        max_model_len, while the running batch is no larger than disable_by_batch_size."""
+        """A decoding sequence's speculative draft, from its predicted reply where it has one and is placed in it,
+        else from its own text when engine.speculative is on: for requests whose next token only the model's
+        distribution under temperature, top-k and top-p decides (no penalties, processors or logprobs), within
+        max_tokens and max_model_len; prompt-lookup drafts only while the running batch is no larger than
+        disable_by_batch_size (a predicted reply is the client's ask)."""
         params, spec = seq.params, self.speculative
+        if seq.prediction is None and spec is None:
+            return []
         if params.has_penalties or params.has_logits_processors or params.logprobs is not None:
             return []
+        room = min(params.max_tokens - len(seq.output_ids) - 1, self.max_model_len - seq.num_tokens)
+        if room <= 0:  # the next token is the last
+            return []
+        if seq.prediction is not None:
+            draft = seq.prediction.draft(seq.output_ids, min(room, spec.num_speculative_tokens if spec
+                                                             else PREDICTION_DRAFT_TOKENS))
+            if draft or spec is None:
+                return draft
         if spec.disable_by_batch_size is not None and self.scheduler.num_running > spec.disable_by_batch_size:
             return []
-        room = min(spec.num_speculative_tokens, params.max_tokens - len(seq.output_ids) - 1,
-                   self.max_model_len - seq.num_tokens)
-        if room <= 0:
-            return []
-        return propose(seq.prompt_ids + seq.output_ids, room, spec.prompt_lookup_max, spec.prompt_lookup_min)
+        return propose(seq.prompt_ids + seq.output_ids, min(room, spec.num_speculative_tokens), spec.prompt_lookup_max,
+                       spec.prompt_lookup_min)
 
     @staticmethod
     def _split_rows(chunks: list[ScheduledTokens], every_row: list[bool],
@@ -196,6 +210,8 @@ class LLMEngine:
             if reason:
                 self._finish(seq, reason)
                 break
+        if seq.prediction is not None:
+            seq.prediction.follow(tokens[:count], chunk.draft)
         return self._output(seq, num_new=count)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -220,7 +236,8 @@ class LLMEngine:
             seq.prompt_logprobs = []  # sent once, with the first token
         out = SeqOutput(seq.request_id, seq.index, seq.detok.take_delta(finished), token_ids, lps,
                         seq.finish_reason if finished else None, len(seq.prompt_ids), len(seq.output_ids), error,
-                        seq.num_cached_tokens, prompt_lps)
+                        seq.num_cached_tokens, prompt_lps,
+                        None if seq.prediction is None else (seq.prediction.accepted, seq.prediction.rejected))
         if finished and all(s.is_finished for s in self.seqs.get(seq.request_id, [])):
             self.seqs.pop(seq.request_id, None)
         return out

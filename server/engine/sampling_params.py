@@ -54,6 +54,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
     structured: StructuredOutput | None = None
+    prediction: list[int] | None = None  # the reply's expected tokens (OpenAI's Predicted Outputs): draft source
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.predicted import PredictedOutput
 from server.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # a type only: SeqOutput crosses to the API process, which need not import torch to spawn the core
@@ -46,6 +47,8 @@ class SeqOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # with the first token, when asked: one entry per prompt token (None for the first, which has no context)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # with a predicted reply: its drafted tokens the reply kept and those the model refused, so far
+    prediction_tokens: tuple[int, int] | None = None
 
     def followed_by(self, later: SeqOutput) -> SeqOutput:
         """This output and the same sequence's next one as one delta (the API's --stream-interval sends them so)."""
@@ -57,7 +60,7 @@ class SeqOutput:
                          num_output_tokens=later.num_output_tokens, error=later.error,
                          num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens),
                          prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None
-                         else later.prompt_logprobs)
+                         else later.prompt_logprobs, prediction_tokens=later.prediction_tokens)
 
 
 @dataclass
@@ -87,6 +90,7 @@ class Sequence:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # filled chunk by chunk
     logits_state: object | None = None  # owned by engine.logits_processors (grammar matcher, caches)
+    prediction: PredictedOutput | None = None  # the reply the request predicts, and where this one stands in it
 
     @property
     def num_tokens(self) -> int:

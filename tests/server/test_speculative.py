@@ -1,10 +1,11 @@
-"""n-gram speculative decoding: drafts from the sequence's own text, checked in one forward; greedy outputs as
-without them."""
+"""Speculative decoding: drafts from the sequence's own text (n-gram) or from a predicted reply, checked in one
+forward; greedy outputs as without them."""
 
 from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import httpx
@@ -16,6 +17,7 @@ from server.backends.torch_runner import TorchRunner
 from server.config import ConfigError, SpeculativeConfig, load_config
 from server.engine import sampler
 from server.engine.ngram import propose
+from server.engine.predicted import PredictedOutput
 from server.engine.sampling_params import SamplingParams
 from server.runtime import build_engine, eos_token_ids
 from support import live_server, tiny_config
@@ -199,3 +201,91 @@ def test_served_streams_carry_several_tokens_a_step_and_equal_the_plain_server(t
     assert (text, count, streamed) == (plain_text, plain_count, plain_streamed) == (plain_text, 24, plain_text)
     assert chunks < plain_chunks  # fewer, fuller chunks: several tokens a step
 
+
+
+# ---- predicted replies (OpenAI's Predicted Outputs) -----------------------------------------------------------------
+
+def test_a_prediction_drafts_from_where_the_reply_stands_in_it():
+    pred = PredictedOutput([10, 11, 12, 13, 14, 15, 16, 17])
+    assert pred.draft([], 3) == [10, 11, 12]  # the reply's start is the prediction's
+    pred.follow([10], [])
+    pred.follow([11, 12, 13], [11, 12])  # the draft kept whole, the model's own 13 after it
+    assert pred.draft([10, 11, 12, 13], 3) == [14, 15, 16] and (pred.accepted, pred.rejected) == (2, 0)
+    pred.follow([14, 99], [14, 15, 16])  # 99: the reply leaves the prediction (an edit)
+    assert (pred.accepted, pred.rejected, pred.next) == (3, 2, None)
+    assert pred.draft([10, 11, 12, 13, 14, 99], 3) == []  # 99 is nowhere in it
+    pred.follow([16], [])  # the reply comes back two tokens on: its newest token, near where it left
+    assert pred.draft([10, 11, 12, 13, 14, 99, 16], 3) == [17]
+    pred.follow([17], [17])
+    assert pred.draft([10, 11, 12, 13, 14, 99, 16, 17], 3) == [] and pred.accepted == 4  # the prediction's end
+
+
+def test_a_prediction_resumes_far_away_only_on_two_tokens_and_shrinks_refused_drafts():
+    far = list(range(100, 140))
+    pred = PredictedOutput([1, 2] + far + [7, 8, 9, 5])
+    pred.follow([1, 2, 50], [])  # left the prediction right after its start
+    assert pred.draft([1, 2, 50, 7], 4) == []  # one token (7) far from where the reply left places nothing
+    assert pred.draft([1, 2, 50, 7, 8], 4) == [9, 5]  # two (7 8) do, wherever they are
+    pred.follow([60], [9, 5])
+    assert pred.misses == 1 and pred.draft([1, 2, 50, 7, 8, 60, 1, 2], 4) == [100, 101]  # half as long
+    pred.follow([61], [100, 101])
+    assert pred.draft([1, 2, 50, 7, 8, 60, 61, 1, 2], 4) == [100]
+    pred.follow([100, 101], [100])  # a kept token: full length again
+    assert pred.misses == 0 and pred.draft([1, 2, 50, 7, 8, 60, 61, 1, 2, 100, 101], 4) == [102, 103, 104, 105]
+
+
+def test_a_predicted_reply_drafts_without_speculative_config_and_changes_no_token(parts):
+    """The plain reply as its own prediction, the same with words changed, inserted and dropped, and another
+    prompt's reply: every greedy reply is the plain one; a right prediction takes far fewer steps."""
+    greedy = lambda i: SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)  # noqa: E731
+    plain, _, plain_steps = _run(parts, None, greedy)
+    edited = [p[:5] + [p[7], 1000, 1001] + p[8:20] + p[24:] for p in plain]
+    for predictions in (plain, edited, plain[1:] + plain[:1]):
+        got, _, steps = _run(parts, None, lambda i: replace(greedy(i), prediction=predictions[i]))
+        assert got == plain
+        assert sum(s.num_draft_tokens for s in steps) > 0
+        if predictions is plain:
+            assert len(steps) < len(plain_steps) / 3 and sum(s.num_generation_tokens for s in steps) == 3 * 40
+
+
+def test_a_predicted_reply_stops_at_max_tokens_and_stop_tokens(parts):
+    plain, _, _ = _run(parts, None, lambda i: SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    for max_tokens in (2, 3, 9):
+        got, finish, steps = _run(parts, None, lambda i: SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                         ignore_eos=True, prediction=plain[i]))
+        assert got == [p[:max_tokens] for p in plain] and finish == ["length"] * 3
+        # nothing drafted past the last token (its K/V would need room the reply does not have)
+        assert sum(s.num_draft_tokens for s in steps) == 3 * (max_tokens - 2)
+    stop_at = plain[0][12]
+    got, finish, _ = _run(parts, None, lambda i: SamplingParams(
+        max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_at], prediction=plain[0]),
+        prompts=PROMPTS[:1])
+    assert got[0] == plain[0][:plain[0].index(stop_at) + 1] and finish == ["stop"]
+
+
+def test_served_prediction_reports_kept_and_refused_tokens(smol_dir):
+    """Through the chat API: the same reply with and without its prediction, OpenAI's usage details (streamed
+    too), text parts taken, a bad prediction refused. (The default model: the tiny one's replies are runs of
+    newlines, which its tokenizer writes as fewer, longer tokens than the model generates.)"""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "List five fruits."}], "max_tokens": 24,
+            "temperature": 0.0, "ignore_eos": True}
+    with live_server(tiny_config(smol_dir, max_model_len=256)) as live:
+        url = f"{live.url}/v1/chat/completions"
+        plain = httpx.post(url, json=body, timeout=60).json()
+        reply = plain["choices"][0]["message"]["content"]
+        assert plain["usage"]["completion_tokens_details"] is None
+        predicted = httpx.post(url, json={**body, "prediction": {"type": "content", "content": reply}}, timeout=60)
+        details = predicted.json()["usage"]["completion_tokens_details"]
+        assert predicted.json()["choices"][0]["message"]["content"] == reply
+        assert details["accepted_prediction_tokens"] > 0
+        assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] <= 24
+        parts_body = {**body, "stream": True, "stream_options": {"include_usage": True},
+                      "prediction": {"type": "content", "content": [{"type": "text", "text": reply}]}}
+        with httpx.stream("POST", url, json=parts_body, timeout=60) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]) == reply
+        assert events[-1]["usage"]["completion_tokens_details"] == details
+        for bad in ({"type": "text", "content": reply}, {"type": "content"}, {"type": "content", "content": 3}):
+            r = httpx.post(url, json={**body, "prediction": bad}, timeout=60)
+            assert r.status_code == 400 and "prediction" in r.json()["error"]["message"], bad
