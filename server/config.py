@@ -128,6 +128,8 @@ class ServerConfig(_Strict):
                                                         "or `hermes_tools` (bundled: ChatML with tool calls)")
     tool_call_parser: str = Field("hermes", description="how the model writes tool calls (server/api/tool_parsers)")
     strict_fields: bool = Field(False, description="400 for unknown request fields (default: ignored, logged)")
+    responses_store_size: int = Field(1000, ge=0, description="finished Responses API responses kept in memory for "
+                                                              "GET and previous_response_id (0: none)")
     metrics_require_api_key: bool = False
 
 

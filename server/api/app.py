@@ -28,7 +28,8 @@ from server.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, 
                                  CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                                  HealthStatus, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
                                  VersionResponse)
-from server.api.responses import ResponseObject, ResponsesAPI, ResponsesRequest
+from server.api.response_store import ResponseStore
+from server.api.responses import DeletedResponse, ResponseObject, ResponsesAPI, ResponsesRequest
 from server.api.serving import OpenAIServing
 from server.api.shutdown import GracefulServer
 from server.backends import check_backend_available
@@ -87,6 +88,7 @@ class AppState:
         self.engine: AsyncEngine | EngineCoreClient | None = None
         self.starting_engine: EngineCoreClient | None = None  # an engine core spawned, not yet serving
         self.serving: OpenAIServing | None = None
+        self.responses: ResponsesAPI | None = None
 
     def start(self, runtime: Runtime) -> None:
         """Serve from an engine loaded in this process (its loop runs in a thread)."""
@@ -135,6 +137,7 @@ class AppState:
         self.metrics.bind_gauges(lambda: self.engine.num_running, lambda: self.engine.num_waiting)
         defaults = sampling_defaults(model_dir, self.cfg.model.generation_config) if model_dir else {}
         self.serving = OpenAIServing(self.engine, tokenizer, self.cfg, self.metrics, defaults)
+        self.responses = ResponsesAPI(self.serving, ResponseStore(self.cfg.server.responses_store_size))
         if isinstance(engine, AsyncEngine):
             engine.start()
         else:
@@ -375,9 +378,24 @@ def _install_routes(app: FastAPI) -> None:
     async def chat(body: ChatCompletionRequest, request: Request):
         return await respond(await serving(request).chat(body, request))
 
+    def responses_api(request: Request) -> ResponsesAPI:
+        """The Responses API, or 503 while the model loads (GET and DELETE pass the guard's readiness check)."""
+        state: AppState = request.app.state.neuronmm
+        if state.responses is None:
+            raise state.not_ready_error()
+        return state.responses
+
     @app.post("/v1/responses", response_model=ResponseObject, responses=_POST_RESPONSES)
     async def responses(body: ResponsesRequest, request: Request):
-        return await respond(await ResponsesAPI(serving(request)).create(body, request))
+        return await respond(await responses_api(request).create(body, request))
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
+    async def stored_response(response_id: str, request: Request):
+        return responses_api(request).get(response_id)
+
+    @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=_ERRORS)
+    async def delete_response(response_id: str, request: Request):
+        return responses_api(request).delete(response_id)
 
     either_body = {"anyOf": [{"$ref": f"#/components/schemas/{m.__name__}"}
                              for m in (ChatCompletionRequest, CompletionRequest)]}

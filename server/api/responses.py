@@ -4,8 +4,9 @@ A Responses request is a chat request in another shape: `input` (a string, or me
 outputs) and `instructions` become the messages, flat function tools become chat tools, `text.format` becomes
 `response_format`. The chat path generates; this module maps its answer back into output items (a message with
 `output_text`, then a `function_call` per tool call) and, streamed, its chunks into the API's typed events
-(`response.created` ... `response.output_text.delta` ... `response.completed`). Nothing is stored, so
-`previous_response_id` is refused: a client sends the whole conversation, as with chat.
+(`response.created` ... `response.output_text.delta` ... `response.completed`). A finished response is stored
+(unless `store` is false; server/api/response_store.py) for GET /v1/responses/{id} and for a later request's
+`previous_response_id`, which continues its conversation.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, model_validator
 
+from server.api.errors import APIError
 from server.api.protocol import ChatCompletionRequest, ChatCompletionResponse, RequestPart, StreamChunk, text_or_parts
+from server.api.response_store import ResponseStore, StoredResponse
 from server.api.serving import OpenAIServing
 
 
@@ -109,17 +112,13 @@ class ResponsesRequest(RequestPart):
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionTool | None = None
     parallel_tool_calls: bool = True
     text: TextOptions | None = None
-    previous_response_id: str | None = None
-    # accepted, without effect: nothing is stored here (the response says store: false)
-    store: bool | None = None
+    previous_response_id: str | None = Field(None, description="continue that stored response's conversation")
+    store: bool = Field(True, description="keep the finished response for GET and previous_response_id")
     metadata: dict[str, str] | None = None
     user: str | None = None
 
     @model_validator(mode="after")
     def _check(self):
-        if self.previous_response_id is not None:
-            raise ValueError("previous_response_id is not supported: responses are not stored here; send the "
-                             "conversation in input")
         if isinstance(self.input, list) and not self.input:
             raise ValueError("input must not be empty")
         fmt = self.text.format if self.text else None
@@ -127,9 +126,9 @@ class ResponsesRequest(RequestPart):
             raise ValueError("text.format of type json_schema needs a schema")
         return self
 
-    def messages(self) -> list[dict]:
-        """The conversation as chat messages: instructions first, a run of function calls as one assistant turn."""
-        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+    def input_messages(self) -> list[dict]:
+        """The input as chat messages, a run of function calls as one assistant turn."""
+        messages = []
         items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         for item in items:
             if isinstance(item, InputMessage):
@@ -146,10 +145,13 @@ class ResponsesRequest(RequestPart):
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
         return messages
 
-    def as_chat(self) -> ChatCompletionRequest:
-        """The chat request that generates this response (fields the client left unset stay unset)."""
-        body: dict[str, Any] = {"model": self.model, "messages": self.messages(), "stream": self.stream,
-                                "parallel_tool_calls": self.parallel_tool_calls}
+    def as_chat(self, history: list[dict]) -> ChatCompletionRequest:
+        """The chat request that generates this response after the `history` it continues (chat messages):
+        instructions first (an earlier response's are not carried over, as OpenAI has it); fields the client left
+        unset stay unset."""
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        body: dict[str, Any] = {"model": self.model, "messages": messages + history + self.input_messages(),
+                                "stream": self.stream, "parallel_tool_calls": self.parallel_tool_calls}
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         for ours, chat in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
@@ -225,7 +227,7 @@ class ResponseError(BaseModel):
 
 
 class ResponseObject(BaseModel):
-    """A response as OpenAI's API returns it (nothing is stored: store is false)."""
+    """A response as OpenAI's API returns it."""
 
     id: str
     object: Literal["response"] = "response"
@@ -244,7 +246,7 @@ class ResponseObject(BaseModel):
     tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
-    previous_response_id: None = None
+    previous_response_id: str | None = None
     store: bool = False
     metadata: dict[str, str] = Field(default_factory=dict)
 
@@ -256,31 +258,83 @@ def _usage(usage) -> ResponseUsage:
                          output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens)
 
 
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: bool = True
+
+
+def _output_message(output: list) -> dict:
+    """A response's output items as the assistant turn a continuation's chat prompt shows."""
+    text = "".join(item.content[0].text for item in output if isinstance(item, OutputMessage) and item.content)
+    calls = [{"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+             for item in output if isinstance(item, OutputFunctionCall)]
+    return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
+
+
 def _calls(tool_calls: list) -> list[OutputFunctionCall]:
     """Function call items from chat tool calls (whole ones, or a stream's deltas, which carry whole calls)."""
     return [OutputFunctionCall(call_id=c.id, name=c.function.name, arguments=c.function.arguments) for c in tool_calls]
 
 
 class ResponsesAPI:
-    """POST /v1/responses through an OpenAIServing's chat path."""
+    """The Responses API's routes through an OpenAIServing's chat path, with its stored responses."""
 
-    def __init__(self, serving: OpenAIServing):
+    def __init__(self, serving: OpenAIServing, store: ResponseStore):
         self.serving = serving
+        self.store = store
 
     async def create(self, req: ResponsesRequest, raw: Request):
         """A ResponseObject, or an async iterator of the API's SSE events when stream is set."""
         self.serving.check_fields(req)
-        chat = req.as_chat()
+        history = self._history(req.previous_response_id)
+        chat = req.as_chat(history)
         shell = self._shell(req, f"resp_{raw.state.request_id}")
+        conversation = history + req.input_messages()
         if req.stream:
-            return self._events(req, shell, await self.serving.chat(chat, raw, as_chunks=True))
+            return self._events(req, shell, await self.serving.chat(chat, raw, as_chunks=True), conversation)
         answer: ChatCompletionResponse = await self.serving.chat(chat, raw)
         choice = answer.choices[0]
         output: list = []
         if choice.message.content or not choice.message.tool_calls:
             output.append(OutputMessage(content=[OutputText(text=choice.message.content or "")]))
         output += _calls(choice.message.tool_calls)
-        return self._finished(shell, output, choice.finish_reason, _usage(answer.usage))
+        return self._kept(self._finished(shell, output, choice.finish_reason, _usage(answer.usage)), conversation)
+
+    def get(self, response_id: str) -> dict:
+        """GET /v1/responses/{id}: a stored response."""
+        return self._stored(response_id, "response_id").response
+
+    def delete(self, response_id: str) -> DeletedResponse:
+        """DELETE /v1/responses/{id}: forget a stored response (those that continued it keep their own copy)."""
+        if not self.store.delete(response_id):
+            raise self._not_found(response_id, "response_id")
+        return DeletedResponse(id=response_id)
+
+    def _history(self, previous_response_id: str | None) -> list[dict]:
+        """The conversation a request continues: its previous response's, output included ([] for none)."""
+        if previous_response_id is None:
+            return []
+        return list(self._stored(previous_response_id, "previous_response_id").conversation)
+
+    def _stored(self, response_id: str, param: str) -> StoredResponse:
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise self._not_found(response_id, param)
+        return stored
+
+    def _not_found(self, response_id: str, param: str) -> APIError:
+        why = ("" if self.store.capacity else
+               " (this server stores no responses: server.responses_store_size is 0)")
+        return APIError(404, f"Response with id '{response_id}' not found.{why}", param=param,
+                        code="response_not_found")
+
+    def _kept(self, done: ResponseObject, conversation: list[dict]) -> ResponseObject:
+        """A finished response, stored with its conversation when the request asked and the server keeps any."""
+        if done.store and self.store.capacity:
+            self.store.put(done.id, StoredResponse(done.model_dump(mode="json"),
+                                                   conversation + [_output_message(done.output)]))
+        return done
 
     def _shell(self, req: ResponsesRequest, rid: str) -> ResponseObject:
         """The response before any output: what the request asked for, echoed as OpenAI echoes it."""
@@ -293,6 +347,7 @@ class ResponsesAPI:
             instructions=req.instructions, max_output_tokens=req.max_output_tokens, temperature=req.temperature,
             top_p=req.top_p, tools=[t.model_dump(exclude_none=True) for t in req.tools or []], tool_choice=tool_choice,
             parallel_tool_calls=req.parallel_tool_calls, metadata=req.metadata or {},
+            previous_response_id=req.previous_response_id, store=req.store and self.store.capacity > 0,
             **({"text": text} if text else {}))
 
     @staticmethod
@@ -306,9 +361,10 @@ class ResponsesAPI:
             "status": "incomplete" if cut else "completed", "output": output, "usage": usage,
             "incomplete_details": IncompleteDetails(reason="max_output_tokens") if cut else None})
 
-    async def _events(self, req: ResponsesRequest, shell: ResponseObject,
-                      chunks: AsyncIterator[StreamChunk | dict]) -> AsyncIterator[str]:
-        """The chat chunks as the Responses API's typed SSE events, each with its sequence number."""
+    async def _events(self, req: ResponsesRequest, shell: ResponseObject, chunks: AsyncIterator[StreamChunk | dict],
+                      conversation: list[dict]) -> AsyncIterator[str]:
+        """The chat chunks as the Responses API's typed SSE events, each with its sequence number; the finished
+        response stored (a failed or abandoned one is not)."""
         seq = 0
 
         def event(kind: str, **data) -> str:
@@ -362,7 +418,7 @@ class ResponsesAPI:
             message = OutputMessage(content=[OutputText(text="")])
             output.append(message)
             yield event("response.output_item.added", output_index=0, item={**dump(message), "content": []})
-        done = self._finished(shell, output, finish, usage)
+        done = self._kept(self._finished(shell, output, finish, usage), conversation)
         if message is not None:
             index = output.index(message)
             part = message.content[0]

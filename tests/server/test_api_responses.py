@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from server.api.response_store import ResponseStore, StoredResponse
 from support import live_server, tiny_config
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
@@ -40,7 +41,7 @@ def test_a_response_is_the_chat_answer_to_the_same_conversation(client):
     assert resp.output_text == same and resp.object == "response" and resp.id.startswith("resp_")
     assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
     assert resp.usage.output_tokens == 12 and resp.usage.total_tokens == resp.usage.input_tokens + 12
-    assert resp.instructions == "Be brief." and resp.max_output_tokens == 12 and resp.store is False
+    assert resp.instructions == "Be brief." and resp.max_output_tokens == 12 and resp.store is True
 
 
 def test_streamed_events_rebuild_the_same_response(client):
@@ -85,6 +86,64 @@ def test_function_calls_come_out_as_items_and_go_back_in_as_input(client, server
     assert again.usage.input_tokens == tokens
 
 
+def test_a_stored_response_is_retrieved_continued_and_deleted(client, server):
+    """previous_response_id continues the stored conversation (its prompt is the chat template's for the whole
+    conversation, without the earlier instructions), GET returns the stored response, DELETE forgets it."""
+    first = client.responses.create(model="tiny", input="Hello there", instructions="Be brief.", temperature=0,
+                                    max_output_tokens=6)
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    second = client.responses.create(model="tiny", input="And then?", previous_response_id=first.id, temperature=0,
+                                     max_output_tokens=6)
+    conversation = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first.output_text},
+                    {"role": "user", "content": "And then?"}]
+    assert second.previous_response_id == first.id
+    assert second.output_text == _chat_text(client, conversation, temperature=0, max_tokens=6)
+    tokens = httpx.post(f"{server.url}/tokenize", json={"messages": conversation}).json()["count"]
+    assert second.usage.input_tokens == tokens
+    # streamed responses are stored too, and a chain reads the whole conversation
+    events = list(client.responses.create(stream=True, model="tiny", input="Go on.", previous_response_id=second.id,
+                                          temperature=0, max_output_tokens=4))
+    third = client.responses.retrieve(events[-1].response.id)
+    assert third.output_text == events[-1].response.output_text and third.previous_response_id == second.id
+    longer = conversation + [{"role": "assistant", "content": second.output_text}, {"role": "user", "content": "Go on."}]
+    assert third.usage.input_tokens == httpx.post(f"{server.url}/tokenize", json={"messages": longer}).json()["count"]
+    # deleting a response leaves those that continued it whole
+    assert httpx.delete(f"{server.url}/v1/responses/{first.id}").json() == {"id": first.id, "object": "response",
+                                                                           "deleted": True}
+    for call in (lambda: client.responses.retrieve(first.id), lambda: client.responses.delete(first.id),
+                 lambda: client.responses.create(model="tiny", input="x", previous_response_id=first.id)):
+        with pytest.raises(openai.NotFoundError, match="not found"):
+            call()
+    assert client.responses.create(model="tiny", input="More?", previous_response_id=second.id,
+                                   max_output_tokens=1).usage.input_tokens > tokens
+    unstored = client.responses.create(model="tiny", input="x", store=False, max_output_tokens=1)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_the_store_keeps_the_newest_responses():
+    store = ResponseStore(2)
+    for name in "abc":
+        store.put(name, StoredResponse({"id": name}, []))
+    assert store.get("a") is None and store.get("b").response == {"id": "b"} and len(store) == 2
+    store.put("d", StoredResponse({"id": "d"}, []))  # b was read last: c goes first
+    assert store.get("c") is None and store.get("b") is not None and store.delete("d") and not store.delete("d")
+    nothing = ResponseStore(0)
+    nothing.put("a", StoredResponse({}, []))
+    assert nothing.get("a") is None
+
+
+def test_a_server_that_stores_nothing_says_so(tiny_model_dir):
+    cfg = tiny_config(tiny_model_dir, max_model_len=256)
+    cfg.server.responses_store_size = 0
+    with live_server(cfg) as live:
+        first = httpx.post(f"{live.url}/v1/responses", json={"input": "Hi", "max_output_tokens": 2}).json()
+        assert first["store"] is False
+        again = httpx.post(f"{live.url}/v1/responses", json={"input": "Hi", "previous_response_id": first["id"]})
+        assert again.status_code == 404 and "stores no responses" in again.json()["error"]["message"]
+
+
 def test_text_format_json_schema_constrains_the_output(client):
     schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
               "additionalProperties": False}
@@ -94,7 +153,7 @@ def test_text_format_json_schema_constrains_the_output(client):
 
 
 @pytest.mark.parametrize("body, says", [
-    ({"input": "x", "previous_response_id": "resp_1"}, "not stored"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "'resp_1' not found"),
     ({"input": []}, "must not be empty"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input_text"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "reasoning"),
