@@ -90,7 +90,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     flag("--max-num-batched-tokens", type=int)
     flag("--max-prefill-tokens-while-decoding", type=_prefill_cap, metavar="{auto,off,N}",
          help="the most prompt tokens a step takes beside running decodes (bounds how long a newcomer holds the "
-              "streams); auto: 128 for a model in fp32 on a CPU, off elsewhere")
+              "streams); auto: 128 on a CPU unless the model runs in bf16 on AMX tiles, off elsewhere")
     flag("--dtype", choices=sorted(_DTYPES),
          help="auto: bf16 where the CPU has native bf16 dot products (or CUDA), else fp32; bfloat16 on a CPU "
               "without them keeps bf16 weights and computes in fp32")

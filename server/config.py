@@ -74,9 +74,9 @@ class EngineConfig(_Strict):
 
     max_num_seqs: int = Field(16, ge=1, le=1024)
     max_num_batched_tokens: int = Field(512, ge=16)
-    # auto: runtime.FP32_CPU_PREFILL_CAP where the model runs in fp32 on a CPU (a prompt token costs ~0.5-1 ms there:
-    # a 512-token chunk held every stream 0.3-0.5 s); off elsewhere (bf16 prefills 512 tokens in ~0.1 s, and a cap
-    # cost 1-7 % of the throughput there). off (or null): a step's whole budget.
+    # auto: runtime.CPU_PREFILL_CAP on a CPU (a prompt token costs ~0.5-1 ms there: a 512-token chunk held every
+    # stream 0.3-0.5 s) unless the model runs in bf16 on AMX tiles (512 tokens in ~0.1 s, where a cap cost 1-7 % of
+    # the throughput); off elsewhere. off (or null): a step's whole budget.
     max_prefill_tokens_while_decoding: int | Literal["auto", "off"] | None = Field(
         "auto", description="the most prompt tokens a step takes beside running decodes (auto, off, or a number); "
         "a smaller number bounds how long a newcomer's prompt holds every stream")

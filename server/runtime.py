@@ -15,6 +15,7 @@ from server.config import Config, ConfigError, EngineConfig
 from server.engine.block_manager import PagedKV, SlotKV
 from server.engine.llm_engine import LLMEngine
 from server.engine.sampling_params import SamplingParams
+from server.models.gemm_tuning import bf16_kernels
 from server.models.source import resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -96,22 +97,26 @@ def allocate_kv(cfg: Config, runner) -> PagedKV | SlotKV:
     return PagedKV(num_blocks, e.block_size, e.enable_prefix_caching)
 
 
-# Prompt tokens a step takes beside running decodes when the model runs in fp32 on a CPU (`auto`). There a prompt
-# token costs ~1 ms under AVX2 and ~0.5 ms under AVX-512, and a step with a 512-token chunk held every stream for
-# 0.3-0.5 s; with 128, ITL p99 fell 2.5-2.9x and TTFT p50 3.2-3.4x at the same throughput (within 1.2 %) on both
-# (c = 16 and 32; TTFT p99 7-22 % longer: the last of a wave of prompts waits behind the others' chunks).
-FP32_CPU_PREFILL_CAP = 128
+# Prompt tokens a step takes beside running decodes on a CPU (`auto`), unless its bf16 GEMMs run on AMX tiles. A
+# prompt token costs ~1 ms in fp32 under AVX2, ~0.5 ms under AVX-512 and in bf16 without AMX (VDPBF16PS), so a step
+# with a 512-token chunk held every stream for 0.3-0.5 s; with 128, ITL p99 fell 2.5-2.9x and TTFT p50 2-3.4x at
+# c = 16 and 32 (throughput within 1.2 % in fp32, 3 % lower in bf16 without AMX; TTFT p99 7-22 % longer: the last of a
+# wave of prompts waits behind the others' chunks). With AMX a bf16 step prefills 512 tokens in ~0.1 s, and a cap
+# cost 1-7 % of the throughput there.
+CPU_PREFILL_CAP = 128
 
 
 def prefill_cap_while_decoding(e: EngineConfig, runner) -> int | None:
     """The most prompt tokens a step takes beside running decodes (None: its whole budget), with `auto` resolved
-    for the runner: FP32_CPU_PREFILL_CAP for a model in fp32 on a CPU, none elsewhere (bf16 on a CPU prefills 512
-    tokens in ~0.1 s, and a cap there cost 1-7 % of the throughput)."""
+    for the runner: CPU_PREFILL_CAP on a CPU, unless the model runs in bf16 on AMX tiles; none elsewhere."""
     cap = e.max_prefill_tokens_while_decoding
     if cap == "auto":
         device, dtype = getattr(runner, "device", None), getattr(runner, "dtype", None)
-        fp32_cpu = device is not None and torch.device(device).type == "cpu" and dtype == torch.float32
-        return FP32_CPU_PREFILL_CAP if fp32_cpu else None
+        if device is None or torch.device(device).type != "cpu":
+            return None
+        kernels = bf16_kernels()  # tuned when the model's bf16 weights were packed
+        amx_prefill = dtype == torch.bfloat16 and kernels is not None and kernels.amx_rows > 0
+        return None if amx_prefill else CPU_PREFILL_CAP
     return None if cap == "off" else cap
 
 
@@ -123,7 +128,7 @@ def build_engine(cfg: Config, runner, tokenizer, eos_ids: set[int]) -> LLMEngine
     kv = allocate_kv(cfg, runner)
     cap = prefill_cap_while_decoding(e, runner)
     auto = e.max_prefill_tokens_while_decoding == "auto"
-    beside = "all" if cap is None else f"{cap}, auto for fp32 on a CPU" if auto else str(cap)
+    beside = "all" if cap is None else f"{cap}, auto on a CPU without AMX prefills" if auto else str(cap)
     log.info("engine limits: max_num_seqs=%d max_num_batched_tokens=%d (prompt tokens beside decodes: %s) "
              "max_model_len=%d max_queue=%d", e.max_num_seqs, e.max_num_batched_tokens, beside, e.max_model_len,
              e.max_queue)

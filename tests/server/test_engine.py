@@ -9,8 +9,10 @@ import torch
 
 from server.backends.base import SeqChunk
 from server.config import EngineConfig
+from server import runtime
 from server.engine.sampling_params import SamplingParams
-from server.runtime import FP32_CPU_PREFILL_CAP, build_engine, eos_token_ids, load_tokenizer, prefill_cap_while_decoding
+from server.models.gemm_tuning import Bf16Kernels
+from server.runtime import CPU_PREFILL_CAP, build_engine, eos_token_ids, load_tokenizer, prefill_cap_while_decoding
 from support import tiny_config
 
 
@@ -137,19 +139,23 @@ def fp32_parts(tiny_model_dir, parts):
     return cfg, runner, parts[2]
 
 
-@pytest.mark.parametrize("setting, expected", [("auto", FP32_CPU_PREFILL_CAP), ("off", None), (None, None), (48, 48)])
+@pytest.mark.parametrize("setting, expected", [("auto", CPU_PREFILL_CAP), ("off", None), (None, None), (48, 48)])
 def test_the_prefill_cap_the_engine_gets(fp32_parts, setting, expected):
     """auto resolves for the runner: a model in fp32 on the CPU is capped."""
     engine = make_engine(fp32_parts, max_prefill_tokens_while_decoding=setting)
     assert engine.scheduler.max_prefill_tokens_while_decoding == expected
 
 
-@pytest.mark.parametrize("device, dtype, expected", [("cpu", torch.float32, FP32_CPU_PREFILL_CAP),
-                                                     ("cpu", torch.bfloat16, None), ("cuda", torch.float32, None)])
-def test_auto_caps_a_model_in_fp32_on_a_cpu_only(device, dtype, expected):
+@pytest.mark.parametrize("device, dtype, amx_rows, expected", [
+    ("cpu", torch.float32, 0, CPU_PREFILL_CAP), ("cpu", torch.bfloat16, 0, CPU_PREFILL_CAP),
+    ("cpu", torch.float32, 16, CPU_PREFILL_CAP), ("cpu", torch.bfloat16, 16, None), ("cuda", torch.float32, 0, None)])
+def test_auto_caps_prompts_on_a_cpu_unless_bf16_runs_on_amx(monkeypatch, device, dtype, amx_rows, expected):
+    monkeypatch.setattr(runtime, "bf16_kernels", lambda: Bf16Kernels(fma_rows=4, amx_rows=amx_rows))
     runner = SimpleNamespace(device=torch.device(device), dtype=dtype)
     assert prefill_cap_while_decoding(EngineConfig(), runner) == expected
     assert prefill_cap_while_decoding(EngineConfig(), SimpleNamespace()) is None  # a runner that says neither (Neuron)
+    monkeypatch.setattr(runtime, "bf16_kernels", lambda: None)  # bf16 weights never packed (plain torch ops)
+    assert prefill_cap_while_decoding(EngineConfig(), SimpleNamespace(device="cpu", dtype=torch.bfloat16)) == 128
 
 
 def test_max_num_seqs_limits_running_and_queue_drains(parts):
