@@ -100,7 +100,7 @@ def allocate_kv(cfg: Config, runner) -> PagedKV | SlotKV:
 # Prompt tokens a step takes beside running decodes on a CPU (`auto`), unless its bf16 GEMMs run on AMX tiles. A
 # prompt token costs ~1 ms in fp32 under AVX2, ~0.5 ms under AVX-512 and in bf16 without AMX (VDPBF16PS), so a step
 # with a 512-token chunk held every stream for 0.3-0.5 s; with 128, ITL p99 fell 2.5-2.9x and TTFT p50 2-3.4x at
-# c = 16 and 32 (throughput within 1.2 % in fp32, 3 % lower in bf16 without AMX; TTFT p99 7-22 % longer: the last of a
+# c = 16 and 32 (throughput within 1.2 % in fp32 and in bf16 without AMX; TTFT p99 up to 22 % longer: the last of a
 # wave of prompts waits behind the others' chunks). With AMX a bf16 step prefills 512 tokens in ~0.1 s, and a cap
 # cost 1-7 % of the throughput there.
 CPU_PREFILL_CAP = 128
