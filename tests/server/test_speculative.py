@@ -286,6 +286,11 @@ def test_served_prediction_reports_kept_and_refused_tokens(smol_dir):
                       if line.startswith("data: ") and line != "data: [DONE]"]
         assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]) == reply
         assert events[-1]["usage"]["completion_tokens_details"] == details
+        # each of n choices follows the prediction on its own; the usage adds them up
+        both = httpx.post(url, json={**body, "n": 2, "prediction": {"type": "content", "content": reply}},
+                          timeout=60).json()
+        assert [c["message"]["content"] for c in both["choices"]] == [reply, reply]
+        assert both["usage"]["completion_tokens_details"] == {k: 2 * v for k, v in details.items()}
         for bad in ({"type": "text", "content": reply}, {"type": "content"}, {"type": "content", "content": 3}):
             r = httpx.post(url, json={**body, "prediction": bad}, timeout=60)
             assert r.status_code == 400 and "prediction" in r.json()["error"]["message"], bad
