@@ -145,13 +145,13 @@ class ResponsesRequest(RequestPart):
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
         return messages
 
-    def as_chat(self, history: list[dict]) -> ChatCompletionRequest:
-        """The chat request that generates this response after the `history` it continues (chat messages):
-        instructions first (an earlier response's are not carried over, as OpenAI has it); fields the client left
-        unset stay unset."""
+    def as_chat(self, conversation: list[dict]) -> ChatCompletionRequest:
+        """The chat request that generates this response to `conversation` (chat messages: any history it continues,
+        then its input), after its instructions (an earlier response's are not carried over, as OpenAI has it);
+        fields the client left unset stay unset."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        body: dict[str, Any] = {"model": self.model, "messages": messages + history + self.input_messages(),
-                                "stream": self.stream, "parallel_tool_calls": self.parallel_tool_calls}
+        body: dict[str, Any] = {"model": self.model, "messages": messages + conversation, "stream": self.stream,
+                                "parallel_tool_calls": self.parallel_tool_calls}
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         for ours, chat in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
@@ -287,10 +287,10 @@ class ResponsesAPI:
     async def create(self, req: ResponsesRequest, raw: Request):
         """A ResponseObject, or an async iterator of the API's SSE events when stream is set."""
         self.serving.check_fields(req)
-        history = self._history(req.previous_response_id)
-        chat = req.as_chat(history)
-        shell = self._shell(req, f"resp_{raw.state.request_id}")
-        conversation = history + req.input_messages()
+        conversation = self._history(req.previous_response_id) + req.input_messages()
+        chat = req.as_chat(conversation)
+        # a new id whatever X-Request-Id says: it keys the store, where a client's repeated header would overwrite
+        shell = self._shell(req, f"resp_{uuid.uuid4().hex}")
         if req.stream:
             return self._events(req, shell, await self.serving.chat(chat, raw, as_chunks=True), conversation)
         answer: ChatCompletionResponse = await self.serving.chat(chat, raw)

@@ -116,6 +116,11 @@ def test_a_stored_response_is_retrieved_continued_and_deleted(client, server):
             call()
     assert client.responses.create(model="tiny", input="More?", previous_response_id=second.id,
                                    max_output_tokens=1).usage.input_tokens > tokens
+    # a client's repeated X-Request-Id names neither: each stored response keeps its own id
+    twins = [httpx.post(f"{server.url}/v1/responses", json={"input": text, "max_output_tokens": 1},
+                        headers={"X-Request-Id": "same-id"}).json() for text in ("a", "b")]
+    assert twins[0]["id"] != twins[1]["id"]
+    assert [client.responses.retrieve(t["id"]).id for t in twins] == [t["id"] for t in twins]
     unstored = client.responses.create(model="tiny", input="x", store=False, max_output_tokens=1)
     assert unstored.store is False
     with pytest.raises(openai.NotFoundError):
