@@ -11,9 +11,11 @@ serving side adds.
 
 Systems: neuronmm dense (the config as it is; each level greedy, then sampled on the same server), neuronmm with
 --compressed; and llama-server at bf16 and f32 when `../shared/peers/llama-server.sh` has built it (otherwise the
-report says so and runs ours alone; the peer is never a dependency).
+report says so and runs ours alone; the peer is never a dependency); with `--systems ... vllm-cpu`, vLLM's CPU build
+as `../shared/peers/vllm-cpu.sh` installs it (bf16 where the CPU has native bf16, else fp32; the model on every core).
 
     python -m bench.serve --compressed artifacts/smollm2-k0.8
+    python -m bench.serve --systems neuronmm llama-server vllm-cpu --concurrency 1 16
     python -m bench.serve --systems neuronmm --concurrency 1 16
     python -m bench.serve --systems neuronmm --concurrency 1 16 --twin-rounds 3   # served / engine over 3 rounds
 """
@@ -39,6 +41,7 @@ from bench.harness import (NEURONMM, REPO, ROW_PREFIX, free_port, level_size, ma
                            run_logged, wait_healthy)
 from bench.read_bandwidth import read_bandwidth_gbs
 from server.config import load_config
+from server.models.cpu_features import has_native_bf16
 from server.models.source import resolve_model_dir
 
 RESULTS = Path(__file__).parent / "results"
@@ -62,6 +65,7 @@ class System:
 
     name: str
     command: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # set for its process, beside this one's environment
     # each level run again sampled (temperature 0.7, seeded) on the same server right after it, reported as
     # "<name> sampled": the two are compared level by level, and on a VM whose speed drifts over minutes a
     # sampled server measured after the greedy one read up to 9 % slower than the sampler costs
@@ -193,6 +197,23 @@ def peer_systems(model_dir: Path, port: int, parallel: int, seq_len: int = 256, 
     return systems
 
 
+def vllm_systems(model_dir: Path, model_name: str, port: int) -> list[System]:
+    """vLLM's CPU build serving the same converted model, as `../shared/peers/vllm-cpu.sh` installs it: bf16 where
+    the CPU multiplies bf16 natively (its bf16 linears fall back to slow code elsewhere), else fp32, with the model's
+    OpenMP team on every core (its default keeps one core for its API process; ours runs on all of them). Empty
+    when it is not installed."""
+    vllm = PEERS / "vllm-venv" / "bin" / "vllm"
+    if not vllm.is_file():
+        return []
+    dtype = "bfloat16" if has_native_bf16() else "float32"
+    cores = os.cpu_count() or 1
+    command = [str(vllm), "serve", str(model_dir), "--dtype", dtype, "--max-model-len", "4096",
+               "--served-model-name", model_name, "--port", str(port)]
+    return [System(f"vllm-cpu {dtype}", command,
+                   env={"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+                        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})]
+
+
 class EngineTwin:
     """A served system's engine-only twin: `bench.engine_workload --levels-from-stdin` in a child process, kept
     running beside the server, so that each served level is bracketed by engine-only runs of the same level taken
@@ -265,7 +286,8 @@ def measure_system(system: System, port: int, model: str, prompts: list[list[int
     it), stop it."""
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(system.command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(system.command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **system.env})
         try:
             wait_healthy(url, 600, lambda: None if proc.poll() is None else f"{system.name} exited: see {log_path}")
             # one request first, not recorded (as vllm bench serve does): the first after start-up runs cold
@@ -397,7 +419,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default="configs/smollm2-135m.yaml")
     p.add_argument("--compressed", help="also serve this compressed artifact (e.g. the default compress output)")
     p.add_argument("--systems", nargs="+", default=["neuronmm", "llama-server"],
-                   help="which to run: neuronmm (dense, sampled, compressed) and/or llama-server")
+                   help="which to run: neuronmm (dense, sampled, compressed), llama-server, vllm-cpu")
     p.add_argument("--fp32", action="store_true",
                    help="also serve in fp32 (what a CPU without native bf16 runs), against llama-server f32")
     p.add_argument("--kv-cache-dtype", choices=["float16", "bfloat16", "float32", "fp8"],
@@ -432,6 +454,11 @@ def main(argv: list[str] | None = None) -> int:
                           kv_q8=args.kv_cache_dtype == "fp8") if "llama-server" in args.systems else [])
     peer_note = "" if peers or "llama-server" not in args.systems else (
         f"llama-server not found in {PEERS}: run ../shared/peers/llama-server.sh to compare (ours ran alone).")
+    if "vllm-cpu" in args.systems:
+        vllm = vllm_systems(model_dir, cfg.model.name, port)
+        peers += vllm
+        if not vllm:
+            peer_note += f" vLLM CPU not found in {PEERS}: run ../shared/peers/vllm-cpu.sh to compare."
     RESULTS.mkdir(parents=True, exist_ok=True)
     report = {**machine_facts(), "config": args.config, "compressed": args.compressed,
               "input_len": args.input_len, "output_len": args.output_len, "peer_note": peer_note,

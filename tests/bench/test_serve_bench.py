@@ -59,6 +59,21 @@ def test_peer_slots_hold_the_workload_and_an_fp8_run_adds_the_peers_8_bit_cache(
     assert serve.peer_systems(tmp_path / "absent", 8000, 16) == []
 
 
+def test_vllm_cpu_serves_the_same_model_on_every_core_when_installed(tmp_path, monkeypatch):
+    monkeypatch.setattr(serve, "PEERS", tmp_path)
+    assert serve.vllm_systems(tmp_path / "model", "smol", 8000) == []
+    (tmp_path / "vllm-venv" / "bin").mkdir(parents=True)
+    (tmp_path / "vllm-venv" / "bin" / "vllm").write_text("")
+    for native, dtype in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(serve, "has_native_bf16", lambda native=native: native)
+        (system,) = serve.vllm_systems(tmp_path / "model", "smol", 8000)
+        assert system.name == f"vllm-cpu {dtype}" and system.command[1:3] == ["serve", str(tmp_path / "model")]
+        assert system.command[system.command.index("--dtype") + 1] == dtype
+        assert system.command[system.command.index("--served-model-name") + 1] == "smol"
+        assert system.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and system.env["VLLM_CPU_OMP_THREADS_BIND"].startswith("0-")
+    assert workload_args(system.name, None) is None  # a peer: no engine-only twin
+
+
 def test_sampled_and_peer_systems_have_none():
     assert workload_args("neuronmm sampled", None) is None  # the same model as "neuronmm"
     assert workload_args("llama-server bf16", None) is None
