@@ -136,8 +136,9 @@ class AppState:
         self.engine = engine
         self.metrics.bind_gauges(lambda: self.engine.num_running, lambda: self.engine.num_waiting)
         defaults = sampling_defaults(model_dir, self.cfg.model.generation_config) if model_dir else {}
-        self.serving = OpenAIServing(self.engine, tokenizer, self.cfg, self.metrics, defaults)
-        self.responses = ResponsesAPI(self.serving, ResponseStore(self.cfg.server.responses_store_size))
+        serving = OpenAIServing(self.engine, tokenizer, self.cfg, self.metrics, defaults)
+        self.responses = ResponsesAPI(serving, ResponseStore(self.cfg.server.responses_store_size))
+        self.serving = serving  # last: a set serving layer means both are ready (ready_state)
         if isinstance(engine, AsyncEngine):
             engine.start()
         else:
@@ -349,20 +350,21 @@ def _install_routes(app: FastAPI) -> None:
                 return card
         raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
 
-    def ready_serving(request: Request) -> OpenAIServing:
-        """The serving layer, or 503 while the model loads (the guard lets these paths through)."""
+    def ready_state(request: Request) -> AppState:
+        """The app's state once the model serves (its serving layer and Responses API set), or 503 while it loads:
+        the guard lets these paths through."""
         state: AppState = request.app.state.neuronmm
         if state.serving is None:
             raise state.not_ready_error()
-        return state.serving
+        return state
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: Annotated[TokenizeRequest, Body()], request: Request):  # Body(): FastAPI 0.115 needs it
-        return ready_serving(request).tokenize(body)
+        return ready_state(request).serving.tokenize(body)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest, request: Request):
-        return ready_serving(request).detokenize(body)
+        return ready_state(request).serving.detokenize(body)
 
     async def respond(result):
         if hasattr(result, "__aiter__"):
@@ -378,24 +380,17 @@ def _install_routes(app: FastAPI) -> None:
     async def chat(body: ChatCompletionRequest, request: Request):
         return await respond(await serving(request).chat(body, request))
 
-    def responses_api(request: Request) -> ResponsesAPI:
-        """The Responses API, or 503 while the model loads (GET and DELETE pass the guard's readiness check)."""
-        state: AppState = request.app.state.neuronmm
-        if state.responses is None:
-            raise state.not_ready_error()
-        return state.responses
-
     @app.post("/v1/responses", response_model=ResponseObject, responses=_POST_RESPONSES)
     async def responses(body: ResponsesRequest, request: Request):
-        return await respond(await responses_api(request).create(body, request))
+        return await respond(await ready_state(request).responses.create(body, request))
 
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
     async def stored_response(response_id: str, request: Request):
-        return responses_api(request).get(response_id)
+        return ready_state(request).responses.get(response_id)
 
     @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=_ERRORS)
     async def delete_response(response_id: str, request: Request):
-        return responses_api(request).delete(response_id)
+        return ready_state(request).responses.delete(response_id)
 
     either_body = {"anyOf": [{"$ref": f"#/components/schemas/{m.__name__}"}
                              for m in (ChatCompletionRequest, CompletionRequest)]}
