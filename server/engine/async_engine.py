@@ -43,7 +43,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, max_queue: int, on_abort=None):
         self.engine = engine
-        self.on_abort = on_abort  # called (in the event loop) when a client abandons a request
+        self.on_abort = on_abort  # called (in the engine thread) for each sequence ended because its client left
         self.max_queue = max_queue
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -98,8 +98,6 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if abort:
                 self._aborts.append(request_id)
-        if abort and self.on_abort:
-            self.on_abort()
         self._wake.set()
 
     # ---- engine thread ---------------------------------------------------------------------
@@ -107,8 +105,10 @@ class AsyncEngine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
-        for rid in aborts:
-            self.engine.abort(rid)
+        # counted as the engine ends them: a request that finished as its client left is not also an abort
+        aborted = sum(self.engine.abort(rid) for rid in aborts)
+        for _ in range(aborted if self.on_abort else 0):
+            self.on_abort()
         for p in inbox:
             if p.request_id in self._queues:  # not cancelled before it reached us
                 try:

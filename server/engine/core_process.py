@@ -47,6 +47,7 @@ def _serve_requests(engine, conn, stats: list[StepStats]) -> None:
     """Say ready, then take requests, step and report each step until "stop" (EOFError: the pipe closed)."""
     conn.send(("ready", None))
     last_counts = None
+    aborted = 0  # sequences client aborts ended since the last report (the metrics count them from the report)
     while True:
         if not engine.has_work():
             conn.poll(0.5)
@@ -55,13 +56,14 @@ def _serve_requests(engine, conn, stats: list[StepStats]) -> None:
             if kind == "stop":
                 return
             if kind == "abort":
-                engine.abort(payload)
+                aborted += engine.abort(payload)
             else:
                 _add(engine, conn, payload)
         if not engine.has_work():
-            if _counts(engine) != last_counts:  # an abort emptied the batch: say so, no step will
+            if _counts(engine) != last_counts or aborted:  # an abort emptied the batch: say so, no step will
                 last_counts = _counts(engine)
-                conn.send(("step", StepReport([], None, *last_counts)))
+                conn.send(("step", StepReport([], None, *last_counts, aborted)))
+                aborted = 0
             continue
         try:
             outputs = engine.step()
@@ -69,7 +71,8 @@ def _serve_requests(engine, conn, stats: list[StepStats]) -> None:
             log.exception("engine step failed")
             outputs = engine.fail_running("engine step failed")
         last_counts = _counts(engine)
-        conn.send(("step", StepReport(outputs, stats.pop() if stats else None, *last_counts)))
+        conn.send(("step", StepReport(outputs, stats.pop() if stats else None, *last_counts, aborted)))
+        aborted = 0
 
 
 def _counts(engine) -> tuple[int, int, int]:

@@ -54,6 +54,7 @@ class StepReport:
     num_waiting: int
     num_running: int
     num_waiting_requests: int
+    num_aborted: int = 0  # sequences the core ended for clients that left, since its last report
 
 
 SHUTDOWN_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # the API process handles them (drains); the core ignores them
@@ -77,7 +78,7 @@ class EngineCoreClient:
         self.cfg = cfg
         self.max_queue = cfg.engine.max_queue
         # Set by the app that serves from this core (it may be spawned before the app exists), both run in the loop:
-        self.on_abort = None  # called when a client abandons a request
+        self.on_abort = None  # called for each sequence the core ended because its client left
         self.on_step = None  # called with each step's StepStats
         self._queues: dict[str, asyncio.Queue] = {}
         self._num_sent_since_report = 0
@@ -183,15 +184,14 @@ class EngineCoreClient:
         return RequestStream(self, request_id, queue, n)
 
     def release(self, request_id: str, abort: bool) -> None:
-        """Stop routing outputs to a request; abort it in the engine if it has not finished."""
+        """Stop routing outputs to a request; abort it in the engine if it has not finished (the core counts what
+        it ended: a request that finished as its client left is not also an abort)."""
         self._queues.pop(request_id, None)
         if abort:
             try:
                 self._send(("abort", request_id))
             except EngineDeadError:
                 pass
-            if self.on_abort:
-                self.on_abort()
 
     def _send(self, message) -> None:
         try:
@@ -223,6 +223,8 @@ class EngineCoreClient:
                 queue.put_nowait(out)
         if report.stats is not None and self.on_step:
             self.on_step(report.stats)
+        for _ in range(report.num_aborted if self.on_abort else 0):
+            self.on_abort()
 
     def _fail_all(self, message: str) -> None:
         for rid, queue in list(self._queues.items()):

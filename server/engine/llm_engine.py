@@ -88,10 +88,13 @@ class LLMEngine:
             seqs.append(seq)
         self.seqs[request_id] = seqs
 
-    def abort(self, request_id: str) -> None:
-        """Drop a request wherever it is; its KV slots are free for the next step."""
-        for seq in self.seqs.pop(request_id, []):
+    def abort(self, request_id: str) -> int:
+        """Drop a request wherever it is (its KV slots are free for the next step); how many of its sequences were
+        still unfinished (0 for one that had ended: a client that hung up as its last token came)."""
+        unfinished = [seq for seq in self.seqs.pop(request_id, []) if not seq.is_finished]
+        for seq in unfinished:
             self._finish(seq, "abort")
+        return len(unfinished)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

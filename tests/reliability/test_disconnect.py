@@ -32,13 +32,13 @@ def _recording_loader(phases: collections.Counter):
         engine = runtime.engine
         original = engine.abort
 
-        def abort(request_id: str) -> None:
+        def abort(request_id: str) -> int:
             for seq in engine.seqs.get(request_id, []):
                 if seq.status is SeqStatus.WAITING:
                     phases["queued"] += 1
                 elif seq.status is SeqStatus.RUNNING:
                     phases["prefill" if seq.num_computed < len(seq.prompt_ids) else "decode"] += 1
-            original(request_id)
+            return original(request_id)
 
         engine.abort = abort
         execute = runtime.runner.execute

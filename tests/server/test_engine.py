@@ -175,10 +175,20 @@ def test_abort_frees_slot_in_any_state(parts):
     engine.add_request("running", [3, 4, 5], SamplingParams(max_tokens=50, **GREEDY))
     engine.add_request("queued", [3, 4, 6], SamplingParams(max_tokens=50, **GREEDY))
     engine.step()
-    engine.abort("queued")
-    engine.abort("running")
+    assert engine.abort("queued") == 1 and engine.abort("running") == 1  # the sequences it ended
     assert engine.scheduler.kv.num_free == engine.scheduler.kv.capacity
     assert not engine.has_work()
+
+
+def test_an_abort_counts_only_sequences_still_unfinished(parts):
+    """A client that hangs up as its request's last token comes: the request ended once (not also as an abort)."""
+    engine = make_engine(parts)
+    engine.add_request("done", [3, 4, 5], SamplingParams(max_tokens=2, **GREEDY))
+    engine.add_request("pair", [3, 4, 7], SamplingParams(max_tokens=50, **GREEDY), n=2)
+    while not any(o.finish_reason for o in engine.step() if o.request_id == "done"):
+        pass
+    assert engine.abort("done") == 0 and engine.abort("nowhere") == 0
+    assert engine.abort("pair") == 2 and engine.abort("pair") == 0
 
 
 def test_stop_string_is_not_emitted(parts):
