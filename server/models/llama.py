@@ -387,21 +387,22 @@ class LlamaModel(nn.Module):
         h = kernels.rms_norm(x, self.layers[0].input_layernorm.weight, eps)
         attention, add_rms_norm, silu_mul = kernels.attention, kernels.add_rms_norm, kernels.silu_mul
         tables, slots, seq_index, lens = batch.block_tables, batch.slot_mapping, batch.seq_index, batch.context_lens
+        rows = batch.logits_index
         plan = self.decoder_plan() if self.use_decoder_plan and not batch.sdpa_chunks else None
         if plan is not None:  # the same ops in the same order, in one call (csrc/decoder.cpp)
-            h = kernels.decode_layers(plan, x, h, cos, sin, cache.k, cache.v, slots, tables, seq_index, lens)
-            return self._logits(h, batch)
-        for layer, k_cache, v_cache in zip(self.layer_calls(), cache.k, cache.v):
+            h = kernels.decode_layers(plan, x, h, cos, sin, cache.k, cache.v, slots, tables, seq_index, lens, rows)
+            return self.lm_head(h).float()
+        calls = self.layer_calls()
+        for layer, k_cache, v_cache in zip(calls, cache.k, cache.v):
             attn = layer.attention
             out, q_rot = attention(layer.qkv(h), cos, sin, k_cache, v_cache, slots, tables, seq_index, lens,
                                    attn.num_heads, attn.num_kv_heads, attn.scale)
             if batch.sdpa_chunks:
                 attn.attend_sdpa_chunks(out, q_rot, batch, k_cache, v_cache)
+            if rows is not None and layer is calls[-1]:
+                # past the last layer's attention (every row's K/V is cached by now) only the rows that want
+                # logits go on: a prompt chunk's last token (as llama.cpp's graphs prune the last layer)
+                out, x = out[rows], x[rows]
             h = add_rms_norm(x, layer.o(out), layer.post_attention_norm, eps)
             h = add_rms_norm(x, layer.down(silu_mul(layer.gate_up(h))), layer.next_norm, eps)
-        return self._logits(h, batch)
-
-    def _logits(self, h: torch.Tensor, batch: FlatBatch) -> torch.Tensor:
-        """fp32 logits of the batch's tokens that want them (the final-normed rows h; every row where
-        logits_index is None)."""
-        return self.lm_head(h if batch.logits_index is None else h[batch.logits_index]).float()
+        return self.lm_head(h).float()

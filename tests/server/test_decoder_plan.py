@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -78,3 +80,33 @@ def test_swapping_a_projection_rebuilds_the_plan(tiny_model_dir, dtype):
     before = runner.model.decoder_plan()
     runner.model.unbind()  # as fuse_projections, use_kernels and pack_linears do after swapping modules
     assert runner.model.decoder_plan() is not before
+
+
+@pytest.mark.parametrize("use_plan", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_last_layer_carries_only_the_rows_that_want_logits(tiny_model_dir, dtype, use_plan):
+    """A prompt chunk wanting its last token's logits gets what a chunk wanting every token's gets at that token,
+    and the cache it leaves serves the next step alike (every row's K/V is written before the rows are dropped)."""
+    runner = _runner(tiny_model_dir, dtype)
+    runner.model.use_decoder_plan = use_plan
+    if not use_plan:  # the Python loop with the first prompt attended by SDPA (as long prompts are), the second not
+        runner.model.kernels = dataclasses.replace(runner.model.kernels, sdpa_min_chunk=5)
+    prompts = [[1, 5, 9, 3, 8, 2, 6], [7, 2, 4]]
+
+    def run(all_logits: bool, needs_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        runner.allocate_kv(2)
+        first = runner.execute([SeqChunk(slot=i, token_ids=p, start_pos=0, needs_logits=needs_logits,
+                                         all_logits=all_logits) for i, p in enumerate(prompts)])
+        then = runner.execute([SeqChunk(slot=i, token_ids=[11], start_pos=len(p)) for i, p in enumerate(prompts)])
+        return first, then
+
+    pruned, pruned_next = run(all_logits=False)
+    every, every_next = run(all_logits=True)
+    assert pruned.shape == (2, runner.vocab_size) and every.shape == (7 + 3, runner.vocab_size)
+    last_rows = every[[6, 9]]
+    tol = 0.05 if dtype == torch.bfloat16 else 1e-4  # fewer rows may take another GEMM path (bf16: FMA or VDPBF16PS)
+    torch.testing.assert_close(pruned, last_rows, atol=tol, rtol=0)
+    assert torch.equal(pruned.argmax(-1), last_rows.argmax(-1))
+    torch.testing.assert_close(pruned_next, every_next, atol=tol, rtol=0)
+    none, _ = run(all_logits=False, needs_logits=False)  # chunks that do not end their prompts: no row goes on
+    assert none.shape == (0, runner.vocab_size)

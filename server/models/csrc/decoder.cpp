@@ -64,13 +64,14 @@ struct DecoderPlan : torch::CustomClassHolder {
 };
 
 // Every layer of the plan over the flat batch: x is the residual stream (updated in place), h its normed input to
-// the first layer; returns the last layer's output through the final norm. The arguments are LlamaModel.forward's.
+// the first layer; returns the last layer's output through the final norm, for the rows `output_rows` names (every
+// row where it is absent). The other arguments are LlamaModel.forward's.
 // Each op writes into buffers allocated once for the step (neuronmm::*_into): a layer's ops run one after another,
 // so a buffer is reused by the next layer's same op.
 at::Tensor decode_layers(const c10::intrusive_ptr<DecoderPlan>& plan, at::Tensor& x, const at::Tensor& h_in,
                          const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches,
                          const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_index,
-                         const at::Tensor& context_lens) {
+                         const at::Tensor& context_lens, const std::optional<at::Tensor>& output_rows) {
   const int64_t layers = plan->num_layers();
   TORCH_CHECK(static_cast<int64_t>(plan->projections.size()) == 4 * layers, "decode_layers: four projections a layer");
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers && static_cast<int64_t>(v_caches.size()) == layers,
@@ -87,7 +88,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecoderPlan>& plan, at::Tensor
   const auto project = [&](const Projection& p, const at::Tensor& in, at::Tensor& y) {
     neuronmm::factored_linear_into(in, p.first, p.splits, p.seconds, p.outs, y, t);
   };
-  for (int64_t i = 0; i < layers; ++i) {
+  for (int64_t i = 0; i < layers - 1; ++i) {
     const Projection* proj = &plan->projections[4 * i];
     at::Tensor k = k_caches[i], v = v_caches[i];  // handles to the caches: attention writes through them
     project(proj[0], i == 0 ? h_in : h, qkv);
@@ -100,7 +101,32 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecoderPlan>& plan, at::Tensor
     project(proj[3], act, down);
     neuronmm::add_rms_norm_into(x, down, plan->norms[2 * i + 1], plan->eps, h);
   }
-  return h;
+  // The last layer: every row's K and V go to the cache, but past attention only the rows whose output is wanted
+  // go on (a prompt chunk wants its last token's), as llama.cpp's graphs do: a 128-token chunk skips 84 % of a layer.
+  const int64_t i = layers - 1;
+  const Projection* proj = &plan->projections[4 * i];
+  at::Tensor k = k_caches[i], v = v_caches[i];
+  project(proj[0], layers == 1 ? h_in : h, qkv);
+  neuronmm::attention_into(qkv, cos, sin, k, v, slot_mapping, block_tables, seq_index, context_lens, plan->num_heads,
+                           plan->num_kv_heads, plan->scale, q_rot, attn);
+  at::Tensor rows_attn = attn, rows_x = x;
+  int64_t m = M;
+  if (output_rows.has_value() && output_rows->size(0) < M) {
+    rows_attn = attn.index_select(0, *output_rows);
+    rows_x = x.index_select(0, *output_rows);  // the residual of those rows (x's other rows are not read again)
+    m = output_rows->size(0);
+  }
+  // the first m rows of each buffer: contiguous views
+  at::Tensor o_m = o.narrow(0, 0, m), gate_up_m = gate_up.narrow(0, 0, m), act_m = act.narrow(0, 0, m),
+             down_m = down.narrow(0, 0, m), h_m = h.narrow(0, 0, m);
+  if (m == 0) return h_m;  // a step of prompt chunks none of which ends its prompt
+  project(proj[1], rows_attn, o_m);
+  neuronmm::add_rms_norm_into(rows_x, o_m, plan->norms[2 * i], plan->eps, h_m);
+  project(proj[2], h_m, gate_up_m);
+  neuronmm::silu_mul_into(gate_up_m, act_m);
+  project(proj[3], act_m, down_m);
+  neuronmm::add_rms_norm_into(rows_x, down_m, plan->norms[2 * i + 1], plan->eps, h_m);
+  return h_m;
 }
 
 }  // namespace
@@ -114,7 +140,7 @@ TORCH_LIBRARY_FRAGMENT(neuronmm, m) {
   m.def(
       "decode_layers(__torch__.torch.classes.neuronmm.DecoderPlan plan, Tensor(a!) x, Tensor h, Tensor cos, "
       "Tensor sin, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slot_mapping, Tensor block_tables, "
-      "Tensor seq_index, Tensor context_lens) -> Tensor");
+      "Tensor seq_index, Tensor context_lens, Tensor? output_rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(neuronmm, CPU, m) { m.impl("decode_layers", &decode_layers); }
