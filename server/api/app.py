@@ -12,9 +12,9 @@ from importlib.metadata import PackageNotFoundError, version
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
-from fastapi import Body, FastAPI, Request
+from fastapi import Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
@@ -29,7 +29,7 @@ from server.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, 
                                  HealthStatus, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
                                  VersionResponse)
 from server.api.response_store import ResponseStore
-from server.api.responses import DeletedResponse, ResponseObject, ResponsesAPI, ResponsesRequest
+from server.api.responses import DeletedResponse, InputItemList, ResponseObject, ResponsesAPI, ResponsesRequest
 from server.api.serving import OpenAIServing
 from server.api.shutdown import GracefulServer
 from server.backends import check_backend_available
@@ -387,6 +387,13 @@ def _install_routes(app: FastAPI) -> None:
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
     async def stored_response(response_id: str, request: Request):
         return ready_state(request).responses.get(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items", response_model=InputItemList, responses=_ERRORS)
+    async def response_input_items(response_id: str, request: Request,
+                                   limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                                   order: Literal["asc", "desc"] = "desc", after: str | None = None,
+                                   before: str | None = None):
+        return ready_state(request).responses.input_items(response_id, limit, order, after, before)
 
     @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=_ERRORS)
     async def delete_response(response_id: str, request: Request):

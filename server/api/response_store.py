@@ -9,16 +9,18 @@ stored it, as with vLLM's store.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
 @dataclass
 class StoredResponse:
-    """A finished response (as a JSON-ready dict) and the conversation up to and including its output."""
+    """A finished response (as a JSON-ready dict), the conversation up to and including its output, and the input
+    items its request gave (OpenAI's item resources, with ids)."""
 
     response: dict[str, Any]
     conversation: list[dict[str, Any]]
+    input_items: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ResponseStore:

@@ -62,6 +62,10 @@ class FunctionCallOutputItem(RequestPart):
     output: str
 
 
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
 def _item_kind(item: Any) -> str:
     """An input item's type; a bare {role, content} is a message (OpenAI's EasyInputMessage)."""
     return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
@@ -145,6 +149,25 @@ class ResponsesRequest(RequestPart):
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
         return messages
 
+    def input_items(self) -> list[dict]:
+        """The input as OpenAI's item resources, each with an id (the item's own where it brings one), for GET
+        /v1/responses/{id}/input_items."""
+        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        out = []
+        for item in items:
+            if isinstance(item, InputMessage):
+                parts = ([InputText(type="input_text", text=item.content)] if isinstance(item.content, str)
+                         else item.content)
+                out.append({"type": "message", "id": _item_id("msg"), "role": item.role, "status": "completed",
+                            "content": [p.model_dump(include={"type", "text"}) for p in parts]})
+            elif isinstance(item, FunctionCallItem):
+                out.append({"type": "function_call", "id": item.id or _item_id("fc"), "call_id": item.call_id,
+                            "name": item.name, "arguments": item.arguments, "status": "completed"})
+            else:
+                out.append({"type": "function_call_output", "id": _item_id("fco"), "call_id": item.call_id,
+                            "output": item.output, "status": "completed"})
+        return out
+
     def as_chat(self, conversation: list[dict]) -> ChatCompletionRequest:
         """The chat request that generates this response to `conversation` (chat messages: any history it continues,
         then its input), after its instructions (an earlier response's are not carried over, as OpenAI has it);
@@ -186,7 +209,7 @@ class OutputText(BaseModel):
 
 class OutputMessage(BaseModel):
     type: Literal["message"] = "message"
-    id: str = Field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    id: str = Field(default_factory=lambda: _item_id("msg"))
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
     role: Literal["assistant"] = "assistant"
     content: list[OutputText] = Field(default_factory=list)
@@ -194,7 +217,7 @@ class OutputMessage(BaseModel):
 
 class OutputFunctionCall(BaseModel):
     type: Literal["function_call"] = "function_call"
-    id: str = Field(default_factory=lambda: f"fc_{uuid.uuid4().hex}")
+    id: str = Field(default_factory=lambda: _item_id("fc"))
     call_id: str
     name: str
     arguments: str
@@ -258,6 +281,16 @@ def _usage(usage) -> ResponseUsage:
                          output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens)
 
 
+class InputItemList(BaseModel):
+    """GET /v1/responses/{id}/input_items: a page of a stored response's input items."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 class DeletedResponse(BaseModel):
     id: str
     object: Literal["response"] = "response"
@@ -289,21 +322,38 @@ class ResponsesAPI:
         self.serving.check_fields(req)
         conversation = self._history(req.previous_response_id) + req.input_messages()
         chat = req.as_chat(conversation)
+        inputs = req.input_items()
         # a new id whatever X-Request-Id says: it keys the store, where a client's repeated header would overwrite
         shell = self._shell(req, f"resp_{uuid.uuid4().hex}")
         if req.stream:
-            return self._events(req, shell, await self.serving.chat(chat, raw, as_chunks=True), conversation)
+            return self._events(shell, await self.serving.chat(chat, raw, as_chunks=True), conversation, inputs)
         answer: ChatCompletionResponse = await self.serving.chat(chat, raw)
         choice = answer.choices[0]
         output: list = []
         if choice.message.content or not choice.message.tool_calls:
             output.append(OutputMessage(content=[OutputText(text=choice.message.content or "")]))
         output += _calls(choice.message.tool_calls)
-        return self._kept(self._finished(shell, output, choice.finish_reason, _usage(answer.usage)), conversation)
+        return self._kept(self._finished(shell, output, choice.finish_reason, _usage(answer.usage)), conversation,
+                          inputs)
 
     def get(self, response_id: str) -> dict:
         """GET /v1/responses/{id}: a stored response."""
         return self._stored(response_id, "response_id").response
+
+    def input_items(self, response_id: str, limit: int, order: Literal["asc", "desc"], after: str | None = None,
+                    before: str | None = None) -> InputItemList:
+        """GET /v1/responses/{id}/input_items: the input items the request gave (not those of the responses it
+        continued), newest first unless `order` is asc; `after` / `before` an item id of the list as ordered."""
+        items = self._stored(response_id, "response_id").input_items
+        items = items[::-1] if order == "desc" else items
+        ids = [item["id"] for item in items]
+        for cursor, param in ((after, "after"), (before, "before")):
+            if cursor is not None and cursor not in ids:
+                raise APIError(400, f"{param}: no input item '{cursor}' in response '{response_id}'", param=param)
+        window = items[ids.index(after) + 1 if after else 0:ids.index(before) if before else len(items)]
+        page = window[-limit:] if before else window[:limit]  # a page back from `before`, else on from `after`
+        return InputItemList(data=page, first_id=page[0]["id"] if page else None,
+                             last_id=page[-1]["id"] if page else None, has_more=len(window) > limit)
 
     def delete(self, response_id: str) -> DeletedResponse:
         """DELETE /v1/responses/{id}: forget a stored response (those that continued it keep their own copy)."""
@@ -329,11 +379,12 @@ class ResponsesAPI:
         return APIError(404, f"Response with id '{response_id}' not found.{why}", param=param,
                         code="response_not_found")
 
-    def _kept(self, done: ResponseObject, conversation: list[dict]) -> ResponseObject:
-        """A finished response, stored with its conversation when the request asked and the server keeps any."""
+    def _kept(self, done: ResponseObject, conversation: list[dict], inputs: list[dict]) -> ResponseObject:
+        """A finished response, stored with its conversation and input items when the request asked and the server
+        keeps any."""
         if done.store and self.store.capacity:
             self.store.put(done.id, StoredResponse(done.model_dump(mode="json"),
-                                                   conversation + [_output_message(done.output)]))
+                                                   conversation + [_output_message(done.output)], inputs))
         return done
 
     def _shell(self, req: ResponsesRequest, rid: str) -> ResponseObject:
@@ -361,8 +412,8 @@ class ResponsesAPI:
             "status": "incomplete" if cut else "completed", "output": output, "usage": usage,
             "incomplete_details": IncompleteDetails(reason="max_output_tokens") if cut else None})
 
-    async def _events(self, req: ResponsesRequest, shell: ResponseObject, chunks: AsyncIterator[StreamChunk | dict],
-                      conversation: list[dict]) -> AsyncIterator[str]:
+    async def _events(self, shell: ResponseObject, chunks: AsyncIterator[StreamChunk | dict],
+                      conversation: list[dict], inputs: list[dict]) -> AsyncIterator[str]:
         """The chat chunks as the Responses API's typed SSE events, each with its sequence number; the finished
         response stored (a failed or abandoned one is not)."""
         seq = 0
@@ -418,7 +469,7 @@ class ResponsesAPI:
             message = OutputMessage(content=[OutputText(text="")])
             output.append(message)
             yield event("response.output_item.added", output_index=0, item={**dump(message), "content": []})
-        done = self._kept(self._finished(shell, output, finish, usage), conversation)
+        done = self._kept(self._finished(shell, output, finish, usage), conversation, inputs)
         if message is not None:
             index = output.index(message)
             part = message.content[0]

@@ -127,6 +127,42 @@ def test_a_stored_response_is_retrieved_continued_and_deleted(client, server):
         client.responses.retrieve(unstored.id)
 
 
+def test_input_items_list_what_the_request_gave_newest_first_and_page(client, server):
+    given = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}',
+              "id": "fc_given"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "21 C"},
+             {"role": "user", "content": "And Rome?"}]
+    first = client.responses.create(model="tiny", input=given, tools=[WEATHER], max_output_tokens=1)
+    items = client.responses.input_items.list(first.id)
+    assert [i.type for i in items.data] == ["message", "function_call_output", "function_call", "message", "message"]
+    rome, output, call, paris, system = items.data
+    assert rome.content[0].text == "And Rome?" and rome.content[0].type == "input_text" and rome.role == "user"
+    assert paris.content[0].text == "Weather in Paris?" and system.role == "system"
+    assert call.id == "fc_given" and call.arguments == '{"city": "Paris"}' and output.output == "21 C"
+    assert len({i.id for i in items.data}) == 5 and items.first_id == rome.id and items.last_id == system.id
+    assert not items.has_more
+    # oldest first; pages of two, on from a cursor, and back from one (`before`, over plain HTTP)
+    url = f"{server.url}/v1/responses/{first.id}/input_items"
+    asc = client.responses.input_items.list(first.id, order="asc", limit=2)
+    assert [i.id for i in asc.data] == [system.id, paris.id] and asc.has_more
+    on = client.responses.input_items.list(first.id, order="asc", limit=2, after=paris.id)
+    assert [i.id for i in on.data] == [call.id, output.id] and on.has_more
+    assert [i.id for i in client.responses.input_items.list(first.id, order="asc", after=output.id).data] == [rome.id]
+    back = httpx.get(url, params={"order": "asc", "limit": 2, "before": rome.id}).json()
+    assert [i["id"] for i in back["data"]] == [call.id, output.id] and back["has_more"] is True
+    # a continuation lists its own input only; a string input is one user message
+    later = client.responses.create(model="tiny", input="Thanks", previous_response_id=first.id, max_output_tokens=1)
+    (thanks,) = client.responses.input_items.list(later.id).data
+    assert thanks.role == "user" and thanks.content[0].text == "Thanks"
+    for params in ({"limit": 0}, {"limit": 101}, {"order": "up"}, {"after": "msg_unknown"}):
+        bad = httpx.get(url, params=params)
+        assert bad.status_code == 400 and next(iter(params)) in bad.json()["error"]["message"], params
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
+
+
 def test_the_store_keeps_the_newest_responses():
     store = ResponseStore(2)
     for name in "abc":
