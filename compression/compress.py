@@ -399,14 +399,14 @@ def compress_model(model_dir: Path, settings: CompressSettings, out_dir: Path, m
 
     sensitivity_cache: optional JSON file that keeps the allocation's dense pre-pass between runs (see _allocate).
     """
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if settings.method == "prune":
         raise ValueError("method prune is compression.prune_artifact.prune_compress_model, not the SVD driver")
     started = time.perf_counter()
     calib_path = data_path(settings.calib_data, "compression.calib_data")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     calib = calibration_windows(calib_path, tokenizer, settings.calib_samples, settings.calib_seqlen, settings.seed)
     windows = calib.windows
     bs = calibration_batch_size(settings.calib_samples, settings.batch_size)

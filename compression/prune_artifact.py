@@ -88,13 +88,13 @@ def _records(model: nn.Module, dense_shapes: dict[str, tuple[int, int]],
 
 def prune_compress_model(model_dir: Path, settings: CompressSettings, out_dir: Path, model_id: str) -> Manifest:
     """Prune the MLP channels of the model in model_dir per settings and write the artifact; returns the manifest."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_prune_settings(settings)
     started = time.perf_counter()
     calib_path = data_path(settings.calib_data, "compression.calib_data")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     hidden, inter = model.config.hidden_size, model.config.intermediate_size
     check_prune_settings(settings, inter)
     block = settings.rank_multiple

@@ -1,4 +1,4 @@
-"""Load the model under evaluation: transformers LlamaForCausalLM in fp32, optionally with a compressed artifact."""
+"""Load the model under evaluation: its transformers model (Llama family) in fp32, with an artifact if given."""
 
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ log = logging.getLogger(__name__)
 
 
 def load_eval_model(cfg: Config, compressed: str | Path | None = None, num_threads: int = 2):
-    """(model, tokenizer, model_dir): the config's model as fp32 HF Llama, low-rank factors swapped in if given."""
+    """(model, tokenizer, model_dir): the config's model in fp32 transformers, low-rank factors swapped in if given."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # The CPU is shared; more threads than this only adds contention.
     torch.set_num_threads(max(1, min(num_threads, 2)))
     model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if compressed:
         path = Path(compressed).expanduser()
         if not (path / MANIFEST).is_file():

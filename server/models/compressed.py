@@ -123,7 +123,7 @@ def apply_compressed_artifact(model: nn.Module, artifact_dir: Path, model_dir: P
 
 
 def apply_artifact_to_hf(model: nn.Module, artifact_dir: Path, model_dir: Path | None = None) -> Manifest:
-    """Swap the artifact's modules into a transformers LlamaForCausalLM in place; returns the manifest.
+    """Swap the artifact's modules into a transformers Llama-family causal LM in place; returns the manifest.
 
     The model hash is checked against model_dir (default: the folder the model was loaded from).
     """

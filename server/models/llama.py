@@ -172,7 +172,11 @@ def _stack_pair(first: nn.Module, second: nn.Module) -> StackedPair | None:
 
 
 class Attention(nn.Module):
-    """GQA self-attention over a flat batch: QKV GEMM, fused rotary + cache write + attention, output GEMM."""
+    """GQA self-attention over a flat batch: QKV GEMM, fused rotary + cache write + attention, output GEMM.
+
+    Two family variants sit between the QKV GEMM and rotary: Qwen2's q/k/v biases, added after the bias-free
+    GEMM (so it stays one packed call), and Qwen3's RMSNorm of each query and key head over head_dim.
+    """
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -180,23 +184,57 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        qkv_bias = config.model_type == "qwen2"  # Qwen2 biases q, k and v (not o), whatever its config says
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
         self.qkv_proj: nn.Linear | None = None
+        self.qkv_bias: nn.Parameter | None = None  # [q | k | v] biases once fused
+        if config.model_type == "qwen3":
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.kernels = REFERENCE_KERNELS  # the model's, for the head norms (LlamaModel.use_kernels sets them)
+
+    @property
+    def plain(self) -> bool:
+        """Whether the QKV projection is the GEMM alone (no bias, no head norms): what csrc/decoder.cpp runs."""
+        return self.qkv_bias is None and self.q_norm is None and (self.q_proj is None or self.q_proj.bias is None)
 
     def fuse(self) -> None:
-        self.qkv_proj = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        biases = [m.bias for m in parts]
+        if any(b is not None for b in biases):  # stack the weights bias-free; the biases are added after the GEMM
+            self.qkv_bias = nn.Parameter(torch.cat([b.data for b in biases]), requires_grad=False)
+            parts = [linear_around(m.weight.data) for m in parts]
+        self.qkv_proj = _fuse_linears(parts)
         if self.qkv_proj is not None:  # drop the parts so weights are held once
             self.q_proj = self.k_proj = self.v_proj = None
+        else:
+            self.qkv_bias = None
 
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
-        """[q | k | v] of x: one GEMM once fused, else three and a concatenation."""
-        if self.qkv_proj is not None:
-            return self.qkv_proj.forward(x)
-        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        """[q | k | v] of x, biased and head-normed where the family does: one GEMM once fused, else three."""
+        if self.qkv_proj is None:
+            return self._finish_qkv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1))
+        return self._finish_qkv(self.qkv_proj.forward(x))
+
+    def qkv_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """What the step calls for [q | k | v]: the fused GEMM's own forward where nothing follows it."""
+        return self.qkv_proj.forward if self.qkv_proj is not None and self.plain else self.project_qkv
+
+    def _finish_qkv(self, qkv: torch.Tensor) -> torch.Tensor:
+        if self.qkv_bias is not None:
+            qkv.add_(self.qkv_bias)
+        if self.q_norm is not None:
+            rows, q_width, kv_width = qkv.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            for norm, span in ((self.q_norm, slice(0, q_width)), (self.k_norm, slice(q_width, q_width + kv_width))):
+                heads = qkv[:, span].reshape(-1, self.head_dim)
+                qkv[:, span] = self.kernels.rms_norm(heads, norm.weight, norm.eps).view(rows, -1)
+        return qkv
 
     def attend_sdpa_chunks(self, out: torch.Tensor, q_rot: torch.Tensor, batch: FlatBatch, k_cache: torch.Tensor,
                            v_cache: torch.Tensor) -> None:
@@ -329,6 +367,8 @@ class LlamaModel(nn.Module):
     def use_kernels(self, kernels: Kernels) -> None:
         """Run the small ops through `kernels` (the fused CPU ops, or the torch references)."""
         self.kernels = kernels
+        for layer in self.layers:
+            layer.self_attn.kernels = kernels
         self.unbind()
 
     def unbind(self) -> None:
@@ -349,6 +389,8 @@ class LlamaModel(nn.Module):
         projections = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            if not attn.plain:  # q/k/v biases or head norms: the Python loop runs them
+                return None
             for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 if not hasattr(module, "factored_args"):  # unfused, or not a panel GEMM
                     return None
@@ -374,7 +416,7 @@ class LlamaModel(nn.Module):
     def _calls_of(layer: DecoderLayer, next_norm: torch.Tensor) -> LayerCalls:
         attn, mlp = layer.self_attn, layer.mlp
         # a fused projection's own forward; unfused, the method that composes it
-        qkv = attn.qkv_proj.forward if attn.qkv_proj is not None else attn.project_qkv
+        qkv = attn.qkv_call()
         gate_up = mlp.gate_up_proj.forward if mlp.gate_up_proj is not None else mlp.project_gate_up
         return LayerCalls(qkv, attn.o_proj.forward, gate_up, mlp.down_proj.forward,
                           layer.post_attention_layernorm.weight, next_norm, attn)

@@ -17,7 +17,8 @@ from server.models.source import check_max_model_len
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHS = {"LlamaForCausalLM"}
+# The Llama family as LlamaModel runs it: Mistral is Llama's layout; Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms.
+SUPPORTED_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 
 
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -31,6 +32,17 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def check_sliding_window(config, max_len: int) -> None:
+    """A model whose attention slides over a window runs here with full attention, which is the same only while
+    every sequence fits in the window: max_model_len must not exceed it."""
+    windowed = config.model_type == "mistral" or getattr(config, "use_sliding_window", False)
+    window = getattr(config, "sliding_window", None) if windowed else None
+    if window is not None and max_len > window:
+        raise ConfigError(f"model: {config.model_type} attends over a sliding window of {window} tokens, which this "
+                          f"server does not implement; serve it with --max-model-len {window} or less (within the "
+                          "window attention is full, so the outputs are the model's)")
+
+
 def load_llama(model_dir: Path, max_len: int, dtype: torch.dtype = torch.float32,
                compressed: Path | None = None) -> LlamaModel:
     """A ready-to-serve LlamaModel (weights loaded, low-rank factors applied, projections fused)."""
@@ -41,6 +53,9 @@ def load_llama(model_dir: Path, max_len: int, dtype: torch.dtype = torch.float32
     if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
         raise ConfigError("model: Llama variants with biases are not supported")
     check_max_model_len(config.to_dict(), max_len)
+    check_sliding_window(config, max_len)
+    if getattr(config, "head_dim", None) is None:  # Qwen2's config leaves it implied
+        config.head_dim = config.hidden_size // config.num_attention_heads
     with no_init():
         model = LlamaModel(config, max_len)
     state = {k.removeprefix("model."): v for k, v in load_state_dict(model_dir).items()}

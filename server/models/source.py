@@ -102,15 +102,30 @@ def _match_gguf_tokenizer(tok, meta: dict[str, int | bool | str]) -> None:
             setattr(tok, attr, tok.convert_ids_to_tokens(int(token_id)))
 
 
+def _gguf_head_dim(src: Path) -> int | None:
+    """The attention head width the GGUF states (`<arch>.attention.key_length`), where it states one."""
+    fields = GGUFReader(src).fields
+    arch = fields.get("general.architecture")
+    if arch is None or not arch.data:
+        return None
+    field = fields.get(f"{bytes(arch.parts[arch.data[0]]).decode()}.attention.key_length")
+    return int(field.parts[field.data[0]][0]) if field is not None and field.data else None
+
+
 def _convert_gguf(src: Path, dest: Path, sha: str) -> None:
     """De-quantise a GGUF into an fp32 safetensors folder, atomically."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to safetensors (first start only, ~20 s)", src.name)
     tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     _match_gguf_tokenizer(tok, _gguf_scalars(src))
-    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name)
+    config = AutoConfig.from_pretrained(src.parent, gguf_file=src.name)
+    head_dim = _gguf_head_dim(src)
+    if head_dim and hasattr(config, "head_dim") and config.head_dim != head_dim:
+        # transformers (5.24) leaves a Qwen3 GGUF's head width at hidden / heads, which Qwen3's is not
+        config.head_dim = head_dim
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, config=config)
     # transformers marks GGUF-loaded models as quantised and refuses to save them, although the
     # weights are already plain fp32 tensors; drop the marker to save them as such.
     model.hf_quantizer = None

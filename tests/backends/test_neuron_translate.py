@@ -54,6 +54,12 @@ def test_tp_must_divide_heads():
         translate(_cfg(**{"neuron.tp_degree": 16}), {**LLAMA_1B, "num_attention_heads": 24})
 
 
+def test_only_llama_compiles_for_neuron():
+    assert translate(_cfg(), {**LLAMA_1B, "architectures": ["LlamaForCausalLM"]})
+    with pytest.raises(ConfigError, match="compiles Llama models.*not Qwen3ForCausalLM.*backend: torch"):
+        translate(_cfg(), {**LLAMA_1B, "architectures": ["Qwen3ForCausalLM"]})
+
+
 def test_max_model_len_beyond_model_positions():
     with pytest.raises(ConfigError, match="max_position_embeddings 1024"):
         translate(_cfg(), {**LLAMA_1B, "max_position_embeddings": 1024})

@@ -33,6 +33,10 @@ def _buckets(name: str, values: list[int]) -> tuple[int, ...]:
 
 
 def _check_model(cfg: Config, hf_config: dict[str, Any]) -> None:
+    archs = hf_config.get("architectures") or []
+    if archs and "LlamaForCausalLM" not in archs:  # tnx's LlamaForSampling is the graph our kernels patch
+        raise ConfigError(f"model: the neuron backend compiles Llama models (transformers-neuronx's LlamaForSampling), "
+                          f"not {archs[0]}; serve it with backend: torch")
     tp = cfg.neuron.tp_degree
     if tp & (tp - 1) or tp > _TRN1_MAX_TP:
         raise ConfigError(f"neuron.tp_degree: {tp} is not a power of two <= {_TRN1_MAX_TP} (trn1 NeuronCores)")
