@@ -96,6 +96,16 @@ def add_rms_norm_ref(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps
     return rms_norm_ref(x, weight, eps)
 
 
+def head_rms_norm_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int,
+                      num_kv_heads: int, eps: float) -> torch.Tensor:
+    """Qwen3's per-head norms in place: qkv's query heads rms_norm_ref'ed with q_weight, its key heads with k_weight."""
+    head_dim = q_weight.shape[0]
+    q_width, k_width = num_q_heads * head_dim, num_kv_heads * head_dim
+    for weight, span in ((q_weight, slice(0, q_width)), (k_weight, slice(q_width, q_width + k_width))):
+        qkv[:, span] = rms_norm_ref(qkv[:, span].reshape(-1, head_dim), weight, eps).view(qkv.shape[0], -1)
+    return qkv
+
+
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [num_tokens, 2 * inter]."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -163,6 +173,7 @@ class Kernels:
     add_rms_norm: Callable
     silu_mul: Callable
     attention: Callable
+    head_rms_norm_: Callable  # Qwen3's per-head q/k norms, in place on qkv
     # Prefill chunks at least this long are attended by SDPA (a GEMM over the chunk) instead of token by
     # token; None: never. The torch reference attends token by token through a padded gather, so SDPA wins
     # early. The fused CPU op attends a short chunk faster than CPU SDPA (whose flash kernel costs ~290 us a layer
@@ -173,7 +184,7 @@ class Kernels:
     decode_layers: Callable | None = None
 
 
-REFERENCE_KERNELS = Kernels(rms_norm_ref, add_rms_norm_ref, silu_mul_ref, attention_ref)
+REFERENCE_KERNELS = Kernels(rms_norm_ref, add_rms_norm_ref, silu_mul_ref, attention_ref, head_rms_norm_ref)
 
 
 # A bf16 model's prefill chunks from this long go to SDPA under the fused ops: torch's bf16 flash kernel runs its
@@ -191,5 +202,5 @@ def kernels_for(device: torch.device, dtype: torch.dtype | None = None) -> Kerne
     ops = torch.ops.neuronmm
     # the overloads, resolved once (calling the packet resolves one per call, ~1 µs)
     return Kernels(ops.rms_norm.default, ops.add_rms_norm.default, ops.silu_mul.default, ops.attention.default,
-                   sdpa_min_chunk=_BF16_SDPA_MIN_CHUNK if dtype == torch.bfloat16 else None,
+                   ops.head_rms_norm_.default, sdpa_min_chunk=_BF16_SDPA_MIN_CHUNK if dtype == torch.bfloat16 else None,
                    decode_layers=ops.decode_layers.default)

@@ -222,6 +222,11 @@ class Attention(nn.Module):
             return self._finish_qkv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1))
         return self._finish_qkv(self.qkv_proj.forward(x))
 
+    def extras(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """What follows the QKV GEMM: the [q | k | v] bias, the q and k head norm weights (None where absent)."""
+        norms = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        return self.qkv_bias, *norms
+
     def qkv_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """What the step calls for [q | k | v]: the fused GEMM's own forward where nothing follows it."""
         return self.qkv_proj.forward if self.qkv_proj is not None and self.plain else self.project_qkv
@@ -230,10 +235,8 @@ class Attention(nn.Module):
         if self.qkv_bias is not None:
             qkv.add_(self.qkv_bias)
         if self.q_norm is not None:
-            rows, q_width, kv_width = qkv.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            for norm, span in ((self.q_norm, slice(0, q_width)), (self.k_norm, slice(q_width, q_width + kv_width))):
-                heads = qkv[:, span].reshape(-1, self.head_dim)
-                qkv[:, span] = self.kernels.rms_norm(heads, norm.weight, norm.eps).view(rows, -1)
+            self.kernels.head_rms_norm_(qkv, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.num_kv_heads,
+                                        self.q_norm.eps)
         return qkv
 
     def attend_sdpa_chunks(self, out: torch.Tensor, q_rot: torch.Tensor, batch: FlatBatch, k_cache: torch.Tensor,
@@ -389,8 +392,6 @@ class LlamaModel(nn.Module):
         projections = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if not attn.plain:  # q/k/v biases or head norms: the Python loop runs them
-                return None
             for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 if not hasattr(module, "factored_args"):  # unfused, or not a panel GEMM
                     return None
@@ -402,6 +403,9 @@ class LlamaModel(nn.Module):
             plan.add_projection(first, splits, [no_second if b is None else b for b in seconds], outs)
         for calls in self.layer_calls():
             plan.add_norms(calls.post_attention_norm, calls.next_norm)
+        if not all(layer.self_attn.plain for layer in self.layers):  # Qwen2's biases, Qwen3's head norms
+            for layer in self.layers:
+                plan.add_attention_extras(*(no_second if t is None else t for t in layer.self_attn.extras()))
         return plan
 
     def layer_calls(self) -> list[LayerCalls]:

@@ -149,3 +149,27 @@ def test_a_compressed_family_model_serves_what_transformers_computes(family_dir,
     ours = runner.execute([SeqChunk(slot=0, token_ids=[5, 17, 42, 9, 300], start_pos=0, all_logits=True)])
     assert not torch.allclose(expected, dense)  # the factors changed the model
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpp_layer_loop_runs_the_family_bit_for_bit(family_dir, dtype):
+    """csrc/decoder.cpp adds Qwen2's biases and Qwen3's head norms as the Python loop does: the same logits."""
+    from server.models.packed_linear import panels_available
+
+    if not panels_available(torch.device("cpu"), dtype):
+        pytest.skip(f"no {dtype} panel GEMM on this CPU")
+    _, model_dir = family_dir
+    runner = TorchRunner(model_dir, 64, str(dtype).removeprefix("torch."))
+    runner.load()
+    assert runner.model.decoder_plan() is not None
+
+    def steps(use_plan: bool) -> list[torch.Tensor]:
+        runner.model.use_decoder_plan = use_plan
+        runner.allocate_kv(2)
+        out = [runner.execute([SeqChunk(slot=0, token_ids=[5, 17, 42, 9], start_pos=0),
+                               SeqChunk(slot=1, token_ids=[300, 77], start_pos=0)])]
+        return out + [runner.execute([SeqChunk(slot=0, token_ids=[11 + i], start_pos=4 + i),
+                                      SeqChunk(slot=1, token_ids=[13 + i], start_pos=2 + i)]) for i in range(3)]
+
+    for planned, looped in zip(steps(True), steps(False), strict=True):
+        assert torch.equal(planned, looped)

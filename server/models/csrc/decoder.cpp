@@ -31,11 +31,18 @@ struct Projection {
   int64_t first_width, out_width;  // sums of splits (the first GEMM's output t) and of outs (y)
 };
 
+// What a family adds between a layer's QKV GEMM and rotary (undefined: nothing): Qwen2's [q | k | v] bias, Qwen3's
+// per-head q and k norm weights.
+struct AttentionExtras {
+  at::Tensor qkv_bias, q_norm, k_norm;
+};
+
 struct DecoderPlan : torch::CustomClassHolder {
   int64_t num_heads, num_kv_heads;
   double scale, eps;
   std::vector<Projection> projections;  // four a layer: qkv, o, gate_up, down
   std::vector<at::Tensor> norms;        // two a layer: post-attention, then the next layer's input (the final norm last)
+  std::vector<AttentionExtras> extras;  // one a layer, or none for a family without any
   int64_t scratch_width = 0;            // the widest first GEMM: one scratch t a step serves every projection
 
   DecoderPlan(int64_t num_heads, int64_t num_kv_heads, double scale, double eps)
@@ -60,6 +67,13 @@ struct DecoderPlan : torch::CustomClassHolder {
     norms.push_back(std::move(next));
   }
 
+  // A layer's QKV bias and head norm weights, in layer order; an empty (0-element) tensor for one it lacks.
+  void add_attention_extras(at::Tensor qkv_bias, at::Tensor q_norm, at::Tensor k_norm) {
+    const auto defined = [](at::Tensor t) { return t.numel() == 0 ? at::Tensor() : std::move(t); };
+    TORCH_CHECK((q_norm.numel() == 0) == (k_norm.numel() == 0), "DecoderPlan: q and k head norms come together");
+    extras.push_back({defined(std::move(qkv_bias)), defined(std::move(q_norm)), defined(std::move(k_norm))});
+  }
+
   int64_t num_layers() const { return static_cast<int64_t>(norms.size() / 2); }
 };
 
@@ -77,6 +91,8 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecoderPlan>& plan, at::Tensor
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers && static_cast<int64_t>(v_caches.size()) == layers,
               "decode_layers: one K and one V cache a layer");
   TORCH_CHECK(x.dim() == 2 && layers > 0, "decode_layers: x [num_tokens, hidden] and at least one layer expected");
+  TORCH_CHECK(plan->extras.empty() || static_cast<int64_t>(plan->extras.size()) == layers,
+              "decode_layers: attention extras for every layer or for none");
   const int64_t M = x.size(0), head_dim = k_caches[0].size(3);
   const Projection* p0 = plan->projections.data();  // every layer's projections have the first layer's widths
   const auto opts = x.options();
@@ -88,12 +104,22 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecoderPlan>& plan, at::Tensor
   const auto project = [&](const Projection& p, const at::Tensor& in, at::Tensor& y) {
     neuronmm::factored_linear_into(in, p.first, p.splits, p.seconds, p.outs, y, t);
   };
-  for (int64_t i = 0; i < layers - 1; ++i) {
-    const Projection* proj = &plan->projections[4 * i];
+  // layer i's [q | k | v] of `in` (with its family's extras), rotary, its K/V into the cache, attention into attn
+  const auto attend = [&](int64_t i, const at::Tensor& in) {
     at::Tensor k = k_caches[i], v = v_caches[i];  // handles to the caches: attention writes through them
-    project(proj[0], i == 0 ? h_in : h, qkv);
+    project(plan->projections[4 * i], in, qkv);
+    if (!plan->extras.empty()) {
+      const AttentionExtras& e = plan->extras[i];
+      if (e.qkv_bias.defined()) qkv.add_(e.qkv_bias);
+      if (e.q_norm.defined()) neuronmm::head_rms_norm_(qkv, e.q_norm, e.k_norm, plan->num_heads, plan->num_kv_heads,
+                                                       plan->eps);
+    }
     neuronmm::attention_into(qkv, cos, sin, k, v, slot_mapping, block_tables, seq_index, context_lens, plan->num_heads,
                              plan->num_kv_heads, plan->scale, q_rot, attn);
+  };
+  for (int64_t i = 0; i < layers - 1; ++i) {
+    const Projection* proj = &plan->projections[4 * i];
+    attend(i, i == 0 ? h_in : h);
     project(proj[1], attn, o);
     neuronmm::add_rms_norm_into(x, o, plan->norms[2 * i], plan->eps, h);
     project(proj[2], h, gate_up);
@@ -105,10 +131,7 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecoderPlan>& plan, at::Tensor
   // go on (a prompt chunk wants its last token's), as llama.cpp's graphs do: a 128-token chunk skips 84 % of a layer.
   const int64_t i = layers - 1;
   const Projection* proj = &plan->projections[4 * i];
-  at::Tensor k = k_caches[i], v = v_caches[i];
-  project(proj[0], layers == 1 ? h_in : h, qkv);
-  neuronmm::attention_into(qkv, cos, sin, k, v, slot_mapping, block_tables, seq_index, context_lens, plan->num_heads,
-                           plan->num_kv_heads, plan->scale, q_rot, attn);
+  attend(i, layers == 1 ? h_in : h);
   at::Tensor rows_attn = attn, rows_x = x;
   int64_t m = M;
   if (output_rows.has_value() && output_rows->size(0) < M) {
@@ -136,6 +159,7 @@ TORCH_LIBRARY_FRAGMENT(neuronmm, m) {
       .def(torch::init<int64_t, int64_t, double, double>())
       .def("add_projection", &DecoderPlan::add_projection)
       .def("add_norms", &DecoderPlan::add_norms)
+      .def("add_attention_extras", &DecoderPlan::add_attention_extras)
       .def("num_layers", &DecoderPlan::num_layers);
   m.def(
       "decode_layers(__torch__.torch.classes.neuronmm.DecoderPlan plan, Tensor(a!) x, Tensor h, Tensor cos, "

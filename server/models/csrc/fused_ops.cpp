@@ -618,7 +618,38 @@ void neuronmm::add_rms_norm_into(at::Tensor& x, const at::Tensor& y, const at::T
   });
 }
 
+// Qwen3's per-head norms, in place: each of the first num_q_heads heads of a qkv row normed with q_weight, the next
+// num_kv_heads (the keys) with k_weight, each over head_dim as rms_norm_row norms a row.
+void neuronmm::head_rms_norm_(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                              int64_t num_q_heads, int64_t num_kv_heads, double eps) {
+  const int64_t head_dim = q_weight.size(0), width = qkv.size(1);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && k_weight.size(0) == head_dim &&
+                  (num_q_heads + num_kv_heads) * head_dim <= width,
+              "head_rms_norm_: qkv must be contiguous [num_tokens, >= (q + k heads) x head_dim]");
+  const int64_t rows = qkv.size(0);
+  const auto qw = as_dtype_of(q_weight, qkv), kw = as_dtype_of(k_weight, qkv);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "head_rms_norm_", [&] {
+    scalar_t* p = qkv.data_ptr<scalar_t>();
+    const scalar_t* qwp = qw.data_ptr<scalar_t>();
+    const scalar_t* kwp = kw.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        for (int64_t h = 0; h < num_q_heads + num_kv_heads; ++h) {
+          scalar_t* head = p + r * width + h * head_dim;
+          rms_norm_row(head, h < num_q_heads ? qwp : kwp, head, head_dim, (float)eps);  // reads before it writes
+        }
+      }
+    });
+  });
+}
+
 namespace {
+
+at::Tensor head_rms_norm_op(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                            int64_t num_q_heads, int64_t num_kv_heads, double eps) {
+  neuronmm::head_rms_norm_(qkv, q_weight, k_weight, num_q_heads, num_kv_heads, eps);
+  return qkv;
+}
 
 at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& y, const at::Tensor& weight, double eps) {
   auto out = at::empty_like(x);
@@ -1175,6 +1206,8 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 TORCH_LIBRARY(neuronmm, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor y, Tensor weight, float eps) -> Tensor");
+  m.def("head_rms_norm_(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, int num_q_heads, int num_kv_heads, "
+        "float eps) -> Tensor(a!)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("sample_temperature(Tensor logits, Tensor inv_temps, Tensor uniforms) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
@@ -1187,6 +1220,7 @@ TORCH_LIBRARY(neuronmm, m) {
 TORCH_LIBRARY_IMPL(neuronmm, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("head_rms_norm_", &head_rms_norm_op);
   m.impl("silu_mul", &silu_mul);
   m.impl("sample_temperature", &sample_temperature);
   m.impl("argmax_rows", &argmax_rows);

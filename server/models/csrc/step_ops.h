@@ -19,6 +19,10 @@ void attention_into(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
 // neuronmm::add_rms_norm (x += y in place), the normed rows into `out`.
 void add_rms_norm_into(at::Tensor& x, const at::Tensor& y, const at::Tensor& weight, double eps, at::Tensor& out);
 
+// Qwen3's per-head q/k RMSNorm in place on qkv [num_tokens, (q + k + v heads) x head_dim] (neuronmm::head_rms_norm_).
+void head_rms_norm_(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight, int64_t num_q_heads,
+                    int64_t num_kv_heads, double eps);
+
 // neuronmm::silu_mul into `out` [num_tokens, inter].
 void silu_mul_into(const at::Tensor& gate_up, at::Tensor& out);
 
