@@ -102,6 +102,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     flag("--tensor-parallel-size", type=int, help="NeuronCores to shard over (backend neuron)")
     flag("--chat-template", help="a Jinja file, or `hermes_tools` (bundled ChatML with tool calls)")
     flag("--tool-call-parser", help="how the model writes tool calls: hermes (default; Qwen's form) or llama3_json")
+    flag("--reasoning-parser", help="deepseek_r1 or qwen3: a thinking model's <think>...</think> goes to `reasoning`")
     flag("--enable-auto-tool-choice", action="store_true",
          help="accepted as vLLM's command lines give it: `auto` tool calls are always parsed here")
     flag("--strict-fields", action="store_true", help="400 for unknown request fields (default: ignore, log)")
@@ -174,6 +175,7 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict]:
         "engine.max_prefill_tokens_while_decoding": args.max_prefill_tokens_while_decoding,
         "neuron.tp_degree": args.tensor_parallel_size, "server.chat_template": args.chat_template,
         "server.tool_call_parser": args.tool_call_parser, "server.strict_fields": args.strict_fields or None,
+        "server.reasoning_parser": args.reasoning_parser,
         "engine.num_threads": args.num_threads, "server.shutdown_grace_s": args.shutdown_grace_s,
         "server.stream_interval": args.stream_interval,
         "engine.enforce_eager": args.enforce_eager or None,
@@ -219,6 +221,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _serve_with(cfg, core) -> int:
     """The checks that need the server's modules, then the server, serving from `core` (None: the app spawns one)."""
     from server.api.app import serve
+    from server.api.reasoning import get_reasoning_parser
     from server.api.serving import load_chat_template
     from server.api.tool_parsers import get_tool_parser
     from server.models.artifact import read_manifest
@@ -232,6 +235,10 @@ def _serve_with(cfg, core) -> int:
         get_tool_parser(cfg.server.tool_call_parser)
     except ValueError as exc:
         raise ConfigError(f"server.tool_call_parser: {exc}") from None
+    try:
+        get_reasoning_parser(cfg.server.reasoning_parser)
+    except ValueError as exc:
+        raise ConfigError(f"server.reasoning_parser: {exc}") from None
     load_chat_template(cfg.server.chat_template)
     try:  # read again by the engine process when it packs the weights; checked here so a typo stops the start
         check_gemm_env()

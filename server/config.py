@@ -127,6 +127,8 @@ class ServerConfig(_Strict):
     chat_template: str | None = Field(None, description="a Jinja file replacing the tokenizer's chat template, "
                                                         "or `hermes_tools` (bundled: ChatML with tool calls)")
     tool_call_parser: str = Field("hermes", description="how the model writes tool calls (server/api/tool_parsers)")
+    reasoning_parser: str | None = Field(None, description="deepseek_r1 or qwen3: a thinking model's <think> part "
+                                                           "goes to `reasoning` (server/api/reasoning.py)")
     strict_fields: bool = Field(False, description="400 for unknown request fields (default: ignored, logged)")
     responses_store_size: int = Field(1000, ge=0, description="finished Responses API responses kept in memory for "
                                                               "GET and previous_response_id (0: none)")

@@ -344,6 +344,10 @@ class UserMessage(_Message):
 class AssistantMessage(_Message):
     role: Literal["assistant"]
     content: Content | None = None  # null when it only calls tools (read as empty otherwise)
+    # an earlier reply's reasoning, sent back (vLLM's name, and DeepSeek's and llama.cpp's older one): the chat
+    # template sees it as `reasoning_content`, the variable thinking models' templates read
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ToolMessage(_Message):
@@ -523,7 +527,16 @@ class CompletionResponse(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning: str | None = Field(None, description="a thinking model's reasoning (server.reasoning_parser); absent "
+                                                    "when the server parses none")
     tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _reasoning_when_parsed(self, handler):
+        out = handler(self)
+        if out.get("reasoning") is None and "reasoning" not in self.model_fields_set:
+            out.pop("reasoning", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -557,6 +570,7 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")

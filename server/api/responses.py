@@ -62,6 +62,21 @@ class FunctionCallOutputItem(RequestPart):
     output: str
 
 
+class ReasoningTextPart(RequestPart):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(RequestPart):
+    """An earlier response's reasoning, sent back with the conversation (its text is not shown to the model again:
+    thinking models' templates drop the reasoning of earlier turns)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ReasoningTextPart] | None = None
+
+
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -72,7 +87,8 @@ def _item_kind(item: Any) -> str:
 
 
 InputItem = Annotated[Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(_item_kind)]
+                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+                      | Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_kind)]
 
 
 class FunctionTool(RequestPart):
@@ -125,6 +141,8 @@ class ResponsesRequest(RequestPart):
     def _check(self):
         if isinstance(self.input, list) and not self.input:
             raise ValueError("input must not be empty")
+        if isinstance(self.input, list) and all(isinstance(item, ReasoningItem) for item in self.input):
+            raise ValueError("input needs a message or a function call output beside its reasoning items")
         fmt = self.text.format if self.text else None
         if fmt and fmt.type == "json_schema" and fmt.schema_ is None:
             raise ValueError("text.format of type json_schema needs a schema")
@@ -145,7 +163,7 @@ class ResponsesRequest(RequestPart):
                     last["tool_calls"].append(call)
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            else:
+            elif isinstance(item, FunctionCallOutputItem):
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
         return messages
 
@@ -163,9 +181,11 @@ class ResponsesRequest(RequestPart):
             elif isinstance(item, FunctionCallItem):
                 out.append({"type": "function_call", "id": item.id or _item_id("fc"), "call_id": item.call_id,
                             "name": item.name, "arguments": item.arguments, "status": "completed"})
-            else:
+            elif isinstance(item, FunctionCallOutputItem):
                 out.append({"type": "function_call_output", "id": _item_id("fco"), "call_id": item.call_id,
                             "output": item.output, "status": "completed"})
+            else:
+                out.append({**item.model_dump(exclude_none=True), "id": item.id or _item_id("rs")})
         return out
 
     def as_chat(self, conversation: list[dict]) -> ChatCompletionRequest:
@@ -215,6 +235,21 @@ class OutputMessage(BaseModel):
     content: list[OutputText] = Field(default_factory=list)
 
 
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """A thinking model's reasoning (server.reasoning_parser), as OpenAI's reasoning item carries it."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str = Field(default_factory=lambda: _item_id("rs"))
+    summary: list = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
 class OutputFunctionCall(BaseModel):
     type: Literal["function_call"] = "function_call"
     id: str = Field(default_factory=lambda: _item_id("fc"))
@@ -259,7 +294,7 @@ class ResponseObject(BaseModel):
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     model: str
-    output: list[Annotated[OutputMessage | OutputFunctionCall, Field(discriminator="type")]]
+    output: list[Annotated[OutputReasoning | OutputMessage | OutputFunctionCall, Field(discriminator="type")]]
     usage: ResponseUsage | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
@@ -302,7 +337,9 @@ def _output_message(output: list) -> dict:
     text = "".join(item.content[0].text for item in output if isinstance(item, OutputMessage) and item.content)
     calls = [{"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
              for item in output if isinstance(item, OutputFunctionCall)]
-    return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
+    thought = "".join(item.content[0].text for item in output if isinstance(item, OutputReasoning) and item.content)
+    return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {}),
+            **({"reasoning_content": thought} if thought else {})}
 
 
 def _calls(tool_calls: list) -> list[OutputFunctionCall]:
@@ -330,7 +367,9 @@ class ResponsesAPI:
         answer: ChatCompletionResponse = await self.serving.chat(chat, raw)
         choice = answer.choices[0]
         output: list = []
-        if choice.message.content or not choice.message.tool_calls:
+        if choice.message.reasoning:
+            output.append(OutputReasoning(content=[ReasoningText(text=choice.message.reasoning)]))
+        if choice.message.content or not (choice.message.tool_calls or choice.message.reasoning):
             output.append(OutputMessage(content=[OutputText(text=choice.message.content or "")]))
         output += _calls(choice.message.tool_calls)
         return self._kept(self._finished(shell, output, choice.finish_reason, _usage(answer.usage)), conversation,
@@ -408,6 +447,8 @@ class ResponsesAPI:
         for item in output:
             if isinstance(item, OutputMessage):
                 item.status = "incomplete" if cut else "completed"
+            elif isinstance(item, OutputReasoning):  # cut off while reasoning: nothing came after it
+                item.status = "incomplete" if cut and item is output[-1] else "completed"
         return shell.model_copy(update={
             "status": "incomplete" if cut else "completed", "output": output, "usage": usage,
             "incomplete_details": IncompleteDetails(reason="max_output_tokens") if cut else None})
@@ -426,9 +467,27 @@ class ResponsesAPI:
         def dump(model: BaseModel) -> dict:
             return model.model_dump(mode="json", exclude_none=False)
 
+        def opened(item: OutputMessage | OutputReasoning) -> list[str]:
+            output.append(item)
+            part = item.content[0].model_copy()
+            return [event("response.output_item.added", output_index=len(output) - 1,
+                          item={**dump(item), "content": []}),
+                    event("response.content_part.added", item_id=item.id, output_index=len(output) - 1,
+                          content_index=0, part=dump(part))]
+
+        def closed(item: OutputMessage | OutputReasoning) -> list[str]:
+            index, part = output.index(item), item.content[0]
+            kind = "response.reasoning_text" if isinstance(item, OutputReasoning) else "response.output_text"
+            return [event(f"{kind}.done", item_id=item.id, output_index=index, content_index=0, text=part.text),
+                    event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
+                          part=dump(part)),
+                    event("response.output_item.done", output_index=index, item=dump(item))]
+
         yield event("response.created", response=dump(shell))
         yield event("response.in_progress", response=dump(shell))
         output: list = []
+        thinking: OutputReasoning | None = None  # the reasoning streamed
+        thinking_open = False  # until the reply goes on past it
         message: OutputMessage | None = None  # the message being streamed, while text comes
         finish, usage = None, None
         async with aclosing(chunks) as stream:
@@ -443,15 +502,25 @@ class ResponsesAPI:
                     continue
                 choice = chunk.choices[0]
                 finish = choice.finish_reason or finish
-                text, calls = choice.delta.content, choice.delta.tool_calls or []
+                thought, text, calls = choice.delta.reasoning, choice.delta.content, choice.delta.tool_calls or []
+                if thought:
+                    if thinking is None:
+                        thinking, thinking_open = OutputReasoning(status="in_progress",
+                                                                  content=[ReasoningText(text="")]), True
+                        for line in opened(thinking):
+                            yield line
+                    thinking.content[0].text += thought
+                    yield event("response.reasoning_text.delta", item_id=thinking.id,
+                                output_index=output.index(thinking), content_index=0, delta=thought)
+                if (text or calls) and thinking_open:  # the reply went on past its reasoning
+                    thinking.status, thinking_open = "completed", False
+                    for line in closed(thinking):
+                        yield line
                 if text:
                     if message is None:
                         message = OutputMessage(status="in_progress", content=[OutputText(text="")])
-                        output.append(message)
-                        yield event("response.output_item.added", output_index=len(output) - 1,
-                                    item={**dump(message), "content": []})
-                        yield event("response.content_part.added", item_id=message.id, output_index=len(output) - 1,
-                                    content_index=0, part=dump(OutputText(text="")))
+                        for line in opened(message):
+                            yield line
                     message.content[0].text += text
                     yield event("response.output_text.delta", item_id=message.id, output_index=len(output) - 1,
                                 content_index=0, delta=text)
@@ -465,17 +534,12 @@ class ResponsesAPI:
                     yield event("response.function_call_arguments.done", item_id=call.id, output_index=index,
                                 arguments=call.arguments)
                     yield event("response.output_item.done", output_index=index, item=dump(call))
-        if message is None and not output:  # nothing was said: an empty message, as a non-streamed answer has
-            message = OutputMessage(content=[OutputText(text="")])
+        if message is None and thinking is None and not output:  # nothing was said: an empty message, as a
+            message = OutputMessage(content=[OutputText(text="")])  # non-streamed answer has
             output.append(message)
             yield event("response.output_item.added", output_index=0, item={**dump(message), "content": []})
         done = self._kept(self._finished(shell, output, finish, usage), conversation, inputs)
-        if message is not None:
-            index = output.index(message)
-            part = message.content[0]
-            yield event("response.output_text.done", item_id=message.id, output_index=index, content_index=0,
-                        text=part.text)
-            yield event("response.content_part.done", item_id=message.id, output_index=index, content_index=0,
-                        part=dump(part))
-            yield event("response.output_item.done", output_index=index, item=dump(message))
+        for item in ([thinking] if thinking_open else []) + ([message] if message is not None else []):
+            for line in closed(item):
+                yield line
         yield event("response.incomplete" if done.status == "incomplete" else "response.completed", response=dump(done))

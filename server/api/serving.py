@@ -25,6 +25,7 @@ from server.api.protocol import (ChatChoice, ChatCompletionRequest, ChatCompleti
                                  NamedToolChoice, Prediction, PromptLogprob, PromptLogprobs, PromptTokensDetails,
                                  StreamChunk, StreamOptions, TokenizeChatRequest, TokenizeCompletionRequest,
                                  TokenizeResponse, ToolCallDelta, UsageInfo)
+from server.api.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
 from server.api.tool_parsers import ToolCallStream, get_tool_parser
 from server.config import Config, ConfigError
 from server.engine.async_engine import EngineDeadError, QueueFullError
@@ -103,6 +104,10 @@ class OpenAIServing:
             self.tool_parser = get_tool_parser(cfg.server.tool_call_parser)
         except ValueError as exc:
             raise ConfigError(f"server.tool_call_parser: {exc}") from None
+        try:
+            self.reasoning_parser = get_reasoning_parser(cfg.server.reasoning_parser)
+        except ValueError as exc:
+            raise ConfigError(f"server.reasoning_parser: {exc}") from None
         self.chat_template = load_chat_template(cfg.server.chat_template)
         self._renders_tools: bool | None = None
         # apply_chat_template's own arguments, which chat_template_kwargs must not reach
@@ -196,6 +201,8 @@ class OpenAIServing:
                     for c in m.tool_calls]
             if m.tool_call_id:
                 msg["tool_call_id"] = m.tool_call_id
+            if getattr(m, "reasoning", None) or getattr(m, "reasoning_content", None):
+                msg["reasoning_content"] = m.reasoning or m.reasoning_content
             if m.name:
                 msg["name"] = m.name
             out.append(msg)
@@ -482,15 +489,18 @@ class OpenAIServing:
         ids = self._truncated(ids, req.truncate_prompt_tokens)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = self._max_tokens(req.max_completion_tokens or req.max_tokens, len(ids), None)
-        params = self._params(req, max_tokens, logprobs, self._structured(req))
+        structured = self._structured(req)
+        params = self._params(req, max_tokens, logprobs, structured)
         if req.prediction is not None:
             params = replace(params, prediction=self._prediction_ids(req.prediction))
+        # a constrained reply is all content: its grammar leaves no room to think
+        reasoning = self.reasoning_parser if structured is None else None
         rid = f"chatcmpl-{raw.state.request_id}"
         gens = self._submit([(ids, params)], req.n, rid)
         # a named function is what the client asked for: OpenAI ends that with "stop", others "tool_calls"
         calls_reason = "stop" if isinstance(req.tool_choice, NamedToolChoice) else "tool_calls"
         if req.stream:
-            state = {"tools": req.uses_tools, "calls_reason": calls_reason}
+            state = {"tools": req.uses_tools, "calls_reason": calls_reason, "reasoning": reasoning}
             stream = self._chunks if as_chunks else self._stream
             return stream(gens, req.n, len(ids), req.stream_options, rid, "chat.completion.chunk",
                           lambda out, index: self._chat_delta(out, index, state))
@@ -499,14 +509,18 @@ class OpenAIServing:
         usage = self._usage(len(ids), sum(c.num_output_tokens for c in choices), self._cached(choices, req.n),
                             [c.prediction_tokens for c in choices])
         return ChatCompletionResponse(id=rid, model=self.model_name, usage=usage, choices=[
-            self._chat_choice(i, c, req, calls_reason) for i, c in enumerate(choices)],
+            self._chat_choice(i, c, req, calls_reason, reasoning) for i, c in enumerate(choices)],
             prompt_logprobs=self._prompt_logprobs(choices, req.prompt_logprobs))
 
-    def _chat_choice(self, index: int, c: _Choice, req: ChatCompletionRequest, calls_reason: str) -> ChatChoice:
-        content, calls = (self.tool_parser.extract(c.text) if req.uses_tools else (c.text, []))
+    def _chat_choice(self, index: int, c: _Choice, req: ChatCompletionRequest, calls_reason: str,
+                     reasoning: ReasoningParser | None) -> ChatChoice:
+        thought, text = reasoning.split(c.text) if reasoning else (None, c.text)
+        content, calls = (self.tool_parser.extract(text or "") if req.uses_tools and text else (text, []))
         finish = calls_reason if calls and c.finish_reason == "stop" else c.finish_reason
-        return ChatChoice(index=index, message=ChatMessageOut(content=content, tool_calls=calls),
-                          finish_reason=finish, logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None)
+        message = (ChatMessageOut(content=content, reasoning=thought, tool_calls=calls) if reasoning
+                   else ChatMessageOut(content=content, tool_calls=calls))
+        return ChatChoice(index=index, message=message, finish_reason=finish,
+                          logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None)
 
     def _chat_delta(self, out: SeqOutput, index: int, state: dict) -> ChatStreamChoice:
         delta = ChatDelta()
@@ -514,9 +528,17 @@ class OpenAIServing:
             state["started"].add(index)
             delta.role = "assistant"
         finish = out.finish_reason
+        text = out.text
+        if state["reasoning"] is not None:
+            thinking: ReasoningStream = state.setdefault(("reasoning", index), state["reasoning"].stream())
+            thought, text = thinking.feed(text)
+            if finish is not None:
+                more_thought, more_text = thinking.finish()
+                thought, text = thought + more_thought, text + more_text
+            delta.reasoning = thought or None
         if state["tools"]:
             follower: ToolCallStream = state.setdefault(("calls", index), self.tool_parser.stream())
-            text, calls = follower.feed(out.text)
+            text, calls = follower.feed(text)
             if finish is not None:
                 rest, more = follower.finish()
                 text, calls = text + rest, calls + more
@@ -525,9 +547,7 @@ class OpenAIServing:
             if calls:
                 delta.tool_calls = [ToolCallDelta(index=first + k, id=c.id, function=c.function)
                                     for k, c in enumerate(calls)]
-        else:
-            text = out.text
-        if text or not delta.tool_calls:
+        if text or not (delta.tool_calls or delta.reasoning):
             delta.content = text
         return ChatStreamChoice(index=index, delta=delta, finish_reason=finish,
                                 logprobs=self._chat_logprobs(out.logprobs) if out.logprobs else None)

@@ -197,7 +197,7 @@ def test_text_format_json_schema_constrains_the_output(client):
     ({"input": "x", "previous_response_id": "resp_1"}, "'resp_1' not found"),
     ({"input": []}, "must not be empty"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input_text"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "reasoning"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "beside its reasoning items"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "function"),
     ({"input": "x", "tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]}, "nope"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "needs a schema"),

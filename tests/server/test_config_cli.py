@@ -73,10 +73,11 @@ def _serve_config(argv: list[str]):
 def test_vllm_style_serve_flags_map_onto_the_config(tmp_path):
     cfg = _serve_config([str(tmp_path / "m.gguf"), "--served-model-name", "chat", "chat-2", "--max-model-len", "512",
                          "--tensor-parallel-size", "2", "--chat-template", "hermes_tools", "--strict-fields",
-                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"])
     assert (cfg.model.source, cfg.model.path, cfg.model.name) == ("gguf", str(tmp_path / "m.gguf"), "chat")
     assert cfg.server.model_aliases == ["chat-2"] and cfg.engine.max_model_len == 512
     assert cfg.neuron.tp_degree == 2 and cfg.server.chat_template == "hermes_tools" and cfg.server.strict_fields
+    assert cfg.server.reasoning_parser == "qwen3" and _serve_config([]).server.reasoning_parser is None
     folder = _serve_config([str(tmp_path)])
     assert (folder.model.source, folder.model.name) == ("safetensors", str(tmp_path))
     hub = _serve_config(["HuggingFaceTB/SmolLM2-135M-Instruct"])
@@ -209,6 +210,9 @@ def test_port_in_use_is_reported_before_the_model_loads(tmp_path, capsys):
 def test_unknown_tool_parser_and_template_are_one_line_errors(capsys):
     assert main(["serve", "--tool-call-parser", "nope", "--port", "0"]) == 2
     assert "known: hermes" in capsys.readouterr().err
+    assert main(["serve", "--reasoning-parser", "r2", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "server.reasoning_parser" in err[0] and "deepseek_r1, qwen3" in err[0]
     assert main(["serve", "--chat-template", "/no/such.jinja", "--port", "0"]) == 2
     assert "hermes_tools" in capsys.readouterr().err
 

@@ -116,7 +116,7 @@ class TaggedCallStream(ToolCallStream):
             if not self.in_call:
                 at = self.buffer.find(self.parser.start)
                 if at == -1:
-                    keep = _partial_suffix(self.buffer, self.parser.start)
+                    keep = partial_suffix(self.buffer, self.parser.start)
                     if not self.calls:  # text after a call is dropped, as extract() drops it
                         content += self.buffer[:len(self.buffer) - keep]
                     self.buffer = self.buffer[len(self.buffer) - keep:]
@@ -149,7 +149,7 @@ class TaggedCallStream(ToolCallStream):
         return ("" if self.calls else rest), []
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

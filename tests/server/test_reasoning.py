@@ -1,0 +1,155 @@
+"""Reasoning parsers: a thinking model's <think>...</think> goes to `reasoning`, streamed or not, as vLLM sends it."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import openai
+import pytest
+import torch
+
+from server.api.reasoning import get_reasoning_parser
+from server.runtime import load_runtime, load_tokenizer
+from support import live_server, tiny_config
+
+REPLIES = ["<think>Let me see.</think>The answer.", "  <think>\nhm</think>\n\nYes", "no tags at all",
+           "<think>cut off while thinking", "still thinking</think>done", "<think></think>", "<thi", "", "a</think>",
+           "<think>x</thi"]
+
+
+@pytest.mark.parametrize("name, text, expected", [
+    ("deepseek_r1", "<think>Let me see.</think>The answer.", ("Let me see.", "The answer.")),
+    ("deepseek_r1", "Let me see.</think>The answer.", ("Let me see.", "The answer.")),  # <think> was in the prompt
+    ("deepseek_r1", "cut off while thinking", ("cut off while thinking", None)),
+    ("qwen3", "<think>Let me see.</think>The answer.", ("Let me see.", "The answer.")),
+    ("qwen3", "\n<think>\nhm\n</think>\n\nYes", ("\nhm\n", "\n\nYes")),
+    ("qwen3", "The answer.", (None, "The answer.")),  # thinking switched off: all content
+    ("qwen3", "<think>cut off", ("cut off", None)),
+    ("qwen3", "<think></think>Yes", (None, "Yes")),
+])
+def test_split(name, text, expected):
+    assert get_reasoning_parser(name).split(text) == expected
+
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
+def test_a_stream_sends_what_the_whole_reply_splits_into(name):
+    """However the reply is cut into deltas (a tag split across them included), the parts add up to split()'s."""
+    parser = get_reasoning_parser(name)
+    rng = random.Random(0)
+    for text in REPLIES:
+        reasoning, content = parser.split(text)
+        for _ in range(30):
+            cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 6))))
+            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+            stream, got = parser.stream(), [[], []]
+            for piece in pieces:
+                for part, sent in zip(got, stream.feed(piece)):
+                    part.append(sent)
+            for part, sent in zip(got, stream.finish()):
+                part.append(sent)
+            assert ("".join(got[0]) or None, "".join(got[1]) or None) == (reasoning, content), (text, pieces)
+
+
+def test_an_unknown_parser_names_the_known_ones():
+    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
+        get_reasoning_parser("r2")
+
+
+# ---- served ---------------------------------------------------------------------------------
+MESSAGES = [{"role": "user", "content": "Is 9.11 bigger than 9.8?"}]
+SCRIPT = "<think>Compare the tenths: 1 < 8.</think>No, 9.8 is bigger."
+
+
+def _scripted_loader(prompt_len: int, reply_ids: list[int], eos: int):
+    """The tiny model's runtime, its logits forcing `reply_ids` after any prompt of `prompt_len` tokens, then EOS
+    (a random model writes no <think>; what follows the parser is the API's, not the model's)."""
+
+    def loader(cfg):
+        runtime = load_runtime(cfg)
+        execute = runtime.runner.execute
+
+        def forced(chunks):
+            logits = execute(chunks).clone()  # (an inference tensor: not written in place outside inference mode)
+            rows = [c for c in chunks if c.needs_logits]
+            for row, chunk in enumerate(rows):
+                k = chunk.start_pos + len(chunk.token_ids) - prompt_len  # the output token this row chooses
+                logits[row] = -torch.inf
+                logits[row, reply_ids[k] if 0 <= k < len(reply_ids) else eos] = 0.0
+            return logits
+
+        runtime.runner.execute = forced
+        return runtime
+
+    return loader
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    prompt_len = len(tok.encode(text, add_special_tokens=False))  # as the server tokenizes a rendered chat
+    return _scripted_loader(prompt_len, tok.encode(SCRIPT, add_special_tokens=False), tok.eos_token_id)
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_served_reasoning_streamed_or_not(tiny_model_dir, scripted, parser):
+    cfg = tiny_config(tiny_model_dir)
+    cfg.server.reasoning_parser = parser
+    with live_server(cfg, loader=scripted) as live:
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+        kw = dict(model="tiny", messages=MESSAGES, max_tokens=60, temperature=0)
+        message = client.chat.completions.create(**kw).choices[0].message
+        assert message.model_extra["reasoning"] == "Compare the tenths: 1 < 8."
+        assert message.content == "No, 9.8 is bigger."
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas) == "Compare the tenths: 1 < 8."
+        assert "".join(d.content or "" for d in deltas) == "No, 9.8 is bigger."
+        assert not any((d.model_extra or {}).get("reasoning") and d.content for d in deltas)  # one part a delta
+        # a constrained reply is all content (the grammar leaves no room to think): nothing is split off
+        constrained = httpx.post(f"{live.url}/v1/chat/completions", json={
+            **kw, "structured_outputs": {"regex": ".*"}}).json()["choices"][0]["message"]
+        assert constrained["content"] == SCRIPT and constrained.get("reasoning") is None
+        # an earlier reply's reasoning sent back is accepted under either name
+        history = [*MESSAGES, {"role": "assistant", "content": "No.", "reasoning_content": "1 < 8"},
+                   {"role": "user", "content": "Sure?"}]
+        assert client.chat.completions.create(model="tiny", messages=history, max_tokens=1).choices
+
+
+def test_without_a_parser_the_reply_is_all_content(tiny_model_dir, scripted):
+    with live_server(tiny_config(tiny_model_dir), loader=scripted) as live:
+        body = httpx.post(f"{live.url}/v1/chat/completions", json={
+            "messages": MESSAGES, "max_tokens": 60, "temperature": 0}).json()
+    assert body["choices"][0]["message"]["content"] == SCRIPT and "reasoning" not in body["choices"][0]["message"]
+
+
+def test_responses_api_gives_the_reasoning_its_own_item(tiny_model_dir, scripted):
+    cfg = tiny_config(tiny_model_dir)
+    cfg.server.reasoning_parser = "deepseek_r1"
+    with live_server(cfg, loader=scripted) as live:
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+        kw = dict(model="tiny", input=MESSAGES, max_output_tokens=60, temperature=0)
+        resp = client.responses.create(**kw)
+        thought, said = resp.output
+        assert thought.type == "reasoning" and thought.content[0].text == "Compare the tenths: 1 < 8."
+        assert said.type == "message" and resp.output_text == "No, 9.8 is bigger." and resp.status == "completed"
+        events = list(client.responses.create(stream=True, **kw))
+        kinds = [e.type for e in events]
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought.content[0].text
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == resp.output_text
+        assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+        assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 2
+        final = events[-1].response
+        assert [i.type for i in final.output] == ["reasoning", "message"] and final.output[0].status == "completed"
+        # cut off while thinking: the reasoning alone, incomplete
+        short = client.responses.create(**{**kw, "max_output_tokens": 5})
+        assert [i.type for i in short.output] == ["reasoning"] and short.output[0].status == "incomplete"
+        streamed = list(client.responses.create(stream=True, **{**kw, "max_output_tokens": 5}))
+        assert [i.type for i in streamed[-1].response.output] == ["reasoning"]
+        assert streamed[-1].type == "response.incomplete"
+        # the reasoning item sent back is accepted (and listed among the input items)
+        again = client.responses.create(model="tiny", input=[*MESSAGES, thought.model_dump(exclude_none=True),
+                                                             {"role": "user", "content": "Sure?"}], max_output_tokens=1)
+        assert [i.type for i in client.responses.input_items.list(again.id, order="asc").data] == [
+            "message", "reasoning", "message"]
