@@ -26,8 +26,9 @@ from server.api.errors import APIError, error_response
 from server.api.metrics import ServerMetrics
 from server.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                  CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
-                                 HealthStatus, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
-                                 VersionResponse)
+                                 EmbeddingRequest, EmbeddingResponse, HealthStatus, ModelCard, ModelList,
+                                 TokenizeRequest, TokenizeResponse, VersionResponse)
+from server.api.embeddings import EmbeddingsAPI
 from server.api.response_store import ResponseStore
 from server.api.responses import DeletedResponse, InputItemList, ResponseObject, ResponsesAPI, ResponsesRequest
 from server.api.serving import OpenAIServing
@@ -89,6 +90,7 @@ class AppState:
         self.starting_engine: EngineCoreClient | None = None  # an engine core spawned, not yet serving
         self.serving: OpenAIServing | None = None
         self.responses: ResponsesAPI | None = None
+        self.embeddings: EmbeddingsAPI | None = None
 
     def start(self, runtime: Runtime) -> None:
         """Serve from an engine loaded in this process (its loop runs in a thread)."""
@@ -138,7 +140,8 @@ class AppState:
         defaults = sampling_defaults(model_dir, self.cfg.model.generation_config) if model_dir else {}
         serving = OpenAIServing(self.engine, tokenizer, self.cfg, self.metrics, defaults)
         self.responses = ResponsesAPI(serving, ResponseStore(self.cfg.server.responses_store_size))
-        self.serving = serving  # last: a set serving layer means both are ready (ready_state)
+        self.embeddings = EmbeddingsAPI(serving)
+        self.serving = serving  # last: a set serving layer means the others are ready (ready_state)
         if isinstance(engine, AsyncEngine):
             engine.start()
         else:
@@ -379,6 +382,10 @@ def _install_routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_POST_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request):
         return await respond(await serving(request).chat(body, request))
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_POST_RESPONSES)
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        return await ready_state(request).embeddings.create(body, request)
 
     @app.post("/v1/responses", response_model=ResponseObject, responses=_POST_RESPONSES)
     async def responses(body: ResponsesRequest, request: Request):

@@ -271,14 +271,50 @@ class CompletionRequest(_Request):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            return []
-        if isinstance(p[0], int):
-            return [p]
-        return list(p)
+        return prompt_list(self.prompt)
+
+
+def prompt_list(p: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """A text, texts, token ids or lists of them, as a list of prompts (text or token ids)."""
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        return []
+    if isinstance(p[0], int):
+        return [p]
+    return list(p)
+
+
+class EmbeddingRequest(RequestPart):
+    """POST /v1/embeddings (OpenAI's fields, and vLLM's truncate_prompt_tokens and add_special_tokens)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="the first this many values, normalised again (for "
+                                                           "models trained for it: Matryoshka embeddings)")
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=1, description="embed each input's last k tokens")
+    add_special_tokens: bool = True
+    normalize: bool = Field(True, description="L2-normalise each vector (vLLM's switch; false: the raw state)")
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str = Field(description="floats, or base64 of little-endian float32 values")
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ContentPart(RequestPart):

@@ -61,6 +61,9 @@ def load_chat_template(value: str | None) -> str | None:
     return path.expanduser().read_text()
 
 
+_EMBED = SamplingParams(max_tokens=1, temperature=0.0, embed=True)  # a pooling request: no token comes out
+
+
 class _Choice:
     """Accumulates one choice's text, tokens and logprobs for a non-streamed response."""
 
@@ -72,6 +75,7 @@ class _Choice:
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
         self.prediction_tokens: tuple[int, int] | None = None  # with a predicted reply: (kept, refused) so far
+        self.embedding: list[float] | None = None  # an embedding request's hidden state
 
 
 class _TextOffsets:
@@ -318,6 +322,7 @@ class OpenAIServing:
                 c.num_cached_tokens = max(c.num_cached_tokens, out.num_cached_tokens)
                 c.prediction_tokens = out.prediction_tokens or c.prediction_tokens
                 c.finish_reason = out.finish_reason or c.finish_reason
+                c.embedding = out.embedding or c.embedding
 
         work = asyncio.gather(*(drain(i * n, g) for i, g in enumerate(gens)))
         watcher = asyncio.ensure_future(self._wait_disconnect(raw))
@@ -448,6 +453,22 @@ class OpenAIServing:
                                        if req.logprobs is not None else None),
                              prompt_logprobs=shared[i // req.n])
             for i, c in enumerate(choices)])
+
+    # ---- embeddings --------------------------------------------------------------------------
+    async def last_hidden_states(self, prompts: list[str | list[int]], add_special_tokens: bool,
+                                 truncate: int | None, raw: Request, rid: str) -> tuple[list[list[float]], int]:
+        """Each prompt's last hidden state (the engine's pooling pass) and the prompts' token count."""
+        try:
+            ids = [self._truncated(self._tokenize(p, add_special_tokens), truncate) for p in prompts]
+            for one in ids:
+                self._max_tokens(1, len(one), 1)  # the engine's sequences end within max_model_len
+        except APIError as exc:  # the prompt checks name the completions field
+            exc.param = "input" if exc.param == "prompt" else exc.param
+            raise
+        gens = self._submit([(one, _EMBED) for one in ids], 1, rid)
+        choices = await self._collect(raw, gens, 1)
+        self._observe(ids, 1, [0] * len(ids))
+        return [c.embedding for c in choices], sum(len(one) for one in ids)
 
     def _completion_delta(self, out: SeqOutput, index: int, state: dict) -> CompletionChoice:
         echo = state["echo"].pop(index, "")

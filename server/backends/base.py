@@ -22,6 +22,7 @@ class SeqChunk:
     needs_logits: bool = True
     block_table: list[int] | None = None
     all_logits: bool = False  # logits of every position of the chunk, in order (prompt logprobs)
+    wants_hidden: bool = False  # the hidden state of its logits row too (hidden_rows; an embedding request)
 
 
 class ModelRunner(Protocol):
@@ -35,6 +36,7 @@ class ModelRunner(Protocol):
 
     supports_paged_kv: bool  # True: allocate_kv_blocks + block tables (the engine can share prefix blocks)
     supports_prompt_logprobs: bool  # True: honours SeqChunk.all_logits (absent: False)
+    supports_embeddings: bool  # True: hidden_rows() after a step with SeqChunk.wants_hidden (absent: False)
 
     def allocate_kv(self, num_slots: int) -> None:
         """Reserve KV storage for `num_slots` concurrent sequences of up to max_model_len tokens."""
@@ -48,6 +50,9 @@ class ModelRunner(Protocol):
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """Run one forward over all chunks; fp32 logits, one row per chunk with needs_logits (its last
         position), or one per position for a chunk with all_logits (backends with supports_prompt_logprobs)."""
+
+    def hidden_rows(self) -> torch.Tensor:
+        """The last execute's final hidden states (after the model's last norm), one per logits row."""
 
     def release_slot(self, slot: int) -> None:
         """Forget a finished sequence's cache slot (may be a no-op)."""

@@ -49,6 +49,7 @@ class TorchRunner:
 
     supports_paged_kv = True
     supports_prompt_logprobs = True  # SeqChunk.all_logits
+    supports_embeddings = True  # hidden_rows
 
     def __init__(self, model_dir: Path, max_model_len: int, dtype: str = "auto", device: str = "cpu",
                  compressed: Path | None = None, num_threads: int | None = None, pack_weights: bool = True,
@@ -155,9 +156,12 @@ class TorchRunner:
 
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
         batch = self.build_batch(chunks)
-        if self.graphs is not None and self.graphs.applies(batch):
-            return self.graphs.run(batch)
+        if self.graphs is not None and self.graphs.applies(batch) and not any(c.wants_hidden for c in chunks):
+            return self.graphs.run(batch)  # (a replayed graph keeps no hidden states)
         return self.model(batch, self.cache)
+
+    def hidden_rows(self) -> torch.Tensor:
+        return self.model.last_hidden
 
     def release_slot(self, slot: int) -> None:
         """Cache positions are overwritten before they are read; nothing to clear."""

@@ -71,6 +71,8 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id}")
         if params.prompt_logprobs is not None and not getattr(self.runner, "supports_prompt_logprobs", False):
             raise ValueError("this backend cannot return prompt logprobs (echo with logprobs)")
+        if params.embed and not getattr(self.runner, "supports_embeddings", False):
+            raise ValueError("this backend cannot return embeddings")
         seqs = []
         for index in range(n):
             generator = None
@@ -105,18 +107,24 @@ class LLMEngine:
         if not chunks:
             return []
         self.max_batch_size_seen = max(self.max_batch_size_seen, len(chunks))
-        sampled = [c for c in chunks if c.completes_seq and not c.draft]
+        completing = [c for c in chunks if c.completes_seq and not c.draft]  # a logits row each, in this order
+        sampled = [c for c in completing if not c.seq.params.embed]
+        pooled = [c for c in completing if c.seq.params.embed]  # embedding requests: a hidden row, no token
         drafted = [c for c in chunks if c.draft]
         every_row = [c.seq.wants_prompt_logits or bool(c.draft) for c in chunks]
         try:
             logits = self.runner.execute([
-                SeqChunk(c.seq.slot, c.token_ids(), c.start, c.completes_seq, c.seq.block_table or None, all_rows)
+                SeqChunk(c.seq.slot, c.token_ids(), c.start, c.completes_seq, c.seq.block_table or None, all_rows,
+                         c.seq.params.embed)
                 for c, all_rows in zip(chunks, every_row)])
+            embeddings = self._pooled_rows(chunks, every_row, pooled) if pooled else []
             # the runner may hand back inference-mode tensors, which penalties edit in place
             with torch.inference_mode():
                 checked = []
                 if any(every_row):
                     logits, checked = self._split_rows(chunks, every_row, logits)
+                if pooled:  # their rows go to no sampler
+                    logits = logits[[i for i, c in enumerate(completing) if not c.seq.params.embed]]
                 tokens, logprobs = sample(logits, [c.seq for c in sampled])
                 accepted = [check_draft(rows, c.draft, c.seq) for c, rows in zip(drafted, checked)]
         except Exception as exc:  # fail this step's sequences, keep the engine alive
@@ -126,13 +134,14 @@ class LLMEngine:
         self.scheduler.mark_computed([c for c in chunks if not c.draft])
         now = time.monotonic()
         outputs = [self._advance(c, [tok], [lp], now) for c, tok, lp in zip(sampled, tokens, logprobs)]
+        outputs += [self._embedded(c.seq, vector, now) for c, vector in zip(pooled, embeddings)]
         for chunk, new in zip(drafted, accepted):
             outputs.append(self._advance(chunk, new, [None] * len(new), now))
             if not chunk.seq.is_finished:  # the checked draft tokens' K/V stay; a rejected tail is overwritten later
                 chunk.num_tokens = len(new)
                 self.scheduler.mark_computed([chunk])
         if self.observers:
-            stats = self._stats([c.seq for c in sampled + drafted], num_prompt_tokens, len(chunks), now)
+            stats = self._stats([c.seq for c in sampled + drafted + pooled], num_prompt_tokens, len(chunks), now)
             stats.num_generation_tokens = len(sampled) + sum(len(new) for new in accepted)
             stats.num_draft_tokens = sum(len(c.draft) for c in drafted)
             stats.num_accepted_tokens = sum(len(new) - 1 for new in accepted)
@@ -166,6 +175,23 @@ class LLMEngine:
             return []
         return propose(seq.prompt_ids + seq.output_ids, min(room, spec.num_speculative_tokens), spec.prompt_lookup_max,
                        spec.prompt_lookup_min)
+
+    def _pooled_rows(self, chunks: list[ScheduledTokens], every_row: list[bool],
+                     pooled: list[ScheduledTokens]) -> list[list[float]]:
+        """Each pooled chunk's hidden state at its last position (its logits row), as fp32 values."""
+        last_row, row = {}, 0
+        for chunk, all_rows in zip(chunks, every_row):
+            row += chunk.num_tokens if all_rows else int(chunk.completes_seq)
+            last_row[id(chunk)] = row - 1
+        hidden = self.runner.hidden_rows()
+        return hidden[[last_row[id(c)] for c in pooled]].float().tolist()
+
+    def _embedded(self, seq: Sequence, vector: list[float], now: float) -> SeqOutput:
+        """End an embedding request's sequence with its vector (its prompt is all it had to compute)."""
+        seq.first_token_time = now
+        seq.embedding = vector
+        self._finish(seq, "stop")
+        return self._output(seq, num_new=0)
 
     @staticmethod
     def _split_rows(chunks: list[ScheduledTokens], every_row: list[bool],
@@ -240,7 +266,8 @@ class LLMEngine:
         out = SeqOutput(seq.request_id, seq.index, seq.detok.take_delta(finished), token_ids, lps,
                         seq.finish_reason if finished else None, len(seq.prompt_ids), len(seq.output_ids), error,
                         seq.num_cached_tokens, prompt_lps,
-                        None if seq.prediction is None else (seq.prediction.accepted, seq.prediction.rejected))
+                        None if seq.prediction is None else (seq.prediction.accepted, seq.prediction.rejected),
+                        seq.embedding)
         if finished and all(s.is_finished for s in self.seqs.get(seq.request_id, [])):
             self.seqs.pop(seq.request_id, None)
         return out

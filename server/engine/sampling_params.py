@@ -55,6 +55,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the matched stop string at the end of the text
     structured: StructuredOutput | None = None
     prediction: list[int] | None = None  # the reply's expected tokens (OpenAI's Predicted Outputs): draft source
+    embed: bool = False  # a pooling request: the prompt's last hidden state (after the final norm), no tokens
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

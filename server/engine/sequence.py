@@ -49,6 +49,7 @@ class SeqOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # with a predicted reply: its drafted tokens the reply kept and those the model refused, so far
     prediction_tokens: tuple[int, int] | None = None
+    embedding: list[float] | None = None  # a pooling request's: the prompt's last hidden state
 
     def followed_by(self, later: SeqOutput) -> SeqOutput:
         """This output and the same sequence's next one as one delta (the API's --stream-interval sends them so)."""
@@ -60,7 +61,8 @@ class SeqOutput:
                          num_output_tokens=later.num_output_tokens, error=later.error,
                          num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens),
                          prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None
-                         else later.prompt_logprobs, prediction_tokens=later.prediction_tokens)
+                         else later.prompt_logprobs, prediction_tokens=later.prediction_tokens,
+                         embedding=later.embedding)
 
 
 @dataclass
@@ -91,6 +93,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # filled chunk by chunk
     logits_state: object | None = None  # owned by engine.logits_processors (grammar matcher, caches)
     prediction: PredictedOutput | None = None  # the reply the request predicts, and where this one stands in it
+    embedding: list[float] | None = None  # an embedding request's vector, once its prompt is computed
 
     @property
     def num_tokens(self) -> int:

@@ -358,6 +358,7 @@ class LlamaModel(nn.Module):
         self._layer_calls: list[LayerCalls] | None = None
         self.use_decoder_plan = True  # run the layers in C++ where decoder_plan() allows (off: the Python loop)
         self._decoder_plan: torch.ScriptObject | None | bool = False  # False: not built yet
+        self.last_hidden: torch.Tensor | None = None  # the last forward's final-normed rows (those with logits)
         self.requires_grad_(False)
 
     def fuse_projections(self) -> None:
@@ -437,7 +438,7 @@ class LlamaModel(nn.Module):
         plan = self.decoder_plan() if self.use_decoder_plan and not batch.sdpa_chunks else None
         if plan is not None:  # the same ops in the same order, in one call (csrc/decoder.cpp)
             h = kernels.decode_layers(plan, x, h, cos, sin, cache.k, cache.v, slots, tables, seq_index, lens, rows)
-            return self.lm_head(h).float()
+            return self._logits(h)
         calls = self.layer_calls()
         for layer, k_cache, v_cache in zip(calls, cache.k, cache.v):
             attn = layer.attention
@@ -451,4 +452,9 @@ class LlamaModel(nn.Module):
                 out, x = out[rows], x[rows]
             h = add_rms_norm(x, layer.o(out), layer.post_attention_norm, eps)
             h = add_rms_norm(x, layer.down(silu_mul(layer.gate_up(h))), layer.next_norm, eps)
+        return self._logits(h)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the final-normed rows h, which stay readable as `last_hidden` (embeddings pool them)."""
+        self.last_hidden = h
         return self.lm_head(h).float()

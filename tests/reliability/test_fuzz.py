@@ -115,7 +115,8 @@ def test_fuzz_get_endpoints(live, schema, label):
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-@pytest.mark.parametrize("label", ["POST /tokenize", "POST /detokenize", "POST /invocations", "POST /v1/responses"])
+@pytest.mark.parametrize("label", ["POST /tokenize", "POST /detokenize", "POST /invocations", "POST /v1/responses",
+                                   "POST /v1/embeddings"])
 def test_fuzz_token_endpoints(live, schema, label, mode):
     _fuzz(live, _operations(schema)[label], mode, 40)
 
