@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.harness import ROW_PREFIX, level_size, machine_facts, publish
+from bench.harness import ROW_PREFIX, level_size, machine_facts, prompt_id_bound, publish
 from server.config import load_config
 from server.engine.sampling_params import SamplingParams
 from server.gc_heap import startup_heap
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"kv_cache_dtype": args.kv_cache_dtype})})
     with startup_heap("engine workload"):  # as the server's engine core starts (server.gc_heap)
         engine = load_runtime(cfg).engine
-    vocab = engine.runner.vocab_size
+    vocab = prompt_id_bound(engine.runner.vocab_size, engine.tokenizer)
     rng = random.Random(args.seed)
 
     def level(c: int) -> dict:

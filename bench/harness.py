@@ -44,6 +44,12 @@ def level_size(concurrency: int) -> int:
     return max(4, 2 * concurrency)
 
 
+def prompt_id_bound(vocab_size: int, tokenizer) -> int:
+    """The bound of a benchmark's random prompt ids: below the model's vocabulary and its tokenizer's (an embedding
+    table may be padded past the tokenizer, as Qwen's are, and servers refuse ids their tokenizer lacks)."""
+    return min(vocab_size, len(tokenizer))
+
+
 def run_client(coro: Coroutine):
     """Run a benchmark client's coroutine on uvloop where it is installed, else on asyncio's loop.
 

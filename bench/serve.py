@@ -37,12 +37,13 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.harness import (NEURONMM, REPO, ROW_PREFIX, free_port, level_size, machine_facts, publish, run_client,
-                           run_logged, wait_healthy)
+from bench.harness import (NEURONMM, REPO, ROW_PREFIX, free_port, level_size, machine_facts, prompt_id_bound, publish,
+                           run_client, run_logged, wait_healthy)
 from bench.read_bandwidth import read_bandwidth_gbs
 from server.config import load_config
 from server.models.cpu_features import has_native_bf16
 from server.models.source import resolve_model_dir
+from server.runtime import load_tokenizer
 
 RESULTS = Path(__file__).parent / "results"
 PEERS = Path(os.environ.get("NEURONMM_PEERS_DIR", "~/.cache/neuronmm-peers")).expanduser()
@@ -446,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config)
     model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    vocab = prompt_id_bound(json.loads((model_dir / "config.json").read_text())["vocab_size"],
+                            load_tokenizer(model_dir))
     port = free_port()
     systems = (neuronmm_systems(args.config, args.compressed, port, args.fp32, args.kv_cache_dtype,
                                 args.stream_interval) if "neuronmm" in args.systems else [])

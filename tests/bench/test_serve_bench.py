@@ -275,3 +275,11 @@ def test_fewer_than_one_round_is_a_one_line_cli_error(capsys):
     with pytest.raises(SystemExit):
         serve.parse_args(["--twin-rounds", "0"])
     assert "--twin-rounds must be at least 1" in capsys.readouterr().err
+
+
+def test_prompt_ids_stay_below_the_tokenizer_of_a_padded_vocabulary():
+    """Qwen's embedding tables are padded past their tokenizers: ids from the padding would be refused (400)."""
+    from bench.harness import prompt_id_bound
+
+    tokenizer = ["t"] * 49152
+    assert prompt_id_bound(151936, tokenizer) == 49152 and prompt_id_bound(32000, tokenizer) == 32000
