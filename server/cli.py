@@ -16,12 +16,25 @@ from server.config import ConfigError
 from server.gc_heap import collections_held
 
 # Subcommands that live in other packages register themselves through `register(subparsers)`.
+log = logging.getLogger(__name__)
+
 _PLUGIN_MODULES = ("compression.cli", "compression.evaluation.cli", "compression.recovery.cli", "bench.cli")
 
 
 _DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float32": "float32", "float16": "float16",
            "half": "float16", "float": "float32"}  # vLLM's spellings
 _KV_DTYPES = {**_DTYPES, "fp8": "fp8", "fp8_e4m3": "fp8_e4m3"}
+# vLLM flags a copied command line brings that change nothing here, each with why: accepted, and named in a log line
+_VLLM_NO_EFFECT = {
+    "--trust-remote-code": (None, "the supported architectures are built in: no model code is downloaded or run"),
+    "--gpu-memory-utilization": (float, "the KV block pool is sized by engine.kv_cache_gib"),
+    "--swap-space": (float, "a preempted sequence is recomputed, not swapped"),
+    "--enable-chunked-prefill": (None, "prompts are always taken in chunks (--max-num-batched-tokens)"),
+    "--max-logprobs": (int, "logprobs go up to 20, as OpenAI's"),
+    "--disable-log-requests": (None, "requests are not logged one by one"),
+    "--enable-log-requests": (None, "requests are not logged one by one"),
+    "--disable-log-stats": (None, "the engine logs no periodic stats: /metrics has them"),
+}
 
 
 def _env_default(flag: str) -> str | None:
@@ -121,9 +134,19 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     flag("--allowed-origins", type=_origins, metavar="ORIGINS",
          help='CORS origins, a JSON list as vLLM takes it (\'["*"]\') or comma-separated (default: none)')
     flag("--uvicorn-log-level", choices=["debug", "info", "warning", "error"], help="the server's log level")
+    flag("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request (as vLLM's)")
     flag("--shutdown-grace-s", type=float,
          help="on SIGTERM, how long in-flight requests may take before they are cut off")
+    vllm = p.add_argument_group("accepted from vLLM command lines, no effect here")
+    for name, (kind, why) in _VLLM_NO_EFFECT.items():
+        extra = {"action": "store_true"} if kind is None else {"type": kind, "metavar": kind.__name__.upper()}
+        vllm.add_argument(name, default=None, help=why, **extra)
     p.set_defaults(func=_run_serve)
+
+
+def ignored_vllm_flags(args: argparse.Namespace) -> list[str]:
+    """The no-effect vLLM flags a serve command line gave."""
+    return [name for name in _VLLM_NO_EFFECT if getattr(args, name.lstrip("-").replace("-", "_")) not in (None, False)]
 
 
 def _model_section(model: str, name: str) -> dict:
@@ -183,6 +206,7 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict]:
         "engine.speculative": args.speculative_config, "engine.block_size": args.block_size,
         "engine.enable_prefix_caching": args.enable_prefix_caching, "server.cors_origins": args.allowed_origins,
         "server.log_level": args.uvicorn_log_level,
+        "server.access_log": False if args.disable_uvicorn_access_log else None,
     })
     return config, overrides
 
@@ -201,6 +225,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     cfg = load_config(*serve_overrides(args))
     _check_port_free(cfg.server.host, cfg.server.port)
+    for name in ignored_vllm_flags(args):
+        log.info("%s: accepted as vLLM takes it, no effect here (%s)", name, _VLLM_NO_EFFECT[name][1])
     core = None
     if cfg.server.engine_process and cfg.backend == "torch":
         # The engine core first, on the model converted here (once, on first use): its imports and load (seconds)

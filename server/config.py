@@ -119,6 +119,7 @@ class ServerConfig(_Strict):
     # The engine in its own process (as vLLM's engine core): HTTP work then never holds the engine's GIL.
     engine_process: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    access_log: bool = Field(True, description="a log line per HTTP request (uvicorn's access log)")
     # vLLM's --stream-interval: the first token goes out at once, then a chunk per this many tokens (and the last)
     stream_interval: int = Field(1, ge=1, description="tokens per streamed chunk after the first: more mean fewer "
                                                       "writes and less API CPU a token, at a coarser stream")

@@ -502,6 +502,7 @@ def serve(cfg: Config, engine_core: EngineCoreClient | None = None) -> int:
     if engine_core is None:  # with a core, `neuronmm serve` resolved it before the spawn (each resolve hashes the GGUF)
         resolve_model_dir(cfg.model, cfg.cache_path)
     app = create_app(cfg, freeze_startup_heap=True, engine_core=engine_core)
-    config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level)
+    config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
+                            access_log=cfg.server.access_log)
     GracefulServer(config, app.state.neuronmm, cfg.server.shutdown_grace_s).run()
     return 0

@@ -292,3 +292,16 @@ def test_ctrl_c_before_a_command_handles_it_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_run_serve", interrupted)
     assert main(["serve", "--port", "0"]) == 130
     assert capsys.readouterr().err.strip() == "neuronmm: interrupted"
+
+
+def test_vllm_flags_without_effect_here_are_accepted_and_named():
+    from server.cli import build_parser, ignored_vllm_flags
+
+    args = build_parser().parse_args(["serve", "--trust-remote-code", "--gpu-memory-utilization", "0.9",
+                                      "--disable-log-requests", "--max-logprobs", "20"])
+    assert ignored_vllm_flags(args) == ["--trust-remote-code", "--gpu-memory-utilization", "--max-logprobs",
+                                        "--disable-log-requests"]
+    assert ignored_vllm_flags(build_parser().parse_args(["serve"])) == []
+    assert _serve_config(["--trust-remote-code", "--swap-space", "4"]) == _serve_config([])  # the config unchanged
+    assert _serve_config(["--disable-uvicorn-access-log"]).server.access_log is False
+    assert _serve_config([]).server.access_log is True
