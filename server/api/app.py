@@ -39,7 +39,7 @@ from server.engine.async_engine import AsyncEngine
 from server.engine.engine_core import EngineCoreClient
 from server.gc_heap import freeze_heap
 from server.models.source import resolve_model_dir
-from server.runtime import Runtime, load_runtime, load_tokenizer, sampling_defaults
+from server.runtime import Runtime, eos_token_ids, load_runtime, load_tokenizer, sampling_defaults
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,8 @@ class AppState:
         self.engine = engine
         self.metrics.bind_gauges(lambda: self.engine.num_running, lambda: self.engine.num_waiting)
         defaults = sampling_defaults(model_dir, self.cfg.model.generation_config) if model_dir else {}
-        serving = OpenAIServing(self.engine, tokenizer, self.cfg, self.metrics, defaults)
+        serving = OpenAIServing(self.engine, tokenizer, self.cfg, self.metrics, defaults,
+                                eos_token_ids(model_dir, tokenizer) if model_dir else None)
         self.responses = ResponsesAPI(serving, ResponseStore(self.cfg.server.responses_store_size))
         self.embeddings = EmbeddingsAPI(serving)
         self.serving = serving  # last: a set serving layer means the others are ready (ready_state)

@@ -122,6 +122,8 @@ class StructuredOutputs(RequestPart):
 
 
 # vLLM's older names for structured_outputs' fields (removed in vLLM 0.12; clients still send them)
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each beam's step asks for its 2 x width likeliest next tokens
+
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern"}
 
@@ -156,6 +158,10 @@ class _Request(RequestPart):
                                                                        "(-1: max_model_len)")
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each prompt token's logprob "
                                                                                 "and its top alternatives")
+    use_beam_search: bool = Field(False, description="vLLM's beam search: the n best replies of a search n beams "
+                                                     "wide (n at most 10)")
+    length_penalty: float = Field(1.0, allow_inf_nan=False, description="beam search: a reply's score is its "
+                                                                       "logprob over length ** length_penalty")
     # structured output (one constraint at most)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -225,6 +231,22 @@ class _Request(RequestPart):
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @model_validator(mode="after")
+    def _check_beam_search(self):
+        if not self.use_beam_search:
+            return self
+        clash = [name for name, used in (
+            ("stream", self.stream), ("stop", self.stop), ("echo", getattr(self, "echo", False)),
+            ("logprobs", getattr(self, "logprobs", None) not in (None, False)),
+            ("prompt_logprobs", self.prompt_logprobs is not None), ("tools", getattr(self, "tools", None)),
+            ("structured output", self.structured_outputs is not None or (
+                self.response_format is not None and self.response_format.type != "text"))) if used]
+        if clash:
+            raise ValueError(f"use_beam_search does not combine with {', '.join(clash)}")
+        if self.n > MAX_BEAM_WIDTH:
+            raise ValueError(f"use_beam_search: n (the beam width) is at most {MAX_BEAM_WIDTH}")
+        return self
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         structured: StructuredOutput | None = None) -> SamplingParams:

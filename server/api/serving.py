@@ -25,6 +25,7 @@ from server.api.protocol import (ChatChoice, ChatCompletionRequest, ChatCompleti
                                  NamedToolChoice, Prediction, PromptLogprob, PromptLogprobs, PromptTokensDetails,
                                  StreamChunk, StreamOptions, TokenizeChatRequest, TokenizeCompletionRequest,
                                  TokenizeResponse, ToolCallDelta, UsageInfo)
+from server.api.beam_search import Beam, beam_search
 from server.api.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
 from server.api.tool_parsers import ToolCallStream, get_tool_parser
 from server.config import Config, ConfigError
@@ -94,8 +95,10 @@ class _TextOffsets:
 class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
 
-    def __init__(self, engine, tokenizer, cfg: Config, metrics: ServerMetrics, sampling_defaults: dict | None = None):
+    def __init__(self, engine, tokenizer, cfg: Config, metrics: ServerMetrics, sampling_defaults: dict | None = None,
+                 eos_ids: set[int] | None = None):
         self.engine = engine
+        self.eos_ids = frozenset(eos_ids if eos_ids is not None else {tokenizer.eos_token_id} - {None})
         self.sampling_defaults = self._checked_defaults(sampling_defaults or {})
         self.tokenizer = tokenizer
         self.model_name = cfg.model.name
@@ -429,6 +432,15 @@ class OpenAIServing:
         prompts = [self._truncated(self._tokenize(p), req.truncate_prompt_tokens) for p in req.prompts()]
         if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")
+        if req.use_beam_search:
+            rid = f"cmpl-{raw.state.request_id}"
+            searched = [await self._beam_search(req, ids, self._max_tokens(req.max_tokens, len(ids), 16), raw, rid)
+                        for ids in prompts]
+            return CompletionResponse(id=rid, model=self.model_name, choices=[
+                CompletionChoice(index=p * req.n + i, text=text, finish_reason=reason)
+                for p, beams in enumerate(searched) for i, (text, reason) in enumerate(self._beam_texts(req, beams))],
+                usage=self._usage(sum(len(ids) for ids in prompts),
+                                  sum(len(b.tokens) for beams in searched for b in beams)))
         structured = self._structured(req)
         requests = [(ids, self._params(req, self._max_tokens(req.max_tokens, len(ids), 16), req.logprobs, structured))
                     for ids in prompts]
@@ -453,6 +465,33 @@ class OpenAIServing:
                                        if req.logprobs is not None else None),
                              prompt_logprobs=shared[i // req.n])
             for i, c in enumerate(choices)])
+
+    # ---- beam search -------------------------------------------------------------------------
+    async def _beam_search(self, req: CompletionRequest | ChatCompletionRequest, prompt: list[int], max_tokens: int,
+                           raw: Request, rid: str) -> list[Beam]:
+        """The n best replies of a beam search n wide, each step the engine's one token of every live beam."""
+        step = 0
+
+        async def next_tokens(prefixes: list[list[int]], num: int) -> list[TokenLogprob]:
+            nonlocal step
+            step += 1
+            params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=num, ignore_eos=True,
+                                    skip_special_tokens=req.skip_special_tokens)
+            for prefix in prefixes:
+                self._max_tokens(1, len(prefix), 1)  # each prefix still fits max_model_len
+            choices = await self._collect(raw, self._submit([(p, params) for p in prefixes], 1, f"{rid}-{step}"), 1)
+            return [c.logprobs[0] for c in choices]
+
+        ends = frozenset(req.stop_token_ids or ()) | (frozenset() if req.ignore_eos else self.eos_ids)
+        beams = await beam_search(next_tokens, prompt, req.n, max_tokens, ends, req.length_penalty)
+        self._observe([prompt], req.n, [len(b.tokens) for b in beams])
+        return beams
+
+    def _beam_texts(self, req, beams: list[Beam]) -> list[tuple[str, str]]:
+        """Each beam's text (its end token left out) and finish reason."""
+        return [(self.tokenizer.decode(b.tokens[:-1] if b.ended else b.tokens,
+                                       skip_special_tokens=req.skip_special_tokens), "stop" if b.ended else "length")
+                for b in beams]
 
     # ---- embeddings --------------------------------------------------------------------------
     async def last_hidden_states(self, prompts: list[str | list[int]], add_special_tokens: bool,
@@ -510,6 +549,13 @@ class OpenAIServing:
         ids = self._truncated(ids, req.truncate_prompt_tokens)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = self._max_tokens(req.max_completion_tokens or req.max_tokens, len(ids), None)
+        if req.use_beam_search:
+            rid = f"chatcmpl-{raw.state.request_id}"
+            beams = await self._beam_search(req, ids, max_tokens, raw, rid)
+            return ChatCompletionResponse(id=rid, model=self.model_name, choices=[
+                ChatChoice(index=i, message=ChatMessageOut(content=text), finish_reason=reason)
+                for i, (text, reason) in enumerate(self._beam_texts(req, beams))],
+                usage=self._usage(len(ids), sum(len(b.tokens) for b in beams)))
         structured = self._structured(req)
         params = self._params(req, max_tokens, logprobs, structured)
         if req.prediction is not None:
