@@ -121,9 +121,9 @@ class StructuredOutputs(RequestPart):
         return StructuredOutput(kind, self.regex if kind == "regex" else self.grammar)
 
 
-# vLLM's older names for structured_outputs' fields (removed in vLLM 0.12; clients still send them)
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each beam's step asks for its 2 x width likeliest next tokens
 
+# vLLM's older names for structured_outputs' fields (removed in vLLM 0.12; clients still send them)
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern"}
 

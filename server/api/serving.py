@@ -475,10 +475,9 @@ class OpenAIServing:
         async def next_tokens(prefixes: list[list[int]], num: int) -> list[TokenLogprob]:
             nonlocal step
             step += 1
+            # (prompt + max_tokens fit max_model_len, so every prefix leaves room for its next token)
             params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=num, ignore_eos=True,
                                     skip_special_tokens=req.skip_special_tokens)
-            for prefix in prefixes:
-                self._max_tokens(1, len(prefix), 1)  # each prefix still fits max_model_len
             choices = await self._collect(raw, self._submit([(p, params) for p in prefixes], 1, f"{rid}-{step}"), 1)
             return [c.logprobs[0] for c in choices]
 
