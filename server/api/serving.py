@@ -367,8 +367,9 @@ class OpenAIServing:
 
     @staticmethod
     def _cached(choices: list["_Choice"], n: int) -> int:
-        """Prompt tokens served from the prefix cache: per prompt, the most any of its n choices found."""
-        return sum(max(c.num_cached_tokens for c in choices[i:i + n]) for i in range(0, len(choices), n))
+        """Prompt tokens served from the prefix cache: per prompt, what its first choice found (the other choices
+        share the blocks it computed: the scheduler admits them after it)."""
+        return sum(choices[i].num_cached_tokens for i in range(0, len(choices), n))
 
     # ---- logprobs --------------------------------------------------------------------------
     def _token(self, token_id: int) -> tuple[str, bytes]:
@@ -655,7 +656,8 @@ class OpenAIServing:
                     held[choice] = item
                     continue
                 completion_tokens[choice] = item.num_output_tokens
-                cached_tokens[offset] = max(cached_tokens.get(offset, 0), item.num_cached_tokens)
+                if item.index == 0:  # a prompt's first choice (the others share what it computed)
+                    cached_tokens[offset] = item.num_cached_tokens
                 predicted[choice] = item.prediction_tokens
                 if item.finish_reason is not None:
                     self.metrics.observe_request(item.num_prompt_tokens, item.num_output_tokens)

@@ -44,7 +44,9 @@ class Scheduler:
     are admitted while slots, budget and KV blocks last. With speculation on, a decode may also take a
     draft's tokens from the budget (and the KV room for them) before any prompt does. Long prompts are cut into
     chunks of whatever budget remains (chunked prefill), at most `max_prefill_tokens_while_decoding` of them in a
-    step that also decodes; a prompt prefix found in the prefix cache is not computed again.
+    step that also decodes; a prompt prefix found in the prefix cache is not computed again. The other choices of
+    an n > 1 request wait until its first has computed its prompt, whose blocks they then share: the prompt is
+    computed once, not n times.
     """
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, kv: PagedKV | SlotKV,
@@ -97,7 +99,7 @@ class Scheduler:
             chunks.append(ScheduledTokens(seq, n))
             budget -= n
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-               and self.kv.can_admit(self.waiting[0])):
+               and self.kv.can_admit(self.waiting[0]) and not self._shares_a_prompt_in_prefill(self.waiting[0])):
             seq = self.waiting.popleft()
             self.kv.admit(seq)
             seq.status = SeqStatus.RUNNING
@@ -107,6 +109,16 @@ class Scheduler:
             chunks.append(ScheduledTokens(seq, n))
             budget -= n
         return chunks
+
+    def _shares_a_prompt_in_prefill(self, seq: Sequence) -> bool:
+        """Whether `seq` is a later choice of a request whose first choice is still computing the prompt they share
+        (with prefix caching, it finds that prompt's full blocks cached once the first has computed them)."""
+        if seq.index == 0 or not getattr(self.kv, "enable_prefix_caching", False) or seq.wants_prompt_logits:
+            return False
+        if len(seq.prompt_ids) <= self.kv.block_size:  # no full block to share
+            return False
+        return any(s.request_id == seq.request_id and s.index == 0 and s.num_computed < len(s.prompt_ids)
+                   for s in self.running)
 
     def _decodes_with_room(self) -> list[Sequence]:
         """Running sequences in decode, each with a cache position for its next token (preempting if needed)."""

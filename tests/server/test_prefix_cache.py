@@ -181,6 +181,29 @@ def test_an_aborted_request_returns_its_blocks(tiny_model_dir, tok):
     assert engine.scheduler.kv.num_free == engine.scheduler.kv.capacity
 
 
+def test_the_choices_of_an_n_request_compute_its_prompt_once(tiny_model_dir, tok):
+    """n = 4 over a 100-token prompt: the first choice computes it, the others take its 6 full blocks from the
+    cache and compute the last 4 tokens; their tokens are those of four separate requests (seeded, sampled)."""
+    prompt = list(range(300, 400))
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+
+    def run(engine, n: int) -> tuple[list[list[int]], int]:
+        engine.add_request("r", prompt, params, n=n)
+        got = {i: [] for i in range(n)}
+        while engine.has_work():
+            for out in engine.step():
+                got[out.index].extend(out.token_ids)
+        return [got[i] for i in range(n)], engine.scheduler.kv.stats.prefix_hits
+
+    engine = _engine(tiny_model_dir, tok)
+    prompt_tokens = []
+    engine.observers.append(lambda stats: prompt_tokens.append(stats.num_prompt_tokens))
+    shared, hits = run(engine, 4)
+    assert sum(prompt_tokens) == 100 + 3 * 4 and hits == 3 * 96
+    cold = _engine(tiny_model_dir, tok, enable_prefix_caching=False)
+    assert run(cold, 4)[0] == shared  # the same tokens, each choice seeded by its index
+
+
 def test_chat_requests_share_their_system_prompt(tiny_model_dir):
     system = {"role": "system", "content": "You are a careful assistant who answers in one short sentence. " * 3}
     with live_server(tiny_config(tiny_model_dir, max_model_len=512)) as live:
@@ -188,9 +211,13 @@ def test_chat_requests_share_their_system_prompt(tiny_model_dir):
         for question in ("What is the capital of France?", "Name a prime number."):
             body = {"model": "tiny", "messages": [system, {"role": "user", "content": question}], "max_tokens": 3}
             usages.append(httpx.post(f"{live.url}/v1/chat/completions", json=body).json()["usage"])
+        usages.append(httpx.post(f"{live.url}/v1/chat/completions", json={
+            "model": "tiny", "n": 3, "max_tokens": 2, "messages": [{"role": "user", "content": "A fresh question " * 9}],
+        }).json()["usage"])
         metrics = httpx.get(f"{live.url}/metrics").text
     assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
     assert usages[1]["prompt_tokens_details"]["cached_tokens"] >= 32
+    assert usages[2]["prompt_tokens_details"]["cached_tokens"] == 0  # its choices share what its first computed
     hits = [line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits_total")]
     assert hits and float(hits[0].split()[-1]) >= 32
     assert "vllm:kv_cache_usage_perc" in metrics and "vllm:num_preemptions_total" in metrics
