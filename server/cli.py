@@ -128,6 +128,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
          help='n-gram speculative decoding as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
               '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (off by default)')
     flag("--seed", type=int, help="seeds the requests that bring no seed of their own")
+    flag("--scheduling-policy", choices=["fcfs", "priority"],
+         help="fcfs (default): arrival order; priority: each request's `priority` first (lower earlier), then arrival")
     flag("--block-size", type=int, help="KV cache positions per block")
     flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
          help="share cached prompt-prefix blocks between requests (default: on)")
@@ -204,6 +206,7 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict]:
         "engine.enforce_eager": args.enforce_eager or None,
         "model.generation_config": args.generation_config, "engine.seed": args.seed,
         "engine.speculative": args.speculative_config, "engine.block_size": args.block_size,
+        "engine.scheduling_policy": args.scheduling_policy,
         "engine.enable_prefix_caching": args.enable_prefix_caching, "server.cors_origins": args.allowed_origins,
         "server.log_level": args.uvicorn_log_level,
         "server.access_log": False if args.disable_uvicorn_access_log else None,

@@ -94,6 +94,9 @@ class EngineConfig(_Strict):
     enforce_eager: bool = Field(False, description="CUDA: run every step op by op instead of replaying decode steps "
                                                    "from captured CUDA graphs (vLLM's --enforce-eager)")
     speculative: SpeculativeConfig | None = Field(None, description="n-gram speculative decoding (off by default)")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="fcfs: arrival order; priority: a request's `priority` first (lower runs earlier, "
+                            "preempting running requests of a later priority when out of room), then arrival")
 
     @field_validator("max_prefill_tokens_while_decoding", mode="before")
     @classmethod

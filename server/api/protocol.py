@@ -162,6 +162,8 @@ class _Request(RequestPart):
                                                      "wide (n at most 10)")
     length_penalty: float = Field(1.0, allow_inf_nan=False, description="beam search: a reply's score is its "
                                                                        "logprob over length ** length_penalty")
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="vLLM's: under --scheduling-policy priority, "
+                                                                   "lower runs earlier")
     # structured output (one constraint at most)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -264,7 +266,7 @@ class _Request(RequestPart):
             stop_token_ids=list(self.stop_token_ids or []), skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()}, structured=structured,
-            allowed_token_ids=self.allowed_token_ids, prompt_logprobs=self.prompt_logprobs)
+            allowed_token_ids=self.allowed_token_ids, prompt_logprobs=self.prompt_logprobs, priority=self.priority)
 
 
 class CompletionRequest(_Request):

@@ -106,6 +106,7 @@ class OpenAIServing:
         self.max_model_len = cfg.engine.max_model_len
         self.strict_fields = cfg.server.strict_fields
         self.stream_interval = cfg.server.stream_interval
+        self.by_priority = cfg.engine.scheduling_policy == "priority"
         self.metrics = metrics
         try:
             self.tool_parser = get_tool_parser(cfg.server.tool_call_parser)
@@ -160,6 +161,9 @@ class OpenAIServing:
             raise APIError(400, f"{unknown[0]}: unrecognized request argument", param=unknown[0])
         if unknown:
             log.warning("ignoring unknown request fields: %s", ", ".join(unknown))
+        if getattr(req, "priority", 0) and not self.by_priority:  # as vLLM answers it
+            raise APIError(400, "priority needs the priority scheduling policy (--scheduling-policy priority)",
+                           param="priority")
 
     def _too_long(self, what: str) -> APIError:
         return APIError(400, f"{what} is longer than max_model_len ({self.max_model_len} tokens) allows",
@@ -478,7 +482,7 @@ class OpenAIServing:
             step += 1
             # (prompt + max_tokens fit max_model_len, so every prefix leaves room for its next token)
             params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=num, ignore_eos=True,
-                                    skip_special_tokens=req.skip_special_tokens)
+                                    skip_special_tokens=req.skip_special_tokens, priority=req.priority)
             choices = await self._collect(raw, self._submit([(p, params) for p in prefixes], 1, f"{rid}-{step}"), 1)
             return [c.logprobs[0] for c in choices]
 

@@ -47,7 +47,8 @@ class LLMEngine:
 
     def __init__(self, runner: ModelRunner, tokenizer, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, kv: PagedKV | SlotKV, eos_token_ids: set[int] | None = None, seed: int = 0,
-                 max_prefill_tokens_while_decoding: int | None = None, speculative: SpeculativeConfig | None = None):
+                 max_prefill_tokens_while_decoding: int | None = None, speculative: SpeculativeConfig | None = None,
+                 scheduling_policy: str = "fcfs"):
         self.runner = runner
         # seeds for requests that bring none: drawn from the engine's seed, so a run replays
         self._seeds = torch.Generator().manual_seed(seed)
@@ -59,7 +60,7 @@ class LLMEngine:
             raise ValueError("speculative decoding needs a backend that returns every position's logits")
         self.speculative = speculative
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, kv, max_prefill_tokens_while_decoding,
-                                   self._draft if self.checks_drafts else None)
+                                   self._draft if self.checks_drafts else None, scheduling_policy)
         self.eos_token_ids = frozenset(eos_token_ids or ())
         self.seqs: dict[str, list[Sequence]] = {}
         self.observers: list[StepObserver] = []

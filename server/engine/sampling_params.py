@@ -56,6 +56,7 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     prediction: list[int] | None = None  # the reply's expected tokens (OpenAI's Predicted Outputs): draft source
     embed: bool = False  # a pooling request: the prompt's last hidden state (after the final norm), no tokens
+    priority: int = 0  # under engine.scheduling_policy priority: lower is admitted (and kept) first
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -47,11 +47,15 @@ class Scheduler:
     step that also decodes; a prompt prefix found in the prefix cache is not computed again. The other choices of
     an n > 1 request wait until its first has computed its prompt, whose blocks they then share: the prompt is
     computed once, not n times.
+
+    Under the `priority` policy (vLLM's) the queue is ordered by each request's priority (lower first), then
+    arrival; a preemption takes the running sequence of the latest priority (the newest among those), and a waiting
+    sequence of an earlier priority than a running one preempts it when there is no room to admit it.
     """
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, kv: PagedKV | SlotKV,
                  max_prefill_tokens_while_decoding: int | None = None,
-                 propose: Callable[[Sequence], list[int]] | None = None):
+                 propose: Callable[[Sequence], list[int]] | None = None, policy: str = "fcfs"):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token each)")
         self.max_num_seqs = max_num_seqs
@@ -59,6 +63,7 @@ class Scheduler:
         self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
         self.kv = kv
         self.propose = propose  # a decoding sequence's speculative draft ([] for none); None: no speculation
+        self.by_priority = policy == "priority"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -79,7 +84,22 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.by_priority:
+            self._queue(seq)
+        else:
+            self.waiting.append(seq)
+
+    @staticmethod
+    def _rank(seq: Sequence) -> tuple[int, float, int]:
+        """A sequence's place under the priority policy: its priority, then its request's arrival, then its choice."""
+        return seq.params.priority, seq.arrival_time, seq.index
+
+    def _queue(self, seq: Sequence) -> None:
+        """Into the waiting queue at its rank (behind those of the same rank)."""
+        at = len(self.waiting)
+        while at > 0 and self._rank(self.waiting[at - 1]) > self._rank(seq):
+            at -= 1
+        self.waiting.insert(at, seq)
 
     def schedule(self) -> list[ScheduledTokens]:
         budget = self.max_num_batched_tokens
@@ -98,8 +118,11 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed, budget)
             chunks.append(ScheduledTokens(seq, n))
             budget -= n
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-               and self.kv.can_admit(self.waiting[0]) and not self._shares_a_prompt_in_prefill(self.waiting[0])):
+        while self.waiting and budget > 0 and not self._shares_a_prompt_in_prefill(self.waiting[0]):
+            if len(self.running) >= self.max_num_seqs or not self.kv.can_admit(self.waiting[0]):
+                if not self._preempt_for(self.waiting[0], chunks):
+                    break
+                continue
             seq = self.waiting.popleft()
             self.kv.admit(seq)
             seq.status = SeqStatus.RUNNING
@@ -128,7 +151,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:  # preempted to make room for an earlier one
                 continue
             while not self.kv.ensure_next_slot(seq):
-                victim = self.running[-1]  # the newest: it has the least work to redo
+                victim = self._victim()
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -145,11 +168,31 @@ class Scheduler:
         chunk.num_tokens += len(draft)
         return len(draft)
 
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt: the newest (it has the least work to redo), of the latest priority under
+        the priority policy."""
+        return max(self.running, key=self._rank) if self.by_priority else self.running[-1]
+
+    def _preempt_for(self, seq: Sequence, chunks: list[ScheduledTokens]) -> bool:
+        """Under the priority policy, make room for `seq` by preempting a running sequence of a later priority that
+        this step has not scheduled; whether one was."""
+        if not self.by_priority:
+            return False
+        scheduled = {id(c.seq) for c in chunks}
+        later = [s for s in self.running if s.params.priority > seq.params.priority and id(s) not in scheduled]
+        if not later:
+            return False
+        self._preempt(max(later, key=self._rank))
+        return True
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.preempt(seq)
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self._queue(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def mark_computed(self, chunks: list[ScheduledTokens]) -> None:
         """After the forward: the chunks' tokens are in the cache; publish full blocks for prefix reuse."""
