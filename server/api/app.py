@@ -27,7 +27,7 @@ from server.api.metrics import ServerMetrics
 from server.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                  CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                                  EmbeddingRequest, EmbeddingResponse, HealthStatus, ModelCard, ModelList,
-                                 TokenizeRequest, TokenizeResponse, VersionResponse)
+                                 ServerLoad, TokenizeRequest, TokenizeResponse, VersionResponse)
 from server.api.embeddings import EmbeddingsAPI
 from server.api.response_store import ResponseStore
 from server.api.responses import DeletedResponse, InputItemList, ResponseObject, ResponsesAPI, ResponsesRequest
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 503)}
 # A POST answers JSON, or an SSE stream when the request sets `stream: true`.
 _POST_RESPONSES = {**_ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
-_OPEN_PATHS = {"/health", "/ping", "/version"}  # and /metrics unless server.metrics_require_api_key
+_OPEN_PATHS = {"/health", "/ping", "/version", "/load"}  # and /metrics unless server.metrics_require_api_key
 
 
 def _as_json(scope) -> dict:
@@ -63,6 +63,8 @@ def _as_json(scope) -> dict:
 def _generates(scope) -> bool:
     """A request that may run the model: the OpenAI routes' POSTs and SageMaker's /invocations."""
     return scope["method"] == "POST" and (scope["path"].startswith("/v1/") or scope["path"] == "/invocations")
+
+
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -334,6 +336,11 @@ def _install_routes(app: FastAPI) -> None:
     @app.get("/metrics", response_class=PlainTextResponse, responses={401: {"model": ErrorResponse}})
     async def metrics(request: Request):
         return PlainTextResponse(request.app.state.neuronmm.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/load", response_model=ServerLoad)
+    async def server_load(request: Request):
+        """vLLM's load report for routers: the requests inside the server that may run the model."""
+        return ServerLoad(server_load=request.app.state.neuronmm.num_active)
 
     @app.get("/version", response_model=VersionResponse)
     async def server_version():

@@ -741,6 +741,12 @@ class VersionResponse(BaseModel):
     version: str
 
 
+class ServerLoad(BaseModel):
+    """GET /load (vLLM's): requests inside the server that may run the model, for a load-aware router."""
+
+    server_load: int
+
+
 _Request.model_rebuild()
 CompletionRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()

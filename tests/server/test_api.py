@@ -309,3 +309,13 @@ def test_a_json_body_is_read_whatever_its_content_type(server, content_type):
     broken = httpx.post(f"{server.url}/v1/completions", content=b"prompt=Hi", headers=headers)
     assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]["message"]
 
+
+
+def test_load_reports_the_requests_in_flight(server):
+    """GET /load is the count the graceful drain waits on (requests that may run the model), open without a key."""
+    assert httpx.get(f"{server.url}/load").json() == {"server_load": 0}
+    server.state.num_active += 2  # as two generation requests inside the app hold it
+    try:
+        assert httpx.get(f"{server.url}/load").json() == {"server_load": 2}
+    finally:
+        server.state.num_active -= 2
