@@ -26,7 +26,7 @@ from server.api.protocol import (ChatChoice, ChatCompletionRequest, ChatCompleti
                                  StreamChunk, StreamOptions, TokenizeChatRequest, TokenizeCompletionRequest,
                                  TokenizeResponse, ToolCallDelta, UsageInfo)
 from server.api.beam_search import Beam, beam_search
-from server.api.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
+from server.api.reasoning import END, START, ReasoningParser, ReasoningStream, get_reasoning_parser
 from server.api.tool_parsers import ToolCallStream, get_tool_parser
 from server.config import Config, ConfigError
 from server.engine.async_engine import EngineDeadError, QueueFullError
@@ -561,11 +561,12 @@ class OpenAIServing:
                 for i, (text, reason) in enumerate(self._beam_texts(req, beams))],
                 usage=self._usage(len(ids), sum(len(b.tokens) for b in beams)))
         structured = self._structured(req)
+        reasoning = self.reasoning_parser if self._reply_thinks(ids) else None
+        if reasoning is not None and structured is not None:  # the constraint applies once the reasoning ends
+            structured = replace(structured, after=tuple(self.tokenizer.encode(END, add_special_tokens=False)))
         params = self._params(req, max_tokens, logprobs, structured)
         if req.prediction is not None:
             params = replace(params, prediction=self._prediction_ids(req.prediction))
-        # a constrained reply is all content: its grammar leaves no room to think
-        reasoning = self.reasoning_parser if structured is None else None
         rid = f"chatcmpl-{raw.state.request_id}"
         gens = self._submit([(ids, params)], req.n, rid)
         # a named function is what the client asked for: OpenAI ends that with "stop", others "tool_calls"
@@ -582,6 +583,14 @@ class OpenAIServing:
         return ChatCompletionResponse(id=rid, model=self.model_name, usage=usage, choices=[
             self._chat_choice(i, c, req, calls_reason, reasoning) for i, c in enumerate(choices)],
             prompt_logprobs=self._prompt_logprobs(choices, req.prompt_logprobs))
+
+    def _reply_thinks(self, prompt_ids: list[int]) -> bool:
+        """Whether a reply to this chat prompt reasons first, under a reasoning parser: unless the prompt closes a
+        think block after its last opening one (Qwen3's template with enable_thinking false writes an empty one)."""
+        if self.reasoning_parser is None:
+            return False
+        tail = self.tokenizer.decode(prompt_ids[-64:])
+        return tail.rfind(END) <= tail.rfind(START) or START not in tail
 
     def _chat_choice(self, index: int, c: _Choice, req: ChatCompletionRequest, calls_reason: str,
                      reasoning: ReasoningParser | None) -> ChatChoice:

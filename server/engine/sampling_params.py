@@ -22,11 +22,15 @@ class StructuredOutput:
     of a JSON list; grammar: a GBNF (llama.cpp's) or Lark grammar from a client;
     lark: a Lark grammar in llguidance's dialect (may embed `%json {schema}`), used for tool calls.
     whitespace_pattern: for the JSON kinds, a regex for the whitespace allowed between tokens (default none).
+    after: the output's tokens up to and including these (a reasoning model's `</think>`) are left free.
     """
 
     kind: Literal["json_schema", "json_object", "regex", "choice", "grammar", "lark"]
     value: str = ""
     whitespace_pattern: str | None = None
+    # the tokens the constrained part follows (a reasoning model's `</think>`): until the output holds them, the
+    # reply thinks unconstrained; empty: constrained from the first token
+    after: tuple[int, ...] = ()
 
 
 @dataclass

@@ -73,27 +73,42 @@ class GrammarMatcher:
         self.vocab_size = vocab_size
         self.eos = sorted(eos_token_ids) or [tokenizer.eos_token_id]
         self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size), grammar_for(spec), log_level=0)
+        self.after = list(spec.after)
+        self.start: int | None = None if self.after else 0  # where the constrained output begins, once known
         self.num_consumed = 0
         self._bitmask = torch.empty((vocab_size + 31) // 32, dtype=torch.int32)
         self._bits = torch.arange(32, dtype=torch.int32)
 
+    @property
+    def active(self) -> bool:
+        """Whether the output is in its constrained part (past `after`, where the spec has one)."""
+        return self.start is not None
+
     def advance(self, output_ids: list[int]) -> None:
-        """Feed the output tokens not yet consumed (rewinding if the output got shorter)."""
-        if len(output_ids) < self.num_consumed:
+        """Feed the constrained output's tokens not yet consumed (rewinding if the output got shorter)."""
+        if self.after and (self.start is None or len(output_ids) < self.start):
+            self.start = _end_of(self.after, output_ids)
+        if self.start is None:
+            return
+        constrained = output_ids[self.start:]
+        if len(constrained) < self.num_consumed:
             self.matcher.reset()
             self.num_consumed = 0
-        new = output_ids[self.num_consumed:]
+        new = constrained[self.num_consumed:]
         if new:
             self.matcher.consume_tokens(new)
-            self.num_consumed = len(output_ids)
+            self.num_consumed = len(constrained)
 
     @property
     def is_done(self) -> bool:
         """The grammar is complete (or the output left it): only EOS may follow."""
-        return self.matcher.is_stopped() or self.matcher.is_error()
+        return self.active and (self.matcher.is_stopped() or self.matcher.is_error())
 
     def mask(self, logits: torch.Tensor) -> None:
-        """Set logits [vocab] of tokens the grammar forbids to -inf (everything but EOS once done)."""
+        """Set logits [vocab] of tokens the grammar forbids to -inf (everything but EOS once done; nothing before
+        the constrained part)."""
+        if not self.active:
+            return
         if self.is_done:
             logits.fill_(float("-inf"))
             logits[self.eos] = 0.0
@@ -103,3 +118,11 @@ class GrammarMatcher:
         if self.matcher.is_accepting():
             allowed[self.eos] = True
         logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
+
+
+def _end_of(marker: list[int], ids: list[int]) -> int | None:
+    """The index just past the first occurrence of `marker` in `ids`, None if it does not occur."""
+    for i in range(len(ids) - len(marker) + 1):
+        if ids[i:i + len(marker)] == marker:
+            return i + len(marker)
+    return None

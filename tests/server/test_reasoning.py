@@ -61,9 +61,9 @@ MESSAGES = [{"role": "user", "content": "Is 9.11 bigger than 9.8?"}]
 SCRIPT = "<think>Compare the tenths: 1 < 8.</think>No, 9.8 is bigger."
 
 
-def _scripted_loader(prompt_len: int, reply_ids: list[int], eos: int):
+def _scripted_loader(prompt_len: int, reply_ids: list[int], eos: int | None):
     """The tiny model's runtime, its logits forcing `reply_ids` after any prompt of `prompt_len` tokens, then EOS
-    (a random model writes no <think>; what follows the parser is the API's, not the model's)."""
+    (None: then the model's own logits) (a random model writes no <think>; what follows the parser is the API's)."""
 
     def loader(cfg):
         runtime = load_runtime(cfg)
@@ -74,6 +74,8 @@ def _scripted_loader(prompt_len: int, reply_ids: list[int], eos: int):
             rows = [c for c in chunks if c.needs_logits]
             for row, chunk in enumerate(rows):
                 k = chunk.start_pos + len(chunk.token_ids) - prompt_len  # the output token this row chooses
+                if k >= len(reply_ids) and eos is None:
+                    continue
                 logits[row] = -torch.inf
                 logits[row, reply_ids[k] if 0 <= k < len(reply_ids) else eos] = 0.0
             return logits
@@ -107,10 +109,6 @@ def test_served_reasoning_streamed_or_not(tiny_model_dir, scripted, parser):
         assert "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas) == "Compare the tenths: 1 < 8."
         assert "".join(d.content or "" for d in deltas) == "No, 9.8 is bigger."
         assert not any((d.model_extra or {}).get("reasoning") and d.content for d in deltas)  # one part a delta
-        # a constrained reply is all content (the grammar leaves no room to think): nothing is split off
-        constrained = httpx.post(f"{live.url}/v1/chat/completions", json={
-            **kw, "structured_outputs": {"regex": ".*"}}).json()["choices"][0]["message"]
-        assert constrained["content"] == SCRIPT and constrained.get("reasoning") is None
         # an earlier reply's reasoning sent back is accepted under either name
         history = [*MESSAGES, {"role": "assistant", "content": "No.", "reasoning_content": "1 < 8"},
                    {"role": "user", "content": "Sure?"}]
@@ -153,3 +151,30 @@ def test_responses_api_gives_the_reasoning_its_own_item(tiny_model_dir, scripted
                                                              {"role": "user", "content": "Sure?"}], max_output_tokens=1)
         assert [i.type for i in client.responses.input_items.list(again.id, order="asc").data] == [
             "message", "reasoning", "message"]
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_structured_output_applies_once_the_reasoning_ends(tiny_model_dir, parser):
+    """The reply thinks freely (here: forced to), then its content keeps to the constraint (the model's own logits
+    under a choice grammar)."""
+    tok = load_tokenizer(tiny_model_dir)
+    text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    thought = "<think>Compare the tenths: 1 < 8.</think>"
+    loader = _scripted_loader(len(tok.encode(text, add_special_tokens=False)),
+                              tok.encode(thought, add_special_tokens=False), None)
+    cfg = tiny_config(tiny_model_dir)
+    cfg.server.reasoning_parser = parser
+    with live_server(cfg, loader=loader) as live:
+        body = {"messages": MESSAGES, "max_tokens": 40, "temperature": 1.0, "seed": 5,
+                "structured_outputs": {"choice": ["yes", "no"]}}
+        message = httpx.post(f"{live.url}/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert message["reasoning"] == "Compare the tenths: 1 < 8." and message["content"] in ("yes", "no")
+        # thinking switched off in the prompt (Qwen3's template writes an empty block): constrained from the start
+        # (a longer prompt: the script forces only the tokens right after the first prompt's length)
+        closed = [{"role": "system", "content": "Answer in one word. " * 8}, *MESSAGES,
+                  {"role": "assistant", "content": "<think>\n\n</think>\n\n"}]
+        off = httpx.post(f"{live.url}/v1/chat/completions", json={
+            **body, "messages": closed, "continue_final_message": True, "add_generation_prompt": False}).json()
+        assert off["choices"][0]["message"]["content"] in ("yes", "no")
+        assert off["choices"][0]["message"].get("reasoning") is None
+
