@@ -117,38 +117,36 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecoderPlan>& plan, at::Tensor
     neuronmm::attention_into(qkv, cos, sin, k, v, slot_mapping, block_tables, seq_index, context_lens, plan->num_heads,
                              plan->num_kv_heads, plan->scale, q_rot, attn);
   };
-  for (int64_t i = 0; i < layers - 1; ++i) {
+  // the rest of layer i over the rows of `attn_rows` (and their residual `x_rows`, updated in place): the output
+  // projection, the norm, the MLP and the next norm, into the buffers given (whole, or their first rows)
+  const auto finish = [&](int64_t i, const at::Tensor& attn_rows, at::Tensor& x_rows, at::Tensor& o_, at::Tensor& gu,
+                          at::Tensor& act_, at::Tensor& down_, at::Tensor& h_) {
     const Projection* proj = &plan->projections[4 * i];
+    project(proj[1], attn_rows, o_);
+    neuronmm::add_rms_norm_into(x_rows, o_, plan->norms[2 * i], plan->eps, h_);
+    project(proj[2], h_, gu);
+    neuronmm::silu_mul_into(gu, act_);
+    project(proj[3], act_, down_);
+    neuronmm::add_rms_norm_into(x_rows, down_, plan->norms[2 * i + 1], plan->eps, h_);
+  };
+  for (int64_t i = 0; i < layers - 1; ++i) {
     attend(i, i == 0 ? h_in : h);
-    project(proj[1], attn, o);
-    neuronmm::add_rms_norm_into(x, o, plan->norms[2 * i], plan->eps, h);
-    project(proj[2], h, gate_up);
-    neuronmm::silu_mul_into(gate_up, act);
-    project(proj[3], act, down);
-    neuronmm::add_rms_norm_into(x, down, plan->norms[2 * i + 1], plan->eps, h);
+    finish(i, attn, x, o, gate_up, act, down, h);
   }
   // The last layer: every row's K and V go to the cache, but past attention only the rows whose output is wanted
   // go on (a prompt chunk wants its last token's), as llama.cpp's graphs do: a 128-token chunk skips 84 % of a layer.
-  const int64_t i = layers - 1;
-  const Projection* proj = &plan->projections[4 * i];
-  attend(i, layers == 1 ? h_in : h);
-  at::Tensor rows_attn = attn, rows_x = x;
-  int64_t m = M;
-  if (output_rows.has_value() && output_rows->size(0) < M) {
-    rows_attn = attn.index_select(0, *output_rows);
-    rows_x = x.index_select(0, *output_rows);  // the residual of those rows (x's other rows are not read again)
-    m = output_rows->size(0);
+  attend(layers - 1, layers == 1 ? h_in : h);
+  if (!output_rows.has_value() || output_rows->size(0) == M) {
+    finish(layers - 1, attn, x, o, gate_up, act, down, h);
+    return h;
   }
+  const int64_t m = output_rows->size(0);
+  at::Tensor rows_attn = attn.index_select(0, *output_rows);
+  at::Tensor rows_x = x.index_select(0, *output_rows);  // those rows' residual (x's others are not read again)
   // the first m rows of each buffer: contiguous views
   at::Tensor o_m = o.narrow(0, 0, m), gate_up_m = gate_up.narrow(0, 0, m), act_m = act.narrow(0, 0, m),
              down_m = down.narrow(0, 0, m), h_m = h.narrow(0, 0, m);
-  if (m == 0) return h_m;  // a step of prompt chunks none of which ends its prompt
-  project(proj[1], rows_attn, o_m);
-  neuronmm::add_rms_norm_into(rows_x, o_m, plan->norms[2 * i], plan->eps, h_m);
-  project(proj[2], h_m, gate_up_m);
-  neuronmm::silu_mul_into(gate_up_m, act_m);
-  project(proj[3], act_m, down_m);
-  neuronmm::add_rms_norm_into(rows_x, down_m, plan->norms[2 * i + 1], plan->eps, h_m);
+  if (m > 0) finish(layers - 1, rows_attn, rows_x, o_m, gate_up_m, act_m, down_m, h_m);  // (0: no chunk ends a prompt)
   return h_m;
 }
 
