@@ -49,26 +49,30 @@ from server.models.source import resolve_model_dir
 RESULTS = Path(__file__).parent / "results"
 
 
-def _filled(runner, batch_size: int, context: int, steps: int, seed: int, block_size: int):
+def _filled(runner, batch_size: int, context: int, steps: int, seed: int, block_size: int, first_slot: int = 0,
+            loras: list[str | None] | None = None):
     """`batch_size` sequences of a `context`-token random prompt each in the paged cache, as the server runs it
-    (sequence s owns blocks s*per_seq .. (s+1)*per_seq - 1); returns step(i), which times decode step i of all of
-    them, and release()."""
+    (sequence s, from `first_slot` on, owns blocks s*per_seq .. (s+1)*per_seq - 1; the i-th runs through LoRA adapter
+    loras[i] where given); returns step(i), which times decode step i of all of them, and release()."""
     rng = random.Random(seed)
     per_seq = -(-(context + steps) // block_size)
-    tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(batch_size)]
-    for slot in range(batch_size):
+    slots = range(first_slot, first_slot + batch_size)
+    tables = {s: list(range(s * per_seq, (s + 1) * per_seq)) for s in slots}
+    adapters = dict(zip(slots, loras or [None] * batch_size))
+    for slot in slots:
         prompt = [rng.randrange(1000, runner.vocab_size) for _ in range(context)]
-        runner.execute([SeqChunk(slot=slot, token_ids=prompt, start_pos=0, block_table=tables[slot])])
+        runner.execute([SeqChunk(slot=slot, token_ids=prompt, start_pos=0, block_table=tables[slot],
+                                 lora=adapters[slot])])
 
     def step(i: int) -> float:
         chunks = [SeqChunk(slot=s, token_ids=[rng.randrange(1000, runner.vocab_size)], start_pos=context + i,
-                           block_table=tables[s]) for s in range(batch_size)]
+                           block_table=tables[s], lora=adapters[s]) for s in slots]
         start = time.perf_counter()
         runner.execute(chunks)
         return time.perf_counter() - start
 
     def release() -> None:
-        for slot in range(batch_size):
+        for slot in slots:
             runner.release_slot(slot)
 
     return step, release

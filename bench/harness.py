@@ -21,12 +21,14 @@ import httpx
 import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import save_file
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from bench.cpu_caps import caps_in_force
 from server.config import DEFAULT_CONFIG
 from server.fileio import atomic_file, write_json_atomic
 from server.models.cpu_features import cpu_flags
+from server.models.lora import projection_widths
 
 REPO = Path(__file__).resolve().parent.parent
 NEURONMM = [sys.executable, "-m", "server.cli"]
@@ -91,6 +93,29 @@ def make_tiny_model(out: Path, tokenizer_dir: Path) -> Path:
     LlamaForCausalLM(config).save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_random_lora(folder: Path, model_config, targets: tuple[str, ...] = LORA_TARGETS, rank: int = 16,
+                      alpha: float = 32.0, seed: int = 0, layers: tuple[int, ...] | None = None, **config) -> Path:
+    """A PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) for the model, with random A and B (PEFT
+    starts B at zero, which would hide an engine that ignored the adapter); `config` adds adapter_config keys."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(model_config.num_hidden_layers) if layers is None else layers:
+        for module, (in_f, out_f) in projection_widths(model_config).items():
+            if module in targets:
+                prefix = f"base_model.model.model.layers.{layer}.{'mlp' if module in LORA_TARGETS[4:] else 'self_attn'}"
+                tensors[f"{prefix}.{module}.lora_A.weight"] = torch.randn(rank, in_f, generator=gen) * 0.2
+                tensors[f"{prefix}.{module}.lora_B.weight"] = torch.randn(out_f, rank, generator=gen) * 0.2
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    write_json_atomic(folder / "adapter_config.json", {
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets), "bias": "none",
+        "use_rslora": False, "fan_in_fan_out": False, **config})
+    return folder
 
 
 def run_logged(cmd: list[str], log_path: Path) -> tuple[float, float]:

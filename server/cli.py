@@ -52,6 +52,27 @@ def _prefill_cap(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected auto, off or a number of tokens, got {text!r}") from None
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """--lora-modules: name=path, or vLLM's JSON object with name and path."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+            return str(value["name"]), str(value["path"])
+        except (ValueError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(f"expected {{\"name\": ..., \"path\": ...}}, got {text!r}") from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return name, path
+
+
+def _lora_table(modules: list[tuple[str, str]] | tuple[str, str] | None) -> dict[str, str] | None:
+    """--lora-modules as the config's name -> path (NEURONMM_LORA_MODULES gives one name=path)."""
+    if not modules:
+        return None
+    return dict([modules] if isinstance(modules, tuple) else modules)
+
+
 def _speculative(text: str) -> dict:
     """--speculative-config: a JSON object (the config checks its fields)."""
     try:
@@ -130,6 +151,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     flag("--seed", type=int, help="seeds the requests that bring no seed of their own")
     flag("--scheduling-policy", choices=["fcfs", "priority"],
          help="fcfs (default): arrival order; priority: each request's `priority` first (lower earlier), then arrival")
+    flag("--enable-lora", action="store_true", help="serve LoRA adapters over the base model (--lora-modules)")
+    flag("--lora-modules", type=_lora_module, nargs="+", metavar="NAME=PATH",
+         help='PEFT LoRA folders, each served under its name (a request\'s `model`): name=path, or vLLM\'s JSON '
+              '\'{"name": "sql", "path": "/adapters/sql"}\'')
+    flag("--max-loras", type=int, help="distinct adapters in the running batch at once (default 1)")
+    flag("--max-lora-rank", type=int, help="the largest adapter rank accepted (default 16)")
     flag("--block-size", type=int, help="KV cache positions per block")
     flag("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
          help="share cached prompt-prefix blocks between requests (default: on)")
@@ -207,6 +234,9 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict]:
         "model.generation_config": args.generation_config, "engine.seed": args.seed,
         "engine.speculative": args.speculative_config, "engine.block_size": args.block_size,
         "engine.scheduling_policy": args.scheduling_policy,
+        "engine.enable_lora": args.enable_lora or None, "engine.max_loras": args.max_loras,
+        "engine.max_lora_rank": args.max_lora_rank,
+        "engine.lora_modules": _lora_table(args.lora_modules),
         "engine.enable_prefix_caching": args.enable_prefix_caching, "server.cors_origins": args.allowed_origins,
         "server.log_level": args.uvicorn_log_level,
         "server.access_log": False if args.disable_uvicorn_access_log else None,

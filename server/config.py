@@ -108,6 +108,19 @@ class EngineConfig(_Strict):
             raise ValueError(f"expected auto, off or a number of tokens >= 1, got {cap!r}")
         return cap
 
+    # LoRA adapters over the base model (vLLM's --enable-lora, --lora-modules, --max-loras, --max-lora-rank)
+    enable_lora: bool = Field(False, description="serve LoRA adapters (lora_modules) over the base model")
+    lora_modules: dict[str, str] = Field(default_factory=dict,
+                                         description="adapter name (a request's `model`) -> PEFT LoRA folder")
+    max_loras: int = Field(1, ge=1, description="distinct adapters in the running batch at once")
+    max_lora_rank: int = Field(16, ge=1, description="the largest adapter rank accepted")
+
+    @model_validator(mode="after")
+    def _lora_enabled(self) -> "EngineConfig":
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora), as vLLM does")
+        return self
+
 
 class ServerConfig(_Strict):
     """HTTP front."""
@@ -240,6 +253,13 @@ class Config(_Strict):
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
     neuron: NeuronConfig = Field(default_factory=NeuronConfig)
+
+    @model_validator(mode="after")
+    def _adapter_names(self) -> "Config":
+        clash = sorted(set(self.engine.lora_modules) & {self.model.name, *self.server.model_aliases})
+        if clash:
+            raise ValueError(f"engine.lora_modules: {clash[0]} is also the served model's name")
+        return self
 
     @property
     def cache_path(self) -> Path:

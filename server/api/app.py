@@ -347,8 +347,11 @@ def _install_routes(app: FastAPI) -> None:
         return VersionResponse(version=package_version())
 
     def model_cards(cfg: Config) -> list[ModelCard]:
+        """The served model under each of its names, then each LoRA adapter (its folder, its base), as vLLM lists."""
         return [ModelCard(id=name, max_model_len=cfg.engine.max_model_len)
-                for name in (cfg.model.name, *cfg.server.model_aliases)]
+                for name in (cfg.model.name, *cfg.server.model_aliases)] + [
+                ModelCard(id=name, max_model_len=cfg.engine.max_model_len, root=path, parent=cfg.model.name)
+                for name, path in cfg.engine.lora_modules.items()]
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models(request: Request):

@@ -26,13 +26,13 @@ class EmbeddingsAPI:
         self.serving = serving
 
     async def create(self, req: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
-        self.serving.check_model(req.model)
+        adapter = self.serving.check_model(req.model)
         self.serving.check_fields(req)
         prompts = prompt_list(req.input)
         if not prompts:
             raise APIError(400, "input must not be empty", param="input")
         states, num_tokens = await self.serving.last_hidden_states(
-            prompts, req.add_special_tokens, req.truncate_prompt_tokens, raw, f"embd-{raw.state.request_id}")
+            prompts, req.add_special_tokens, req.truncate_prompt_tokens, raw, f"embd-{raw.state.request_id}", adapter)
         vectors = torch.tensor(states, dtype=torch.float32)
         if req.dimensions is not None and req.dimensions > vectors.shape[1]:
             raise APIError(400, f"dimensions {req.dimensions} is more than the model's {vectors.shape[1]}",
@@ -41,7 +41,7 @@ class EmbeddingsAPI:
             vectors = vectors[:, :req.dimensions]
         if req.normalize:
             vectors = torch.nn.functional.normalize(vectors, dim=-1)
-        return EmbeddingResponse(model=self.serving.model_name,
+        return EmbeddingResponse(model=self.serving.reply_model(req.model),
                                  usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
                                  data=[Embedding(index=i, embedding=_encoded(v, req.encoding_format))
                                        for i, v in enumerate(vectors)])

@@ -433,7 +433,8 @@ class ResponsesAPI:
         text = (req.text.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
                 if req.text and req.text.format else None)
         return ResponseObject(
-            id=rid, created_at=int(time.time()), status="in_progress", model=self.serving.model_name, output=[],
+            id=rid, created_at=int(time.time()), status="in_progress", model=self.serving.reply_model(req.model),
+            output=[],
             instructions=req.instructions, max_output_tokens=req.max_output_tokens, temperature=req.temperature,
             top_p=req.top_p, tools=[t.model_dump(exclude_none=True) for t in req.tools or []], tool_choice=tool_choice,
             parallel_tool_calls=req.parallel_tool_calls, metadata=req.metadata or {},

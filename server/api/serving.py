@@ -103,6 +103,7 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.model_name = cfg.model.name
         self.model_names = [cfg.model.name, *cfg.server.model_aliases]
+        self.lora_names = list(cfg.engine.lora_modules)  # adapters, served under their own names
         self.max_model_len = cfg.engine.max_model_len
         self.strict_fields = cfg.server.strict_fields
         self.stream_interval = cfg.server.stream_interval
@@ -148,11 +149,20 @@ class OpenAIServing:
         return req.model_copy(update=unset) if unset else req
 
     # ---- request checks --------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        """404 unless `model` is the served name or an alias (None: the served model, as vLLM takes it)."""
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (None for the served model, a name of it or None, as vLLM takes it);
+        404 for any other name."""
+        if model in self.lora_names:
+            return model
         if model is not None and model not in self.model_names:
-            raise APIError(404, f"The model `{model}` does not exist. Available: {', '.join(self.model_names)}",
-                           param="model", code="model_not_found")
+            raise APIError(404, f"The model `{model}` does not exist. Available: "
+                                f"{', '.join(self.model_names + self.lora_names)}", param="model",
+                           code="model_not_found")
+        return None
+
+    def reply_model(self, model: str | None) -> str:
+        """The `model` a reply names: the adapter's name for a request to one, else the served model's."""
+        return model if model in self.lora_names else self.model_name
 
     def check_fields(self, req) -> None:
         """Unknown fields: logged and ignored, as vLLM does, or 400 with server.strict_fields."""
@@ -284,7 +294,8 @@ class OpenAIServing:
             raise APIError(400, f"allowed_token_ids must be in [0, {self.vocab_size})", param="allowed_token_ids")
         if req.bad_words:
             params = replace(params, bad_words_ids=self._bad_words_ids(req.bad_words))
-        return params
+        adapter = self.check_model(req.model)
+        return replace(params, lora=adapter) if adapter else params
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's tokens as written and after a space (how it reads mid-sentence), as vLLM bans them."""
@@ -441,7 +452,7 @@ class OpenAIServing:
             rid = f"cmpl-{raw.state.request_id}"
             searched = [await self._beam_search(req, ids, self._max_tokens(req.max_tokens, len(ids), 16), raw, rid)
                         for ids in prompts]
-            return CompletionResponse(id=rid, model=self.model_name, choices=[
+            return CompletionResponse(id=rid, model=self.reply_model(req.model), choices=[
                 CompletionChoice(index=p * req.n + i, text=text, finish_reason=reason)
                 for p, beams in enumerate(searched) for i, (text, reason) in enumerate(self._beam_texts(req, beams))],
                 usage=self._usage(sum(len(ids) for ids in prompts),
@@ -457,13 +468,13 @@ class OpenAIServing:
             state = {"echo": {i: echoes[i // req.n] for i in range(len(prompts) * req.n)},
                      "prompts": {i: prompts[i // req.n] for i in range(len(prompts) * req.n)}}
             return self._stream(gens, req.n, num_prompt, req.stream_options, rid, "text_completion",
-                                lambda out, index: self._completion_delta(out, index, state))
+                                lambda out, index: self._completion_delta(out, index, state), self.reply_model(req.model))
         choices = await self._collect(raw, gens, req.n)
         self._observe(prompts, req.n, [c.num_output_tokens for c in choices])
         usage = self._usage(num_prompt, sum(c.num_output_tokens for c in choices), self._cached(choices, req.n))
         shared = [self._prompt_logprobs(choices[p * req.n:(p + 1) * req.n], req.prompt_logprobs)
                   for p in range(len(prompts))]
-        return CompletionResponse(id=rid, model=self.model_name, usage=usage, choices=[
+        return CompletionResponse(id=rid, model=self.reply_model(req.model), usage=usage, choices=[
             CompletionChoice(index=i, text=echoes[i // req.n] + c.text, finish_reason=c.finish_reason,
                              logprobs=(self._completion_logprobs(c.logprobs, _TextOffsets(), prompts[i // req.n],
                                                                  c.prompt_logprobs, req.logprobs)
@@ -482,7 +493,8 @@ class OpenAIServing:
             step += 1
             # (prompt + max_tokens fit max_model_len, so every prefix leaves room for its next token)
             params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=num, ignore_eos=True,
-                                    skip_special_tokens=req.skip_special_tokens, priority=req.priority)
+                                    skip_special_tokens=req.skip_special_tokens, priority=req.priority,
+                                    lora=self.check_model(req.model))
             choices = await self._collect(raw, self._submit([(p, params) for p in prefixes], 1, f"{rid}-{step}"), 1)
             return [c.logprobs[0] for c in choices]
 
@@ -499,7 +511,8 @@ class OpenAIServing:
 
     # ---- embeddings --------------------------------------------------------------------------
     async def last_hidden_states(self, prompts: list[str | list[int]], add_special_tokens: bool,
-                                 truncate: int | None, raw: Request, rid: str) -> tuple[list[list[float]], int]:
+                                 truncate: int | None, raw: Request, rid: str,
+                                 lora: str | None = None) -> tuple[list[list[float]], int]:
         """Each prompt's last hidden state (the engine's pooling pass) and the prompts' token count."""
         try:
             ids = [self._truncated(self._tokenize(p, add_special_tokens), truncate) for p in prompts]
@@ -508,7 +521,8 @@ class OpenAIServing:
         except APIError as exc:  # the prompt checks name the completions field
             exc.param = "input" if exc.param == "prompt" else exc.param
             raise
-        gens = self._submit([(one, _EMBED) for one in ids], 1, rid)
+        params = replace(_EMBED, lora=lora) if lora else _EMBED
+        gens = self._submit([(one, params) for one in ids], 1, rid)
         choices = await self._collect(raw, gens, 1)
         self._observe(ids, 1, [0] * len(ids))
         return [c.embedding for c in choices], sum(len(one) for one in ids)
@@ -556,7 +570,7 @@ class OpenAIServing:
         if req.use_beam_search:
             rid = f"chatcmpl-{raw.state.request_id}"
             beams = await self._beam_search(req, ids, max_tokens, raw, rid)
-            return ChatCompletionResponse(id=rid, model=self.model_name, choices=[
+            return ChatCompletionResponse(id=rid, model=self.reply_model(req.model), choices=[
                 ChatChoice(index=i, message=ChatMessageOut(content=text), finish_reason=reason)
                 for i, (text, reason) in enumerate(self._beam_texts(req, beams))],
                 usage=self._usage(len(ids), sum(len(b.tokens) for b in beams)))
@@ -575,12 +589,12 @@ class OpenAIServing:
             state = {"tools": req.uses_tools, "calls_reason": calls_reason, "reasoning": reasoning}
             stream = self._chunks if as_chunks else self._stream
             return stream(gens, req.n, len(ids), req.stream_options, rid, "chat.completion.chunk",
-                          lambda out, index: self._chat_delta(out, index, state))
+                          lambda out, index: self._chat_delta(out, index, state), self.reply_model(req.model))
         choices = await self._collect(raw, gens, req.n)
         self._observe([ids], req.n, [c.num_output_tokens for c in choices])
         usage = self._usage(len(ids), sum(c.num_output_tokens for c in choices), self._cached(choices, req.n),
                             [c.prediction_tokens for c in choices])
-        return ChatCompletionResponse(id=rid, model=self.model_name, usage=usage, choices=[
+        return ChatCompletionResponse(id=rid, model=self.reply_model(req.model), usage=usage, choices=[
             self._chat_choice(i, c, req, calls_reason, reasoning) for i, c in enumerate(choices)],
             prompt_logprobs=self._prompt_logprobs(choices, req.prompt_logprobs))
 
@@ -634,16 +648,16 @@ class OpenAIServing:
 
     # ---- streaming -------------------------------------------------------------------------
     async def _stream(self, gens, n: int, num_prompt_tokens: int, options: StreamOptions | None, rid: str, obj: str,
-                      make_choice) -> AsyncIterator[str]:
+                      make_choice, model: str) -> AsyncIterator[str]:
         """SSE lines of `_chunks`, then [DONE]."""
         include_usage = bool(options and options.include_usage)
-        async with aclosing(self._chunks(gens, n, num_prompt_tokens, options, rid, obj, make_choice)) as chunks:
+        async with aclosing(self._chunks(gens, n, num_prompt_tokens, options, rid, obj, make_choice, model)) as chunks:
             async for chunk in chunks:
                 yield chunk.sse(include_usage) if isinstance(chunk, StreamChunk) else f"data: {json.dumps(chunk)}\n\n"
         yield "data: [DONE]\n\n"
 
     async def _chunks(self, gens, n: int, num_prompt_tokens: int, options: StreamOptions | None, rid: str, obj: str,
-                      make_choice) -> AsyncIterator[StreamChunk | dict]:
+                      make_choice, model: str) -> AsyncIterator[StreamChunk | dict]:
         """A chunk per output (with a stream interval above 1, a choice's first token, then a chunk per that many
         tokens and the last), or an error body (a dict) if the engine fails, which ends the stream; with
         include_usage a last chunk with the usage (and with continuous_usage_stats the usage so far in every one)."""
@@ -674,7 +688,7 @@ class OpenAIServing:
                 predicted[choice] = item.prediction_tokens
                 if item.finish_reason is not None:
                     self.metrics.observe_request(item.num_prompt_tokens, item.num_output_tokens)
-                chunk = StreamChunk(id=rid, object=obj, created=created, model=self.model_name,
+                chunk = StreamChunk(id=rid, object=obj, created=created, model=model,
                                     choices=[make_choice(item, offset + item.index)])
                 if continuous:
                     chunk.usage = self._usage(num_prompt_tokens, sum(completion_tokens.values()),
@@ -683,7 +697,7 @@ class OpenAIServing:
             if include_usage:
                 usage = self._usage(num_prompt_tokens, sum(completion_tokens.values()), sum(cached_tokens.values()),
                                     list(predicted.values()))
-                yield StreamChunk(id=rid, object=obj, created=created, model=self.model_name, choices=[], usage=usage)
+                yield StreamChunk(id=rid, object=obj, created=created, model=model, choices=[], usage=usage)
         finally:
             await outputs.aclose()
             for gen in gens:

@@ -21,7 +21,9 @@ def create_runner(cfg: Config, model_dir: Path):
                 raise ConfigError(f"device: {cfg.device!r} requested but torch sees no CUDA device")
         return TorchRunner(model_dir, cfg.engine.max_model_len, cfg.model.dtype, cfg.device, compressed,
                            cfg.engine.num_threads, kv_cache_dtype=cfg.engine.kv_cache_dtype,
-                           cuda_graphs=not cfg.engine.enforce_eager, max_num_seqs=cfg.engine.max_num_seqs)
+                           cuda_graphs=not cfg.engine.enforce_eager, max_num_seqs=cfg.engine.max_num_seqs,
+                           lora_modules={name: Path(path) for name, path in cfg.engine.lora_modules.items()},
+                           max_lora_rank=cfg.engine.max_lora_rank)
     if cfg.backend == "neuron":
         return create_neuron_runner(cfg, model_dir, compressed)
     raise ConfigError(f"backend: unknown backend {cfg.backend!r}")
@@ -32,6 +34,8 @@ def check_backend_available(cfg: Config) -> None:
     if cfg.backend == "neuron":
         if cfg.engine.kv_cache_dtype != "auto":
             raise ConfigError("engine.kv_cache_dtype: the neuron backend keeps its cache in the model's dtype (auto)")
+        if cfg.engine.lora_modules:
+            raise ConfigError("engine.lora_modules: the neuron backend serves no LoRA adapters (the torch backend does)")
         require_neuron_sdk()
         return
     if cfg.device.startswith("cuda"):

@@ -23,6 +23,7 @@ class SeqChunk:
     block_table: list[int] | None = None
     all_logits: bool = False  # logits of every position of the chunk, in order (prompt logprobs)
     wants_hidden: bool = False  # the hidden state of its logits row too (hidden_rows; an embedding request)
+    lora: str | None = None  # the LoRA adapter its tokens run through (backends with supports_lora; None: none)
 
 
 class ModelRunner(Protocol):
@@ -37,6 +38,7 @@ class ModelRunner(Protocol):
     supports_paged_kv: bool  # True: allocate_kv_blocks + block tables (the engine can share prefix blocks)
     supports_prompt_logprobs: bool  # True: honours SeqChunk.all_logits (absent: False)
     supports_embeddings: bool  # True: hidden_rows() after a step with SeqChunk.wants_hidden (absent: False)
+    supports_lora: bool  # True: SeqChunk.lora applies the adapters it was given (absent: False)
 
     def allocate_kv(self, num_slots: int) -> None:
         """Reserve KV storage for `num_slots` concurrent sequences of up to max_model_len tokens."""

@@ -16,7 +16,8 @@ from server.models.fused_ops import kernels_for
 from server.models.hugepages import return_freed_heap
 from server.models.llama import FlatBatch, KVCache, LlamaModel, PrefillChunk
 from server.models.loader import load_llama
-from server.models.packed_linear import pack_linears, packing_available, panels_available
+from server.models.lora import LoraAdapter, load_lora_adapter, lora_rows
+from server.models.packed_linear import FactoredPanelLinear, pack_linears, packing_available, panels_available
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +51,13 @@ class TorchRunner:
     supports_paged_kv = True
     supports_prompt_logprobs = True  # SeqChunk.all_logits
     supports_embeddings = True  # hidden_rows
+    supports_lora = True  # SeqChunk.lora names one of lora_modules
 
     def __init__(self, model_dir: Path, max_model_len: int, dtype: str = "auto", device: str = "cpu",
                  compressed: Path | None = None, num_threads: int | None = None, pack_weights: bool = True,
                  fused_kernels: bool = True, panel_gemm: bool = True, kv_cache_dtype: str = "auto",
-                 cuda_graphs: bool = True, max_num_seqs: int | None = None):
+                 cuda_graphs: bool = True, max_num_seqs: int | None = None,
+                 lora_modules: dict[str, Path] | None = None, max_lora_rank: int = 16):
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.device = torch.device(device)
@@ -69,6 +72,9 @@ class TorchRunner:
         self.cuda_graphs = cuda_graphs  # decode steps replayed from CUDA graphs on a CUDA device (off: eager)
         self.max_num_seqs = max_num_seqs  # the engine's largest batch: its graphs are captured at start-up
         self.graphs: DecodeGraphs | None = None
+        self.lora_modules = dict(lora_modules or {})  # adapter name -> PEFT folder, read at load()
+        self.max_lora_rank = max_lora_rank
+        self.loras: dict[str, LoraAdapter] = {}
         self.model: LlamaModel | None = None
         self.cache: KVCache | None = None
         self.vocab_size = 0
@@ -93,8 +99,24 @@ class TorchRunner:
                          panel_dtype=self.weight_dtype)
         if self.fused_kernels:
             self.model.use_kernels(kernels_for(self.device, self.dtype))
+        self.loras = {name: self._ready(load_lora_adapter(name, path, self.model.config, self.dtype,
+                                                          self.max_lora_rank)) for name, path in self.lora_modules.items()}
         if self.device.type == "cpu":
             return_freed_heap()
+
+    def _ready(self, adapter: LoraAdapter) -> LoraAdapter:
+        """The adapter on the device, its updates on the panel GEMM where the model's projections run on it."""
+        adapter = adapter.to(self.device)
+        if not (self.pack_weights and self.panel_gemm and panels_available(self.device, self.dtype)
+                and hasattr(torch.ops.neuronmm, "factored_linear")):
+            return adapter
+
+        def pack(A: torch.Tensor, B: torch.Tensor):
+            if self.weight_dtype == torch.bfloat16 and (A.shape[0] % 2 or A.shape[1] % 2):
+                return None  # (bf16 panels pair the inner dimension)
+            return FactoredPanelLinear(A, [A.shape[0]], [B], self.weight_dtype).forward
+
+        return adapter.with_fast_updates(pack)
 
     def allocate_kv(self, num_slots: int) -> None:
         self.allocate_kv_blocks(num_slots, self.max_model_len)
@@ -120,6 +142,7 @@ class TorchRunner:
     def build_batch(self, chunks: list[SeqChunk]) -> FlatBatch:
         """Flatten chunks into the model's FlatBatch (one host->device copy per field)."""
         ids, positions, slot_mapping, seq_index, context_lens, logits_index = [], [], [], [], [], []
+        adapters: list[str | None] = []  # each token's LoRA adapter (None: the base model)
         sdpa_chunks, tables = [], []
         block_size = self.cache.block_size
         sdpa_min_chunk = self.model.kernels.sdpa_min_chunk
@@ -138,6 +161,7 @@ class TorchRunner:
             positions.extend(range(start, start + n))
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
             seq_index.extend([row] * n)
+            adapters.extend([chunk.lora] * n)
             context_lens.extend(range(start + 1, start + n + 1) if fused else [0] * n)
             if chunk.all_logits:
                 logits_index.extend(range(len(ids) - n, len(ids)))
@@ -152,12 +176,15 @@ class TorchRunner:
             input_ids=as_tensor(ids), positions=as_tensor(positions), slot_mapping=as_tensor(slot_mapping),
             seq_index=as_tensor(seq_index, torch.int32), context_lens=as_tensor(context_lens, torch.int32),
             block_tables=as_tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
-            logits_index=None if every_token else as_tensor(logits_index), sdpa_chunks=sdpa_chunks)
+            logits_index=None if every_token else as_tensor(logits_index), sdpa_chunks=sdpa_chunks,
+            lora=(lora_rows(self.loras, adapters, None if every_token else logits_index, self.device)
+                  if any(adapters) else []))
 
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
         batch = self.build_batch(chunks)
-        if self.graphs is not None and self.graphs.applies(batch) and not any(c.wants_hidden for c in chunks):
-            return self.graphs.run(batch)  # (a replayed graph keeps no hidden states)
+        if (self.graphs is not None and self.graphs.applies(batch) and not batch.lora
+                and not any(c.wants_hidden for c in chunks)):
+            return self.graphs.run(batch)  # (a replayed graph keeps no hidden states, adds no adapter)
         return self.model(batch, self.cache)
 
     def hidden_rows(self) -> torch.Tensor:

@@ -111,7 +111,7 @@ class PagedKV:
         tokens = None
         for index in range(seq.num_hashed_blocks, seq.num_computed // self.block_size):
             tokens = tokens or seq.prompt_ids + seq.output_ids
-            parent = self.block_hash[seq.block_table[index - 1]] if index else None
+            parent = self.block_hash[seq.block_table[index - 1]] if index else seq.params.lora
             block = seq.block_table[index]
             h = hash((parent, tuple(tokens[index * self.block_size:(index + 1) * self.block_size])))
             if self.block_hash[block] is None and h not in self.cached:
@@ -151,7 +151,7 @@ class PagedKV:
         if not self.enable_prefix_caching or seq.wants_prompt_logits:  # cached positions give no logits
             return []
         tokens = seq.prompt_ids + seq.output_ids
-        hits, parent = [], None
+        hits, parent = [], seq.params.lora  # an adapter's blocks hold its own K/V: chained from its name
         for index in range((len(tokens) - 1) // self.block_size):
             h = hash((parent, tuple(tokens[index * self.block_size:(index + 1) * self.block_size])))
             block = self.cached.get(h)

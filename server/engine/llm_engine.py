@@ -48,7 +48,7 @@ class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, kv: PagedKV | SlotKV, eos_token_ids: set[int] | None = None, seed: int = 0,
                  max_prefill_tokens_while_decoding: int | None = None, speculative: SpeculativeConfig | None = None,
-                 scheduling_policy: str = "fcfs"):
+                 scheduling_policy: str = "fcfs", max_loras: int | None = None):
         self.runner = runner
         # seeds for requests that bring none: drawn from the engine's seed, so a run replays
         self._seeds = torch.Generator().manual_seed(seed)
@@ -60,7 +60,7 @@ class LLMEngine:
             raise ValueError("speculative decoding needs a backend that returns every position's logits")
         self.speculative = speculative
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, kv, max_prefill_tokens_while_decoding,
-                                   self._draft if self.checks_drafts else None, scheduling_policy)
+                                   self._draft if self.checks_drafts else None, scheduling_policy, max_loras)
         self.eos_token_ids = frozenset(eos_token_ids or ())
         self.seqs: dict[str, list[Sequence]] = {}
         self.observers: list[StepObserver] = []
@@ -74,6 +74,8 @@ class LLMEngine:
             raise ValueError("this backend cannot return prompt logprobs (echo with logprobs)")
         if params.embed and not getattr(self.runner, "supports_embeddings", False):
             raise ValueError("this backend cannot return embeddings")
+        if params.lora is not None and params.lora not in getattr(self.runner, "loras", {}):
+            raise ValueError(f"no LoRA adapter {params.lora!r} is loaded")
         seqs = []
         for index in range(n):
             generator = None
@@ -116,7 +118,7 @@ class LLMEngine:
         try:
             logits = self.runner.execute([
                 SeqChunk(c.seq.slot, c.token_ids(), c.start, c.completes_seq, c.seq.block_table or None, all_rows,
-                         c.seq.params.embed)
+                         c.seq.params.embed, c.seq.params.lora)
                 for c, all_rows in zip(chunks, every_row)])
             embeddings = self._pooled_rows(chunks, every_row, pooled) if pooled else []
             # the runner may hand back inference-mode tensors, which penalties edit in place

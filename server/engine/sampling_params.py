@@ -61,6 +61,7 @@ class SamplingParams:
     prediction: list[int] | None = None  # the reply's expected tokens (OpenAI's Predicted Outputs): draft source
     embed: bool = False  # a pooling request: the prompt's last hidden state (after the final norm), no tokens
     priority: int = 0  # under engine.scheduling_policy priority: lower is admitted (and kept) first
+    lora: str | None = None  # the LoRA adapter (one of engine.lora_modules) the sequence runs through; None: none
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

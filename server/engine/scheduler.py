@@ -51,11 +51,15 @@ class Scheduler:
     Under the `priority` policy (vLLM's) the queue is ordered by each request's priority (lower first), then
     arrival; a preemption takes the running sequence of the latest priority (the newest among those), and a waiting
     sequence of an earlier priority than a running one preempts it when there is no room to admit it.
+
+    With LoRA adapters, at most `max_loras` distinct adapters run at once (vLLM's --max-loras: each costs its own
+    small GEMMs a projection): a waiting sequence of another adapter stays queued, and those behind it go ahead.
     """
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, kv: PagedKV | SlotKV,
                  max_prefill_tokens_while_decoding: int | None = None,
-                 propose: Callable[[Sequence], list[int]] | None = None, policy: str = "fcfs"):
+                 propose: Callable[[Sequence], list[int]] | None = None, policy: str = "fcfs",
+                 max_loras: int | None = None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token each)")
         self.max_num_seqs = max_num_seqs
@@ -64,6 +68,7 @@ class Scheduler:
         self.kv = kv
         self.propose = propose  # a decoding sequence's speculative draft ([] for none); None: no speculation
         self.by_priority = policy == "priority"
+        self.max_loras = max_loras  # distinct LoRA adapters in the running batch (None: no limit)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -118,7 +123,11 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed, budget)
             chunks.append(ScheduledTokens(seq, n))
             budget -= n
+        held_back = []  # waiting sequences of an adapter there is no room for this step, in queue order
         while self.waiting and budget > 0 and not self._shares_a_prompt_in_prefill(self.waiting[0]):
+            if not self._adapter_fits(self.waiting[0]):
+                held_back.append(self.waiting.popleft())
+                continue
             if len(self.running) >= self.max_num_seqs or not self.kv.can_admit(self.waiting[0]):
                 if not self._preempt_for(self.waiting[0], chunks):
                     break
@@ -131,7 +140,16 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed, budget)
             chunks.append(ScheduledTokens(seq, n))
             budget -= n
+        for seq in reversed(held_back):  # back to their places
+            self._queue(seq) if self.by_priority else self.waiting.appendleft(seq)
         return chunks
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether admitting `seq` keeps the running batch within max_loras distinct adapters."""
+        if self.max_loras is None or seq.params.lora is None:
+            return True
+        running = {s.params.lora for s in self.running} - {None}
+        return seq.params.lora in running or len(running) < self.max_loras
 
     def _shares_a_prompt_in_prefill(self, seq: Sequence) -> bool:
         """Whether `seq` is a later choice of a request whose first choice is still computing the prompt they share

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from server.models.fused_ops import REFERENCE_KERNELS, Kernels
 from server.models.hugepages import empty_in_huge_pages
+from server.models.lora import LoraRows, with_lora
 from server.models.lowrank import LowRankLinear
 from server.models.module_init import linear_around
 
@@ -41,6 +42,7 @@ class FlatBatch:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     logits_index: torch.Tensor | None  # flat indices of the tokens whose logits are returned (None: every token's)
     sdpa_chunks: list["PrefillChunk"] = field(default_factory=list)
+    lora: list[LoraRows] = field(default_factory=list)  # the rows each LoRA adapter of the step applies to
 
 
 @dataclass
@@ -218,9 +220,13 @@ class Attention(nn.Module):
 
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
         """[q | k | v] of x, biased and head-normed where the family does: one GEMM once fused, else three."""
+        return self.finish_qkv(self.qkv_gemm(x))
+
+    def qkv_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """[q | k | v] of x as the projections give it (unfused q/k/v keep their own biases)."""
         if self.qkv_proj is None:
-            return self._finish_qkv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1))
-        return self._finish_qkv(self.qkv_proj.forward(x))
+            return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        return self.qkv_proj.forward(x)
 
     def extras(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """What follows the QKV GEMM: the [q | k | v] bias, the q and k head norm weights (None where absent)."""
@@ -231,7 +237,8 @@ class Attention(nn.Module):
         """What the step calls for [q | k | v]: the fused GEMM's own forward where nothing follows it."""
         return self.qkv_proj.forward if self.qkv_proj is not None and self.plain else self.project_qkv
 
-    def _finish_qkv(self, qkv: torch.Tensor) -> torch.Tensor:
+    def finish_qkv(self, qkv: torch.Tensor) -> torch.Tensor:
+        """What follows the QKV GEMM, in place: the family's bias, then its head norms."""
         if self.qkv_bias is not None:
             qkv.add_(self.qkv_bias)
         if self.q_norm is not None:
@@ -435,11 +442,11 @@ class LlamaModel(nn.Module):
         attention, add_rms_norm, silu_mul = kernels.attention, kernels.add_rms_norm, kernels.silu_mul
         tables, slots, seq_index, lens = batch.block_tables, batch.slot_mapping, batch.seq_index, batch.context_lens
         rows = batch.logits_index
-        plan = self.decoder_plan() if self.use_decoder_plan and not batch.sdpa_chunks else None
+        plan = self.decoder_plan() if self.use_decoder_plan and not batch.sdpa_chunks and not batch.lora else None
         if plan is not None:  # the same ops in the same order, in one call (csrc/decoder.cpp)
             h = kernels.decode_layers(plan, x, h, cos, sin, cache.k, cache.v, slots, tables, seq_index, lens, rows)
             return self._logits(h)
-        calls = self.layer_calls()
+        calls = self.layer_calls() if not batch.lora else self._calls_with_lora(batch.lora, rows is not None)
         for layer, k_cache, v_cache in zip(calls, cache.k, cache.v):
             attn = layer.attention
             out, q_rot = attention(layer.qkv(h), cos, sin, k_cache, v_cache, slots, tables, seq_index, lens,
@@ -454,7 +461,31 @@ class LlamaModel(nn.Module):
             h = add_rms_norm(x, layer.down(silu_mul(layer.gate_up(h))), layer.next_norm, eps)
         return self._logits(h)
 
+    def _calls_with_lora(self, groups: list[LoraRows], pruned: bool) -> list[LayerCalls]:
+        """The layer calls with a step's LoRA updates added to their projections (the last layer's o, gate/up and
+        down over the rows its pruning keeps, when it prunes)."""
+        calls = []
+        last = len(self.layers) - 1
+        for i, (layer, base) in enumerate(zip(self.layers, self.layer_calls())):
+            def updates(slot: int, out: bool = False) -> list:
+                return [(g.adapter.deltas[(i, slot)], g.out_rows if out else g.rows)
+                        for g in groups if (i, slot) in g.adapter.deltas]
+
+            attn, past_pruning, qkv_updates = layer.self_attn, pruned and i == last, updates(0)
+            # the update goes in before the family's bias and head norms, as HF's q/k/v projections carry it
+            qkv = _then(with_lora(attn.qkv_gemm, qkv_updates), attn.finish_qkv) if qkv_updates else base.qkv
+            calls.append(replace(base, qkv=qkv,
+                                 o=with_lora(base.o, updates(1, past_pruning)),
+                                 gate_up=with_lora(base.gate_up, updates(2, past_pruning)),
+                                 down=with_lora(base.down, updates(3, past_pruning))))
+        return calls
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the final-normed rows h, which stay readable as `last_hidden` (embeddings pool them)."""
         self.last_hidden = h
         return self.lm_head(h).float()
+
+
+def _then(first: Callable[[torch.Tensor], torch.Tensor], second: Callable[[torch.Tensor], torch.Tensor]
+          ) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: second(first(x))

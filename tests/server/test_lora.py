@@ -1,0 +1,274 @@
+"""LoRA adapters over the served model (vLLM's --lora-modules): each row runs through its own adapter, as HF would
+run the base model with that adapter merged into its weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from bench.harness import LORA_TARGETS, write_random_lora
+from server.backends import check_backend_available
+from server.backends.base import SeqChunk
+from server.backends.torch_runner import TorchRunner
+from server.cli import build_parser, serve_overrides
+from server.config import Config, ConfigError, validate_section
+from server.engine.block_manager import PagedKV
+from server.engine.sampling_params import SamplingParams
+from server.engine.scheduler import Scheduler
+from server.engine.sequence import Sequence
+from server.models.lora import load_lora_adapter
+from server.models.packed_linear import panels_available
+from server.runtime import build_engine, eos_token_ids
+from support import live_server, tiny_config
+
+ATTENTION, MLP = LORA_TARGETS[:4], LORA_TARGETS[4:]
+PROMPT = [5, 17, 42, 9, 300, 77, 12, 1000, 64, 3]
+
+
+def write_adapter(folder: Path, model_dir: Path, targets: tuple[str, ...], rank: int = 4, alpha: float = 8.0,
+                  seed: int = 0, layers: tuple[int, ...] = (0, 1), **config) -> Path:
+    """A PEFT LoRA folder with random A and B for the model in model_dir (bench.harness.write_random_lora)."""
+    model_config = AutoConfig.from_pretrained(model_dir)
+    return write_random_lora(folder, model_config, targets, rank, alpha, seed, layers, **config)
+
+
+def merged_logits(model_dir: Path, adapter: Path | None, ids: list[int]) -> torch.Tensor:
+    """HF's logits over ids with the adapter merged into the weights (W + alpha / r · B·A), fp32."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if adapter is not None:
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        factors = {}
+        for key, value in load_file(adapter / "adapter_model.safetensors").items():
+            factors[key.removeprefix("base_model.model.").replace(".lora_A.weight", ".A").replace(
+                ".lora_B.weight", ".B")] = value
+        with torch.no_grad():
+            for key in [k for k in factors if k.endswith(".A")]:
+                name = key.removesuffix(".A")
+                A, B = factors[key], factors[name + ".B"]
+                scale = config["lora_alpha"] / (A.shape[0] ** 0.5 if config.get("use_rslora") else A.shape[0])
+                hf.get_submodule(name).weight += scale * B @ A
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {"every": write_adapter(root / "every", tiny_model_dir, ATTENTION + MLP, seed=1),
+            "qv": write_adapter(root / "qv", tiny_model_dir, ("q_proj", "v_proj"), rank=8, alpha=16, seed=2),
+            "mlp-rslora": write_adapter(root / "mlp", tiny_model_dir, MLP, rank=2, alpha=4, seed=3, layers=(1,),
+                                        use_rslora=True)}
+
+
+def _runner(model_dir: Path, adapters: dict[str, Path], fused: bool = True, dtype: str = "float32") -> TorchRunner:
+    """fused: the C++ ops and packed weights, the adapters' updates on the panel GEMM where this CPU builds it; else
+    torch's ops and GEMMs throughout."""
+    runner = TorchRunner(model_dir, 64, dtype, fused_kernels=fused, pack_weights=fused, lora_modules=adapters)
+    runner.load()
+    return runner
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-ops", "reference-ops"])
+@pytest.mark.parametrize("name", ["every", "qv", "mlp-rslora"])
+def test_an_adapter_gives_the_merged_models_logits(tiny_model_dir, adapters, name, fused):
+    runner = _runner(tiny_model_dir, adapters, fused)
+    fast = [d.fast is not None for d in runner.loras[name].deltas.values()]
+    assert all(fast) == (fused and panels_available(torch.device("cpu"), torch.float32)) and any(fast) == all(fast)
+    runner.allocate_kv(1)
+    ours = [runner.execute([SeqChunk(0, PROMPT[:7], 0, all_logits=True, lora=name)])]
+    ours += [runner.execute([SeqChunk(0, [t], 7 + i, lora=name)]) for i, t in enumerate(PROMPT[7:])]
+    expected = merged_logits(tiny_model_dir, adapters[name], PROMPT)
+    torch.testing.assert_close(torch.cat(ours), expected, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(expected, merged_logits(tiny_model_dir, None, PROMPT), atol=1e-2)  # it changes them
+
+
+@pytest.mark.skipif(not hasattr(transformers, "Qwen3Config"), reason=f"transformers {transformers.__version__} "
+                                                                     "has no Qwen3")
+def test_the_update_goes_in_before_qwen3s_head_norms(smol_dir, tmp_path):
+    tok = AutoTokenizer.from_pretrained(smol_dir)
+    config = transformers.Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      max_position_embeddings=4096, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norm weights of 1 would hide an update added after them only in scale
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    model_dir = tmp_path / "qwen3"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    adapter = write_adapter(tmp_path / "qkv", model_dir, ATTENTION, seed=4)
+    runner = _runner(model_dir, {"qkv": adapter})
+    runner.allocate_kv(1)
+    ours = runner.execute([SeqChunk(0, PROMPT, 0, all_logits=True, lora="qkv")])
+    torch.testing.assert_close(ours, merged_logits(model_dir, adapter, PROMPT), atol=1e-4, rtol=1e-4)
+
+
+def test_one_batch_runs_each_row_through_its_own_adapter(tiny_model_dir, adapters):
+    """Base rows, two adapters, prompt chunks of different lengths (the last layer pruned to their last tokens) and a
+    decode, in one forward: each sequence's logits are its own model's."""
+    runner = _runner(tiny_model_dir, adapters)
+    runner.allocate_kv(4)
+    runner.execute([SeqChunk(3, PROMPT[:6], 0, lora="every")])  # its prompt first, then one decode in the batch
+    names = [None, "every", "qv", "every"]
+    logits = runner.execute([SeqChunk(0, PROMPT[:5], 0), SeqChunk(1, PROMPT[:9], 0, lora="every"),
+                             SeqChunk(2, PROMPT[:4], 0, lora="qv"), SeqChunk(3, PROMPT[6:7], 6, lora="every")])
+    ends = [5, 9, 4, 7]
+    for row, (name, end) in enumerate(zip(names, ends)):
+        expected = merged_logits(tiny_model_dir, adapters[name] if name else None, PROMPT[:end])[-1]
+        torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_adapter_follows_the_merged_model(tiny_model_dir, adapters):
+    runner = _runner(tiny_model_dir, adapters, dtype="bfloat16")
+    runner.allocate_kv(1)
+    ours = runner.execute([SeqChunk(0, PROMPT, 0, all_logits=True, lora="every")])
+    expected = merged_logits(tiny_model_dir, adapters["every"], PROMPT)
+    assert (ours.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+    assert (ours - expected).abs().max() < 0.1 * expected.abs().max()
+
+
+def test_unusable_adapters_are_named(tiny_model_dir, tmp_path):
+    config = AutoModelForCausalLM.from_pretrained(tiny_model_dir).config
+
+    def load(folder: Path, max_rank: int = 16):
+        return load_lora_adapter("x", folder, config, torch.float32, max_rank)
+
+    with pytest.raises(ConfigError, match="not a folder"):
+        load(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no adapter_config.json"):
+        load(tmp_path / "empty")
+    with pytest.raises(ConfigError, match="rank 32 is over max_lora_rank 16"):
+        load(write_adapter(tmp_path / "big", tiny_model_dir, ("q_proj",), rank=32))
+    with pytest.raises(ConfigError, match="use_dora"):
+        load(write_adapter(tmp_path / "dora", tiny_model_dir, ("q_proj",), use_dora=True))
+    folder = write_adapter(tmp_path / "head", tiny_model_dir, ("q_proj",))
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64),
+               "base_model.model.lm_head.lora_B.weight": torch.zeros(10, 4)}, folder / "adapter_model.safetensors")
+    with pytest.raises(ConfigError, match="lm_head.lora_A.weight is not a LoRA factor"):
+        load(folder)
+    folder = write_adapter(tmp_path / "shape", tiny_model_dir, ("q_proj",))
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 32),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 4)},
+              folder / "adapter_model.safetensors")
+    with pytest.raises(ConfigError, match=r"q_proj A \(4, 32\) / B \(64, 4\) do not fit"):
+        load(folder)
+
+
+def _engine(model_dir: Path, adapters: dict[str, Path], **engine):
+    cfg = tiny_config(model_dir, enable_lora=True, lora_modules={k: str(v) for k, v in adapters.items()}, **engine)
+    runner = _runner(model_dir, adapters)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return build_engine(cfg, runner, tok, eos_token_ids(model_dir, tok))
+
+
+def _run(engine, requests: dict[str, tuple[list[int], str | None]]) -> dict[str, list[int]]:
+    for rid, (ids, lora) in requests.items():
+        engine.add_request(rid, ids, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, lora=lora))
+    got = {rid: [] for rid in requests}
+    while engine.has_work():
+        for out in engine.step():
+            got[out.request_id].extend(out.token_ids)
+    return got
+
+
+def test_prefix_cache_keeps_each_adapters_blocks_apart(tiny_model_dir, adapters):
+    """The same 40-token prompt through the base model and then an adapter: the adapter's K/V differ, so it finds
+    no block of the base's; a second request to the adapter finds its own, and answers the same."""
+    engine = _engine(tiny_model_dir, adapters)
+    prompt = (PROMPT * 4)[:40]
+    first = _run(engine, {"base": (prompt, None)})
+    hits_before = engine.scheduler.kv.stats.prefix_hits
+    alone = _run(engine, {"a1": (prompt, "every")})
+    assert engine.scheduler.kv.stats.prefix_hits == hits_before  # nothing of the base's served the adapter
+    again = _run(engine, {"a2": (prompt, "every")})
+    assert engine.scheduler.kv.stats.prefix_hits - hits_before == 32  # its own two full blocks
+    assert again["a2"] == alone["a1"] != first["base"]
+    expected = merged_logits(tiny_model_dir, adapters["every"], prompt)[-1].argmax().item()
+    assert alone["a1"][0] == expected
+
+
+def test_unknown_adapter_is_refused_by_the_engine(tiny_model_dir, adapters):
+    engine = _engine(tiny_model_dir, adapters)
+    with pytest.raises(ValueError, match="no LoRA adapter 'nope'"):
+        engine.add_request("x", PROMPT, SamplingParams(lora="nope"))
+
+
+def _seq(rid: str, lora: str | None) -> Sequence:
+    return Sequence(rid, 0, list(PROMPT), SamplingParams(max_tokens=4, lora=lora), None)
+
+
+def test_max_loras_holds_a_third_adapter_back_and_lets_others_pass():
+    scheduler = Scheduler(8, 256, PagedKV(64, 16, enable_prefix_caching=False), max_loras=2)
+    for rid, lora in [("a", "A"), ("b", "B"), ("c", "C"), ("base", None), ("a2", "A")]:
+        scheduler.add(_seq(rid, lora))
+    scheduled = [c.seq.request_id for c in scheduler.schedule()]
+    assert scheduled == ["a", "b", "base", "a2"]
+    assert [s.request_id for s in scheduler.waiting] == ["c"]
+    scheduler.finish(scheduler.running[0], "stop")  # A's first request ends; A still runs (a2)
+    assert [c.seq.request_id for c in scheduler.schedule() if c.seq.request_id == "c"] == []
+    scheduler.finish(next(s for s in scheduler.running if s.request_id == "a2"), "stop")
+    assert "c" in [c.seq.request_id for c in scheduler.schedule()]
+
+
+def test_served_adapters(tiny_model_dir, adapters):
+    cfg = tiny_config(tiny_model_dir, enable_lora=True, lora_modules={k: str(v) for k, v in adapters.items()},
+                      max_loras=3)
+    with live_server(cfg) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        cards = {c["id"]: c for c in client.get("/v1/models").json()["data"]}
+        assert cards["every"]["parent"] == "tiny" and cards["every"]["root"] == str(adapters["every"])
+        assert cards["tiny"]["parent"] is None
+
+        def complete(model: str, **extra) -> dict:
+            body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, **extra}
+            return client.post("/v1/completions", json=body).json()
+
+        folders = {"tiny": None, "every": adapters["every"], "qv": adapters["qv"]}
+        # each model's top first-token logprob (-9.90, -10.12, -10.14 here): the served one is nearest its own model's
+        expected = {m: merged_logits(tiny_model_dir, f, PROMPT)[-1].log_softmax(-1).max().item()
+                    for m, f in folders.items()}
+        for model in folders:
+            reply = complete(model, logprobs=1)
+            assert reply["model"] == model
+            served = max(reply["choices"][0]["logprobs"]["top_logprobs"][0].values())
+            assert min(expected, key=lambda m: abs(expected[m] - served)) == model
+            assert served == pytest.approx(expected[model], abs=5e-3)  # (served in bf16 here)
+        streamed = client.post("/v1/chat/completions", json={"model": "qv", "stream": True, "max_tokens": 2,
+                                                              "messages": [{"role": "user", "content": "hi"}]})
+        models = {json.loads(line[6:])["model"] for line in streamed.text.splitlines()
+                  if line.startswith("data: {")}
+        assert models == {"qv"}
+        embedded = client.post("/v1/embeddings", json={"model": "every", "input": "hi"}).json()
+        base = client.post("/v1/embeddings", json={"model": "tiny", "input": "hi"}).json()
+        assert embedded["model"] == "every" and embedded["data"][0]["embedding"] != base["data"][0]["embedding"]
+        missing = client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+        assert missing.status_code == 404 and "every" in missing.json()["error"]["message"]
+
+
+def test_config_and_flags():
+    with pytest.raises(ConfigError, match="lora_modules needs enable_lora"):
+        validate_section(Config, {"model": {"name": "m", "path": "x.gguf"}, "engine": {"lora_modules": {"a": "/a"}}},
+                         "cfg")
+    with pytest.raises(ConfigError, match="m is also the served model's name"):
+        validate_section(Config, {"model": {"name": "m", "path": "x.gguf"},
+                                  "engine": {"enable_lora": True, "lora_modules": {"m": "/a"}}}, "cfg")
+    cfg = Config.model_validate({"model": {"name": "m", "path": "x.gguf"}, "backend": "neuron",
+                                 "engine": {"enable_lora": True, "lora_modules": {"a": "/a"}}})
+    with pytest.raises(ConfigError, match="neuron backend serves no LoRA adapters"):
+        check_backend_available(cfg)
+    args = build_parser().parse_args(["serve", "--enable-lora", "--max-loras", "2", "--lora-modules", "sql=/ad/sql",
+                                      '{"name": "chat", "path": "/ad/chat"}'])
+    _, overrides = serve_overrides(args)
+    assert overrides["engine.lora_modules"] == {"sql": "/ad/sql", "chat": "/ad/chat"}
+    assert overrides["engine.enable_lora"] and overrides["engine.max_loras"] == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--lora-modules", "no-path"])
