@@ -37,6 +37,11 @@ _VLLM_NO_EFFECT = {
 }
 
 
+def _env_true(name: str) -> bool:
+    """An environment switch as vLLM reads its own (1 or true)."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true")
+
+
 def _env_default(flag: str) -> str | None:
     """Every serve flag can also come from NEURONMM_<FLAG> (e.g. --max-model-len: NEURONMM_MAX_MODEL_LEN)."""
     return os.environ.get("NEURONMM_" + flag.lstrip("-").upper().replace("-", "_"))
@@ -240,6 +245,7 @@ def serve_overrides(args: argparse.Namespace) -> tuple[str | None, dict]:
         "engine.enable_prefix_caching": args.enable_prefix_caching, "server.cors_origins": args.allowed_origins,
         "server.log_level": args.uvicorn_log_level,
         "server.access_log": False if args.disable_uvicorn_access_log else None,
+        "server.allow_runtime_lora_updating": _env_true("VLLM_ALLOW_RUNTIME_LORA_UPDATING") or None,
     })
     return config, overrides
 

@@ -150,6 +150,9 @@ class ServerConfig(_Strict):
     responses_store_size: int = Field(1000, ge=0, description="finished Responses API responses kept in memory for "
                                                               "GET and previous_response_id (0: none)")
     metrics_require_api_key: bool = False
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING (read by `neuronmm serve` too): POST /v1/load_lora_adapter and
+    # /v1/unload_lora_adapter change the served adapters (engine.enable_lora) while it runs
+    allow_runtime_lora_updating: bool = False
 
 
 class CompressionConfig(_Strict):

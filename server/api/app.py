@@ -26,8 +26,9 @@ from server.api.errors import APIError, error_response
 from server.api.metrics import ServerMetrics
 from server.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                  CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
-                                 EmbeddingRequest, EmbeddingResponse, HealthStatus, ModelCard, ModelList,
-                                 ServerLoad, TokenizeRequest, TokenizeResponse, VersionResponse)
+                                 EmbeddingRequest, EmbeddingResponse, HealthStatus, LoadLoraAdapterRequest, ModelCard,
+                                 ModelList, ServerLoad, TokenizeRequest, TokenizeResponse, UnloadLoraAdapterRequest,
+                                 VersionResponse)
 from server.api.embeddings import EmbeddingsAPI
 from server.api.response_store import ResponseStore
 from server.api.responses import DeletedResponse, InputItemList, ResponseObject, ResponsesAPI, ResponsesRequest
@@ -44,6 +45,9 @@ from server.runtime import Runtime, eos_token_ids, load_runtime, load_tokenizer,
 log = logging.getLogger(__name__)
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 503)}
+# a route answering a line of text (as vLLM's LoRA routes do; response_class PlainTextResponse), its errors in JSON
+_JSON_ERRORS = {code: {"description": "an OpenAI error body", "content": {
+    "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}} for code in _ERRORS}
 # A POST answers JSON, or an SSE stream when the request sets `stream: true`.
 _POST_RESPONSES = {**_ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 _OPEN_PATHS = {"/health", "/ping", "/version", "/load"}  # and /metrics unless server.metrics_require_api_key
@@ -346,20 +350,22 @@ def _install_routes(app: FastAPI) -> None:
     async def server_version():
         return VersionResponse(version=package_version())
 
-    def model_cards(cfg: Config) -> list[ModelCard]:
+    def model_cards(state: AppState) -> list[ModelCard]:
         """The served model under each of its names, then each LoRA adapter (its folder, its base), as vLLM lists."""
+        cfg = state.cfg
+        adapters = state.serving.adapters.paths if state.serving is not None else cfg.engine.lora_modules
         return [ModelCard(id=name, max_model_len=cfg.engine.max_model_len)
                 for name in (cfg.model.name, *cfg.server.model_aliases)] + [
                 ModelCard(id=name, max_model_len=cfg.engine.max_model_len, root=path, parent=cfg.model.name)
-                for name, path in cfg.engine.lora_modules.items()]
+                for name, path in adapters.items()]
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models(request: Request):
-        return ModelList(data=model_cards(request.app.state.neuronmm.cfg))
+        return ModelList(data=model_cards(request.app.state.neuronmm))
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
     async def model(model_id: str, request: Request):
-        for card in model_cards(request.app.state.neuronmm.cfg):
+        for card in model_cards(request.app.state.neuronmm):
             if card.id == model_id:
                 return card
         raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
@@ -379,6 +385,16 @@ def _install_routes(app: FastAPI) -> None:
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest, request: Request):
         return ready_state(request).serving.detokenize(body)
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_JSON_ERRORS)
+    async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request):
+        """vLLM's runtime LoRA loading (server.allow_runtime_lora_updating): a success line, as vLLM answers."""
+        return PlainTextResponse(await ready_state(request).serving.adapters.load(body))
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_JSON_ERRORS)
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request):
+        """vLLM's runtime LoRA unloading: the adapter must have no request in flight."""
+        return PlainTextResponse(await ready_state(request).serving.adapters.unload(body))
 
     async def respond(result):
         if hasattr(result, "__aiter__"):

@@ -9,6 +9,7 @@ cumulative logprob over length ** length_penalty, the length counting the prompt
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -28,7 +29,9 @@ class Beam:
 
     def score(self, prompt_len: int, length_penalty: float) -> float:
         length = max(1, prompt_len + len(self.tokens) - int(self.ended))  # the end token does not count (vLLM)
-        return self.logprob / (length ** length_penalty)
+        # logprob / length ** length_penalty, its exponent held where a float has room: a penalty of 1e16 would
+        # overflow the power, and -1e16 turn it to 0 and the division into an error
+        return self.logprob * math.exp(min(700.0, max(-700.0, -length_penalty * math.log(length))))
 
 
 async def beam_search(next_tokens: NextTokens, prompt: list[int], width: int, max_tokens: int,

@@ -164,6 +164,8 @@ class _Request(RequestPart):
                                                                        "logprob over length ** length_penalty")
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="vLLM's: under --scheduling-policy priority, "
                                                                    "lower runs earlier")
+    cache_salt: str | None = Field(None, min_length=1, description="vLLM's: prompt blocks are shared from the "
+                                   "prefix cache only with requests of the same salt (one tenant's)")
     # structured output (one constraint at most)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -266,7 +268,8 @@ class _Request(RequestPart):
             stop_token_ids=list(self.stop_token_ids or []), skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()}, structured=structured,
-            allowed_token_ids=self.allowed_token_ids, prompt_logprobs=self.prompt_logprobs, priority=self.priority)
+            allowed_token_ids=self.allowed_token_ids, prompt_logprobs=self.prompt_logprobs, priority=self.priority,
+            cache_salt=self.cache_salt)
 
 
 class CompletionRequest(_Request):
@@ -728,6 +731,20 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
     tokens: list[int]
     token_strs: list[str] | None = None
+
+
+class LoadLoraAdapterRequest(RequestPart):
+    """POST /v1/load_lora_adapter (vLLM's, with runtime LoRA updates on)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1, description="a PEFT LoRA folder on the server's machine")
+
+
+class UnloadLoraAdapterRequest(RequestPart):
+    """POST /v1/unload_lora_adapter."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = Field(None, description="vLLM's adapter number: accepted, the name decides")
 
 
 class DetokenizeRequest(RequestPart):

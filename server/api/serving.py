@@ -18,6 +18,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from server.api.errors import APIError
+from server.api.lora_adapters import LoraAdapters
 from server.api.metrics import ServerMetrics
 from server.api.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatMessageOut,
                                  ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse,
@@ -103,7 +104,7 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.model_name = cfg.model.name
         self.model_names = [cfg.model.name, *cfg.server.model_aliases]
-        self.lora_names = list(cfg.engine.lora_modules)  # adapters, served under their own names
+        self.adapters = LoraAdapters(engine, cfg)  # LoRA adapters, served under their own names
         self.max_model_len = cfg.engine.max_model_len
         self.strict_fields = cfg.server.strict_fields
         self.stream_interval = cfg.server.stream_interval
@@ -152,17 +153,17 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> str | None:
         """The LoRA adapter `model` names (None for the served model, a name of it or None, as vLLM takes it);
         404 for any other name."""
-        if model in self.lora_names:
+        if model in self.adapters:
             return model
         if model is not None and model not in self.model_names:
             raise APIError(404, f"The model `{model}` does not exist. Available: "
-                                f"{', '.join(self.model_names + self.lora_names)}", param="model",
+                                f"{', '.join(self.model_names + self.adapters.names)}", param="model",
                            code="model_not_found")
         return None
 
     def reply_model(self, model: str | None) -> str:
         """The `model` a reply names: the adapter's name for a request to one, else the served model's."""
-        return model if model in self.lora_names else self.model_name
+        return model if model in self.adapters else self.model_name
 
     def check_fields(self, req) -> None:
         """Unknown fields: logged and ignored, as vLLM does, or 400 with server.strict_fields."""

@@ -99,10 +99,18 @@ class TorchRunner:
                          panel_dtype=self.weight_dtype)
         if self.fused_kernels:
             self.model.use_kernels(kernels_for(self.device, self.dtype))
-        self.loras = {name: self._ready(load_lora_adapter(name, path, self.model.config, self.dtype,
-                                                          self.max_lora_rank)) for name, path in self.lora_modules.items()}
+        for name, path in self.lora_modules.items():
+            self.add_lora(name, path)
         if self.device.type == "cpu":
             return_freed_heap()
+
+    def add_lora(self, name: str, path: str | Path) -> None:
+        """Load one more adapter (ConfigError: the folder does not fit the model)."""
+        self.loras[name] = self._ready(load_lora_adapter(name, Path(path), self.model.config, self.dtype,
+                                                         self.max_lora_rank))
+
+    def remove_lora(self, name: str) -> None:
+        del self.loras[name]
 
     def _ready(self, adapter: LoraAdapter) -> LoraAdapter:
         """The adapter on the device, its updates on the panel GEMM where the model's projections run on it."""

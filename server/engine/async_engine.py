@@ -30,6 +30,20 @@ class EngineDeadError(RuntimeError):
     """The engine thread is not running."""
 
 
+# LLMEngine methods the API may call between steps (`call`): vLLM's runtime LoRA updates
+ENGINE_CALLS = frozenset({"load_lora", "unload_lora"})
+
+
+def settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    """Give an engine call's future its result or exception (in its loop), unless its caller gave up on it."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 @dataclass
 class _Pending:
     request_id: str
@@ -49,6 +63,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._inbox: list[_Pending] = []
         self._aborts: list[str] = []
+        self._calls: list[tuple[str, tuple, asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -67,6 +82,10 @@ class AsyncEngine:
         self._wake.set()
         if self._thread:
             self._thread.join(timeout)
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for _, _, loop, future in calls:  # never reached by the engine thread
+            loop.call_soon_threadsafe(settle, future, None, EngineDeadError("engine stopped"))
 
     @property
     def is_alive(self) -> bool:
@@ -100,11 +119,32 @@ class AsyncEngine:
                 self._aborts.append(request_id)
         self._wake.set()
 
+    async def call(self, method: str, *args) -> object:
+        """engine.<method>(*args) (one of ENGINE_CALLS) run by the engine thread between steps: its result, or the
+        exception it raised, raised here."""
+        if method not in ENGINE_CALLS:
+            raise ValueError(f"{method} is not an engine call")
+        if not self.is_alive:
+            raise EngineDeadError("engine is not running")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            self._calls.append((method, args, loop, future))
+        self._wake.set()
+        return await future
+
     # ---- engine thread ---------------------------------------------------------------------
     def _drain_inbox(self) -> None:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+            calls, self._calls = self._calls, []
+        for method, args, loop, future in calls:
+            try:
+                result, error = getattr(self.engine, method)(*args), None
+            except Exception as exc:  # the caller's to report
+                result, error = None, exc
+            loop.call_soon_threadsafe(settle, future, result, error)
         # counted as the engine ends them: a request that finished as its client left is not also an abort
         aborted = sum(self.engine.abort(rid) for rid in aborts)
         for _ in range(aborted if self.on_abort else 0):

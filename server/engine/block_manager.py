@@ -2,8 +2,9 @@
 
 `PagedKV` hands out blocks of `block_size` token positions and keeps a block table per sequence. With
 prefix caching on, every full block is known by a hash chained from its parent's hash and its token
-ids (as nano-vllm and vLLM do): a new sequence whose prompt starts with the same tokens shares those
-blocks (reference-counted) and skips their prefill. Blocks no sequence holds stay reusable, by hash,
+ids (as nano-vllm and vLLM do), the first from the sequence's prefix_key (its LoRA adapter, its request's
+cache_salt): a new sequence whose prompt starts with the same tokens under the same key shares those blocks
+(reference-counted) and skips their prefill. Blocks no sequence holds stay reusable, by hash,
 until the least recently freed is taken for new tokens.
 
 Blocks are also placed for speed: attention reads a sequence's blocks in order, and blocks adjacent in the
@@ -111,7 +112,7 @@ class PagedKV:
         tokens = None
         for index in range(seq.num_hashed_blocks, seq.num_computed // self.block_size):
             tokens = tokens or seq.prompt_ids + seq.output_ids
-            parent = self.block_hash[seq.block_table[index - 1]] if index else seq.params.lora
+            parent = self.block_hash[seq.block_table[index - 1]] if index else seq.prefix_key
             block = seq.block_table[index]
             h = hash((parent, tuple(tokens[index * self.block_size:(index + 1) * self.block_size])))
             if self.block_hash[block] is None and h not in self.cached:
@@ -151,7 +152,7 @@ class PagedKV:
         if not self.enable_prefix_caching or seq.wants_prompt_logits:  # cached positions give no logits
             return []
         tokens = seq.prompt_ids + seq.output_ids
-        hits, parent = [], seq.params.lora  # an adapter's blocks hold its own K/V: chained from its name
+        hits, parent = [], seq.prefix_key  # (a LoRA adapter's blocks hold its own K/V; a salt keeps tenants apart)
         for index in range((len(tokens) - 1) // self.block_size):
             h = hash((parent, tuple(tokens[index * self.block_size:(index + 1) * self.block_size])))
             block = self.cached.get(h)

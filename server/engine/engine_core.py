@@ -25,7 +25,7 @@ from multiprocessing import resource_tracker
 from typing import TYPE_CHECKING
 
 from server.config import Config
-from server.engine.async_engine import EngineDeadError, QueueFullError, RequestStream
+from server.engine.async_engine import ENGINE_CALLS, EngineDeadError, QueueFullError, RequestStream, settle
 from server.engine.sampling_params import SamplingParams
 from server.engine.sequence import SeqOutput
 
@@ -81,6 +81,7 @@ class EngineCoreClient:
         self.on_abort = None  # called for each sequence the core ended because its client left
         self.on_step = None  # called with each step's StepStats
         self._queues: dict[str, asyncio.Queue] = {}
+        self._calls: dict[str, asyncio.Future] = {}  # engine calls sent, by token, until the core replies
         self._num_sent_since_report = 0
         self._proc = None
         self._conn = None
@@ -193,6 +194,21 @@ class EngineCoreClient:
             except EngineDeadError:
                 pass
 
+    async def call(self, method: str, *args) -> object:
+        """engine.<method>(*args) (one of ENGINE_CALLS) run by the core between steps: its result, or the exception
+        it raised, raised here."""
+        if method not in ENGINE_CALLS:
+            raise ValueError(f"{method} is not an engine call")
+        if not self.is_alive:
+            raise EngineDeadError("engine is not running")
+        token = uuid.uuid4().hex
+        future = self._calls[token] = asyncio.get_running_loop().create_future()
+        try:
+            self._send(("call", (token, method, args)))
+            return await future
+        finally:
+            self._calls.pop(token, None)
+
     def _send(self, message) -> None:
         try:
             self._conn.send(message)
@@ -206,6 +222,10 @@ class EngineCoreClient:
                 kind, report = self._conn.recv()
                 if kind == "step":
                     self._deliver(report)
+                elif kind == "reply":  # (token, result, exception)
+                    token, result, error = report
+                    if token in self._calls:
+                        settle(self._calls[token], result, error)
         except (EOFError, OSError):
             self._loop.remove_reader(self._conn.fileno())
             self._reading = False
@@ -229,3 +249,5 @@ class EngineCoreClient:
     def _fail_all(self, message: str) -> None:
         for rid, queue in list(self._queues.items()):
             queue.put_nowait(SeqOutput(rid, 0, "", [], None, "error", 0, 0, message))
+        for future in self._calls.values():
+            settle(future, None, EngineDeadError(message))

@@ -76,6 +76,8 @@ class LLMEngine:
             raise ValueError("this backend cannot return embeddings")
         if params.lora is not None and params.lora not in getattr(self.runner, "loras", {}):
             raise ValueError(f"no LoRA adapter {params.lora!r} is loaded")
+        adapter = self.runner.loras[params.lora].uid if params.lora is not None else None
+        prefix_key = (adapter, params.cache_salt) if adapter is not None or params.cache_salt is not None else None
         seqs = []
         for index in range(n):
             generator = None
@@ -86,12 +88,29 @@ class LLMEngine:
             seq = Sequence(request_id, index, list(prompt_ids), params,
                            IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
                                                   params.include_stop_str_in_output),
-                           self.eos_token_ids, generator)
+                           self.eos_token_ids, generator, prefix_key=prefix_key)
             if params.prediction and self.checks_drafts:
                 seq.prediction = PredictedOutput(params.prediction)
             self.scheduler.add(seq)
             seqs.append(seq)
         self.seqs[request_id] = seqs
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA folder under `name` (ValueError: the name is taken, or the folder does not fit)."""
+        if not getattr(self.runner, "supports_lora", False):
+            raise ValueError("this backend serves no LoRA adapters")
+        if name in self.runner.loras:
+            raise ValueError(f"the LoRA adapter {name!r} is already loaded")
+        self.runner.add_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget an adapter (ValueError: unknown, or a request still runs through it)."""
+        if name not in getattr(self.runner, "loras", {}):
+            raise LookupError(f"the LoRA adapter {name!r} cannot be found")
+        busy = sum(s.params.lora == name for seqs in self.seqs.values() for s in seqs if not s.is_finished)
+        if busy:
+            raise ValueError(f"the LoRA adapter {name!r} has {busy} sequences in flight")
+        self.runner.remove_lora(name)
 
     def abort(self, request_id: str) -> int:
         """Drop a request wherever it is (its KV slots are free for the next step); how many of its sequences were

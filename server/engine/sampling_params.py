@@ -62,6 +62,7 @@ class SamplingParams:
     embed: bool = False  # a pooling request: the prompt's last hidden state (after the final norm), no tokens
     priority: int = 0  # under engine.scheduling_policy priority: lower is admitted (and kept) first
     lora: str | None = None  # the LoRA adapter (one of engine.lora_modules) the sequence runs through; None: none
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only between requests of the same salt
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -94,6 +94,9 @@ class Sequence:
     logits_state: object | None = None  # owned by engine.logits_processors (grammar matcher, caches)
     prediction: PredictedOutput | None = None  # the reply the request predicts, and where this one stands in it
     embedding: list[float] | None = None  # an embedding request's vector, once its prompt is computed
+    # what its first KV block's hash chains from (None: the base model, no salt): blocks computed under another key
+    # (another LoRA adapter, or one loaded again under the same name; another cache_salt) are never shared with it
+    prefix_key: object = None
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,7 @@ base GEMM stays one batched call).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -32,6 +33,7 @@ FUSED_PARTS = (("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)), ("ga
 _MODULES = {m: (slot, i) for slot, (_, parts) in enumerate(FUSED_PARTS) for i, m in enumerate(parts)}
 _KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 _FILES = ("adapter_model.safetensors", "adapter_model.bin")
+_LOADS = itertools.count(1)
 
 
 Project = Callable[[torch.Tensor], torch.Tensor]
@@ -67,6 +69,7 @@ class LoraAdapter:
     path: Path
     rank: int  # the largest rank of its modules
     deltas: dict[tuple[int, int], LoraDelta]
+    uid: int  # this load's own number: a folder loaded again under the same name shares no cached K/V with the last
 
     def to(self, device: torch.device | str) -> LoraAdapter:
         return replace(self, deltas={k: LoraDelta(d.A.to(device), d.B.to(device)) for k, d in self.deltas.items()})
@@ -158,7 +161,7 @@ def load_lora_adapter(name: str, folder: Path, model_config, dtype: torch.dtype,
                                                      dtype)
     rank = max(A.shape[0] for A, _ in scaled.values())
     log.info("LoRA adapter %s: %s, rank %d, %d modules", name, folder, rank, len(scaled))
-    return LoraAdapter(name, folder, rank, deltas)
+    return LoraAdapter(name, folder, rank, deltas, next(_LOADS))
 
 
 def projection_widths(config) -> dict[str, tuple[int, int]]:

@@ -47,6 +47,14 @@ def test_the_search_keeps_the_likeliest_beams_and_ranks_by_length_penalised_scor
     assert ended[0] == Beam((1, 2), pytest.approx(-1.0), True)
 
 
+@pytest.mark.parametrize("penalty", [-2.5e16, 2.5e16, 1e308])
+def test_an_extreme_length_penalty_still_ranks(penalty):
+    """The fuzzer's case: length ** -2.5e16 is 0 in floating point, and the division failed (a 500)."""
+    beams = [Beam((1, 2), -1.0), Beam((3,), -2.0, True)]
+    scores = [b.score(4, penalty) for b in beams]
+    assert all(s <= 0 and s == s for s in scores) and Beam((1, 2), -1.0).score(4, 1.0) == pytest.approx(-1.0 / 6)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     cfg = tiny_config(tiny_model_dir)

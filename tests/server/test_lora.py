@@ -254,7 +254,7 @@ def test_served_adapters(tiny_model_dir, adapters):
         assert missing.status_code == 404 and "every" in missing.json()["error"]["message"]
 
 
-def test_config_and_flags():
+def test_config_and_flags(monkeypatch):
     with pytest.raises(ConfigError, match="lora_modules needs enable_lora"):
         validate_section(Config, {"model": {"name": "m", "path": "x.gguf"}, "engine": {"lora_modules": {"a": "/a"}}},
                          "cfg")
@@ -270,5 +270,68 @@ def test_config_and_flags():
     _, overrides = serve_overrides(args)
     assert overrides["engine.lora_modules"] == {"sql": "/ad/sql", "chat": "/ad/chat"}
     assert overrides["engine.enable_lora"] and overrides["engine.max_loras"] == 2
+    assert overrides["server.allow_runtime_lora_updating"] is None
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # vLLM's switch, as vLLM reads it
+    assert serve_overrides(args)[1]["server.allow_runtime_lora_updating"] is True
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--lora-modules", "no-path"])
+
+
+def test_unloading_an_adapter_in_use_is_refused(tiny_model_dir, adapters):
+    engine = _engine(tiny_model_dir, adapters)
+    engine.add_request("r", PROMPT, SamplingParams(max_tokens=4, lora="qv"))
+    with pytest.raises(ValueError, match="'qv' has 1 sequences in flight"):
+        engine.unload_lora("qv")
+    with pytest.raises(LookupError, match="'nope' cannot be found"):
+        engine.unload_lora("nope")
+    engine.abort("r")
+    engine.unload_lora("qv")
+    assert "qv" not in engine.runner.loras
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
+def test_adapters_loaded_and_unloaded_at_run_time(tiny_model_dir, adapters, tmp_path, engine_process):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: a loaded adapter serves its own logits; a folder
+    loaded again under a name it had serves the new weights (no K/V cached under the old one is reused)."""
+    cfg = tiny_config(tiny_model_dir, enable_lora=True, lora_modules={"every": str(adapters["every"])})
+    cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"allow_runtime_lora_updating": True})})
+    second = write_adapter(tmp_path / "second", tiny_model_dir, ATTENTION + MLP, seed=7)
+    prompt = (PROMPT * 4)[:40]  # two full blocks: cached after the first request
+
+    with live_server(cfg, engine_process=engine_process) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        def top_logprob(model: str) -> float:
+            reply = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1,
+                                                         "temperature": 0, "logprobs": 1})
+            assert reply.status_code == 200, reply.text
+            return max(reply.json()["choices"][0]["logprobs"]["top_logprobs"][0].values())
+
+        def expected(folder: Path) -> float:
+            return merged_logits(tiny_model_dir, folder, prompt)[-1].log_softmax(-1).max().item()
+
+        loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(adapters["qv"])})
+        assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'late' added successfully."
+        assert "late" in {c["id"] for c in client.get("/v1/models").json()["data"]}
+        assert top_logprob("late") == pytest.approx(expected(adapters["qv"]), abs=5e-3)
+        again = client.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(second)})
+        assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+        bad = client.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path / "none")})
+        assert bad.status_code == 400 and "is not a folder" in bad.json()["error"]["message"]
+        clash = client.post("/v1/load_lora_adapter", json={"lora_name": "tiny", "lora_path": str(second)})
+        assert clash.status_code == 400
+
+        gone = client.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
+        assert gone.status_code == 200 and gone.text == "Success: LoRA adapter 'late' removed successfully."
+        assert client.post("/v1/completions", json={"model": "late", "prompt": "x"}).status_code == 404
+        unknown = client.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
+        assert unknown.status_code == 404 and "cannot be found" in unknown.json()["error"]["message"]
+
+        assert client.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(second)}).status_code == 200
+        assert top_logprob("late") == pytest.approx(expected(second), abs=5e-3)
+        assert top_logprob("every") == pytest.approx(expected(adapters["every"]), abs=5e-3)
+
+
+def test_runtime_updates_are_off_unless_asked(tiny_model_dir, adapters):
+    cfg = tiny_config(tiny_model_dir, enable_lora=True, lora_modules={"every": str(adapters["every"])})
+    with live_server(cfg) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        refused = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(adapters["qv"])})
+        assert refused.status_code == 404 and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in refused.json()["error"]["message"]

@@ -239,3 +239,25 @@ def test_smollm2_greedy_text_is_the_same_from_the_prefix_cache(smol_dir):
         outs += engine.step()
     assert outs[-1].num_cached_tokens >= 32
     assert [t for o in outs for t in o.token_ids] == first
+
+
+def test_a_cache_salt_shares_blocks_only_with_its_own_salt(tiny_model_dir):
+    """vLLM's cache_salt: the same prompt under another salt (or none) finds nothing cached; under its own, its
+    blocks; the answer is the same either way."""
+    tok = load_tokenizer(tiny_model_dir)
+    runner = TorchRunner(tiny_model_dir, 256, "float32")
+    runner.load()
+    engine = build_engine(tiny_config(tiny_model_dir), runner, tok, eos_token_ids(tiny_model_dir, tok))
+    prompt = list(range(100, 140))
+
+    def run(rid: str, salt: str | None) -> tuple[list[int], int]:
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=3, temperature=0.0, cache_salt=salt))
+        hits = engine.scheduler.kv.stats.prefix_hits
+        tokens = []
+        while engine.has_work():
+            tokens += [t for out in engine.step() for t in out.token_ids]
+        return tokens, engine.scheduler.kv.stats.prefix_hits - hits
+
+    first, _ = run("a", "tenant-1")
+    assert run("b", None) == (first, 0) and run("c", "tenant-2") == (first, 0)
+    assert run("d", "tenant-1") == (first, 32)
