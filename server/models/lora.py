@@ -105,9 +105,10 @@ def _read_config(folder: Path) -> dict:
         config = json.loads(file.read_text())
     except ValueError as exc:
         raise ConfigError(f"LoRA adapter {folder}: adapter_config.json is not JSON ({exc})") from None
-    unsupported = {"peft_type": config.get("peft_type", "LORA") != "LORA", "use_dora": config.get("use_dora"),
-                   "fan_in_fan_out": config.get("fan_in_fan_out"), "modules_to_save": config.get("modules_to_save"),
-                   "bias": config.get("bias", "none") != "none"}
+    unsupported = {"peft_type": config.get("peft_type", "LORA") != "LORA", "bias": config.get("bias", "none") != "none"}
+    unsupported.update({key: config.get(key) for key in ("use_dora", "fan_in_fan_out", "modules_to_save", "lora_bias",
+                                                        "trainable_token_indices", "layer_replication",
+                                                        "target_parameters")})
     clash = [key for key, bad in unsupported.items() if bad]
     if clash:
         raise ConfigError(f"LoRA adapter {folder}: {clash[0]} = {config.get(clash[0])!r} is not supported "

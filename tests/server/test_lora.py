@@ -335,3 +335,19 @@ def test_runtime_updates_are_off_unless_asked(tiny_model_dir, adapters):
     with live_server(cfg) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
         refused = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(adapters["qv"])})
         assert refused.status_code == 404 and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in refused.json()["error"]["message"]
+
+
+def test_an_adapter_saved_by_peft_serves_peft_logits(tiny_model_dir, tmp_path):
+    """The format as PEFT writes it (its own key names and config), against PeftModel's forward."""
+    peft = pytest.importorskip("peft", reason="PEFT is not a dependency: this check runs where it is installed")
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA_TARGETS), use_rslora=True,
+                             init_lora_weights=False)  # random B: PEFT's default zero would change nothing
+    model = peft.get_peft_model(hf, config).eval()
+    model.save_pretrained(tmp_path / "peft")
+    with torch.no_grad():
+        expected = model(torch.tensor([PROMPT])).logits[0]
+    runner = _runner(tiny_model_dir, {"p": tmp_path / "peft"})
+    runner.allocate_kv(1)
+    ours = runner.execute([SeqChunk(0, PROMPT, 0, all_logits=True, lora="p")])
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
