@@ -85,9 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rank {args.rank}, {runner.precision}\n| batch | base ms | one adapter ms | mixed (base, a, b) ms |\n"
           "|---:|---:|---:|---:|")
     for r in rows:
-        base = r["base_step_ms"]
-        print(f"| {r['batch_size']} | {base:.1f} | {r['one adapter_step_ms']:.1f} "
-              f"({r['one adapter_step_ms'] / base:.2f} x) | {r['mixed_step_ms']:.1f} ({r['mixed_step_ms'] / base:.2f} x) |")
+        base, one, mixed = r["base_step_ms"], r["one adapter_step_ms"], r["mixed_step_ms"]
+        print(f"| {r['batch_size']} | {base:.1f} | {one:.1f} ({one / base:.2f} x) | {mixed:.1f} ({mixed / base:.2f} x) |")
     _save(args.out, {**machine_facts(), "config": args.config, "dtype": runner.precision, "rank": args.rank,
                      "context": args.context, "steps": args.steps, "rows": rows})
     return 0

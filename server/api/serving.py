@@ -469,7 +469,8 @@ class OpenAIServing:
             state = {"echo": {i: echoes[i // req.n] for i in range(len(prompts) * req.n)},
                      "prompts": {i: prompts[i // req.n] for i in range(len(prompts) * req.n)}}
             return self._stream(gens, req.n, num_prompt, req.stream_options, rid, "text_completion",
-                                lambda out, index: self._completion_delta(out, index, state), self.reply_model(req.model))
+                                lambda out, index: self._completion_delta(out, index, state),
+                                self.reply_model(req.model))
         choices = await self._collect(raw, gens, req.n)
         self._observe(prompts, req.n, [c.num_output_tokens for c in choices])
         usage = self._usage(num_prompt, sum(c.num_output_tokens for c in choices), self._cached(choices, req.n))

@@ -35,7 +35,7 @@ def check_backend_available(cfg: Config) -> None:
         if cfg.engine.kv_cache_dtype != "auto":
             raise ConfigError("engine.kv_cache_dtype: the neuron backend keeps its cache in the model's dtype (auto)")
         if cfg.engine.lora_modules:
-            raise ConfigError("engine.lora_modules: the neuron backend serves no LoRA adapters (the torch backend does)")
+            raise ConfigError("engine.lora_modules: the neuron backend serves no LoRA adapters (the torch one does)")
         require_neuron_sdk()
         return
     if cfg.device.startswith("cuda"):

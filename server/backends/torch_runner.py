@@ -119,12 +119,28 @@ class TorchRunner:
                 and hasattr(torch.ops.neuronmm, "factored_linear")):
             return adapter
 
+        packed: dict[int, FactoredPanelLinear] = {}  # by id of A: each update's packed factors
+
         def pack(A: torch.Tensor, B: torch.Tensor):
             if self.weight_dtype == torch.bfloat16 and (A.shape[0] % 2 or A.shape[1] % 2):
                 return None  # (bf16 panels pair the inner dimension)
-            return FactoredPanelLinear(A, [A.shape[0]], [B], self.weight_dtype).forward
+            packed[id(A)] = FactoredPanelLinear(A, [A.shape[0]], [B], self.weight_dtype)
+            return packed[id(A)].forward
 
-        return adapter.with_fast_updates(pack)
+        adapter = adapter.with_fast_updates(pack)
+        if len(packed) < len(adapter.deltas) or not hasattr(torch.classes.neuronmm, "LoraPlan"):
+            return adapter  # (an update the panel GEMM cannot take: the Python layer loop runs its steps)
+        plan = torch.classes.neuronmm.LoraPlan()
+        no_second = torch.empty(0)
+        for layer in range(self.model.config.num_hidden_layers):
+            for slot in range(4):
+                delta = adapter.deltas.get((layer, slot))
+                if delta is None:
+                    plan.add_none()
+                else:
+                    first, splits, seconds, outs = packed[id(delta.A)].factored_args()
+                    plan.add_update(first, splits, [no_second if b is None else b for b in seconds], outs)
+        return adapter.with_plan(plan)
 
     def allocate_kv(self, num_slots: int) -> None:
         self.allocate_kv_blocks(num_slots, self.max_model_len)

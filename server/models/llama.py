@@ -442,9 +442,15 @@ class LlamaModel(nn.Module):
         attention, add_rms_norm, silu_mul = kernels.attention, kernels.add_rms_norm, kernels.silu_mul
         tables, slots, seq_index, lens = batch.block_tables, batch.slot_mapping, batch.seq_index, batch.context_lens
         rows = batch.logits_index
-        plan = self.decoder_plan() if self.use_decoder_plan and not batch.sdpa_chunks and not batch.lora else None
+        in_cpp = not batch.sdpa_chunks and all(g.adapter.plan is not None for g in batch.lora)
+        plan = self.decoder_plan() if self.use_decoder_plan and in_cpp else None
         if plan is not None:  # the same ops in the same order, in one call (csrc/decoder.cpp)
-            h = kernels.decode_layers(plan, x, h, cos, sin, cache.k, cache.v, slots, tables, seq_index, lens, rows)
+            if batch.lora:
+                h = kernels.decode_layers(plan, x, h, cos, sin, cache.k, cache.v, slots, tables, seq_index, lens, rows,
+                                          [g.adapter.plan for g in batch.lora], [g.rows for g in batch.lora],
+                                          [g.out_rows for g in batch.lora])
+            else:
+                h = kernels.decode_layers(plan, x, h, cos, sin, cache.k, cache.v, slots, tables, seq_index, lens, rows)
             return self._logits(h)
         calls = self.layer_calls() if not batch.lora else self._calls_with_lora(batch.lora, rows is not None)
         for layer, k_cache, v_cache in zip(calls, cache.k, cache.v):

@@ -70,6 +70,8 @@ class LoraAdapter:
     rank: int  # the largest rank of its modules
     deltas: dict[tuple[int, int], LoraDelta]
     uid: int  # this load's own number: a folder loaded again under the same name shares no cached K/V with the last
+    # its updates for the C++ layer loop (csrc/decoder.cpp LoraPlan), where the runner built one; None: the Python loop
+    plan: object | None = None
 
     def to(self, device: torch.device | str) -> LoraAdapter:
         return replace(self, deltas={k: LoraDelta(d.A.to(device), d.B.to(device)) for k, d in self.deltas.items()})
@@ -77,6 +79,9 @@ class LoraAdapter:
     def with_fast_updates(self, pack: Callable[[torch.Tensor, torch.Tensor], Project | None]) -> LoraAdapter:
         """The adapter with each update computed by pack(A, B)'s callable (where it gives one)."""
         return replace(self, deltas={k: replace(d, fast=pack(d.A, d.B)) for k, d in self.deltas.items()})
+
+    def with_plan(self, plan: object) -> LoraAdapter:
+        return replace(self, plan=plan)
 
 
 def _pattern_value(patterns: dict, module: str, default):

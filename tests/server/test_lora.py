@@ -127,6 +127,27 @@ def test_one_batch_runs_each_row_through_its_own_adapter(tiny_model_dir, adapter
         torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_cpp_layer_loop_applies_adapters_as_the_python_loop(tiny_model_dir, adapters, dtype):
+    """A mixed batch (base rows, two adapters, prompt chunks whose last layer is pruned, a decode) through the C++
+    layer loop (the adapters' LoraPlans) and through the Python loop: the same logits, bit for bit."""
+    runner = _runner(tiny_model_dir, adapters, dtype=dtype)
+    if runner.model.decoder_plan() is None or runner.loras["every"].plan is None:
+        pytest.skip("the C++ layer loop needs the panel GEMM, which this CPU's build lacks")
+    runner.allocate_kv(8)
+
+    def step(first_slot: int) -> torch.Tensor:
+        s = first_slot
+        runner.execute([SeqChunk(s + 3, PROMPT[:6], 0, lora="every")])
+        return runner.execute([SeqChunk(s, PROMPT[:5], 0), SeqChunk(s + 1, PROMPT[:9], 0, lora="every"),
+                               SeqChunk(s + 2, PROMPT[:4], 0, lora="qv"),
+                               SeqChunk(s + 3, PROMPT[6:7], 6, lora="every")])
+
+    in_cpp = step(0)
+    runner.model.use_decoder_plan = False
+    assert torch.equal(in_cpp, step(4))
+
+
 def test_bf16_adapter_follows_the_merged_model(tiny_model_dir, adapters):
     runner = _runner(tiny_model_dir, adapters, dtype="bfloat16")
     runner.allocate_kv(1)
@@ -325,7 +346,8 @@ def test_adapters_loaded_and_unloaded_at_run_time(tiny_model_dir, adapters, tmp_
         unknown = client.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
         assert unknown.status_code == 404 and "cannot be found" in unknown.json()["error"]["message"]
 
-        assert client.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(second)}).status_code == 200
+        reload = client.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(second)})
+        assert reload.status_code == 200
         assert top_logprob("late") == pytest.approx(expected(second), abs=5e-3)
         assert top_logprob("every") == pytest.approx(expected(adapters["every"]), abs=5e-3)
 
