@@ -15,7 +15,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Pla
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from server.engine.block_manager import KVStats
-from server.engine.llm_engine import StepStats
+from server.engine.llm_engine import LoraStats, StepStats
 
 class _PaddingCollector:
     """neuronmm_bucket_{real,padding}_slots{phase,bucket}: padding waste per compiled bucket (static-shape
@@ -59,6 +59,7 @@ VLLM_NAMES = {
     "neuronmm_request_generation_tokens": ["vllm:request_generation_tokens"],
     "neuronmm_spec_decode_num_draft_tokens": ["vllm:spec_decode_num_draft_tokens"],
     "neuronmm_spec_decode_num_accepted_tokens": ["vllm:spec_decode_num_accepted_tokens"],
+    "neuronmm_lora_requests_info": ["vllm:lora_requests_info"],
 }
 
 
@@ -142,6 +143,10 @@ class ServerMetrics:
                                           buckets=token_buckets)
         self.request_generation_tokens = hist("neuronmm_request_generation_tokens",
                                               "Generated tokens per finished choice", buckets=token_buckets)
+        # vLLM's: one series, labelled with the adapters running and waiting, its value the time of the step
+        self.lora_info = Gauge("neuronmm_lora_requests_info", "LoRA adapters of the running and waiting requests",
+                               ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=reg)
+        self._lora_labels: tuple[str, str, str] | None = None
         self._model_name = model_name
         reg.register(_KVCollector(model_name, self))
         self.kv: KVStats | None = None  # the engine's KV totals, as of its latest step
@@ -179,10 +184,19 @@ class ServerMetrics:
             self.kv = stats.kv
         if stats.padding is not None:
             self.padding = stats.padding
+        if stats.lora is not None:
+            self._observe_lora(stats.lora)
         for itl in stats.itls:
             self.itl.observe(itl)
         for reason, e2e in stats.finished:
             self.finished(reason, e2e)
+
+    def _observe_lora(self, lora: LoraStats) -> None:
+        labels = (str(lora.max_loras), ",".join(lora.waiting), ",".join(lora.running))
+        if labels != self._lora_labels:  # one series: the current state's (vLLM keeps every one it set)
+            self.lora_info.clear()
+            self._lora_labels = labels
+        self.lora_info.labels(*labels).set_to_current_time()
 
     def finished(self, reason: str, e2e_s: float | None = None) -> None:
         self._requests.labels(model_name=self._model_name, finished_reason=reason).inc()

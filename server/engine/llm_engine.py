@@ -37,6 +37,16 @@ class StepStats:
     num_accepted_tokens: int = 0  # of those, the ones the model agreed with
     kv: KVStats | None = None  # the KV cache's totals after the step
     padding: dict | None = None  # static-shape backends: {(phase, bucket): counts} totals (runner.padding)
+    lora: LoraStats | None = None  # with LoRA adapters enabled: which ones run and wait
+
+
+@dataclass
+class LoraStats:
+    """The LoRA adapters of the running batch and of the waiting queue after a step (vLLM's lora_requests_info)."""
+
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    max_loras: int
 
 
 StepObserver = Callable[[StepStats], None]
@@ -170,9 +180,17 @@ class LLMEngine:
             stats.kv = replace(self.scheduler.kv.stats)
             padding = getattr(self.runner, "padding", None)  # backends with compiled buckets count their waste
             stats.padding = padding.snapshot() if padding is not None else None
+            stats.lora = self._lora_stats()
             for observer in self.observers:
                 observer(stats)
         return outputs
+
+    def _lora_stats(self) -> LoraStats | None:
+        sched = self.scheduler
+        if sched.max_loras is None:
+            return None
+        names = lambda seqs: tuple(sorted({s.params.lora for s in seqs} - {None}))  # noqa: E731
+        return LoraStats(names(sched.running), names(sched.waiting), sched.max_loras)
 
     def _draft(self, seq: Sequence) -> list[int]:
         """A decoding sequence's speculative draft, from its predicted reply where it has one and is placed in it,

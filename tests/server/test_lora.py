@@ -373,3 +373,20 @@ def test_an_adapter_saved_by_peft_serves_peft_logits(tiny_model_dir, tmp_path):
     runner.allocate_kv(1)
     ours = runner.execute([SeqChunk(0, PROMPT, 0, all_logits=True, lora="p")])
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_lora_requests_info_names_the_running_and_waiting_adapters(tiny_model_dir, adapters):
+    """vLLM's vllm:lora_requests_info gauge, which its Grafana dashboard reads: with max_loras 1 the first adapter
+    runs while the second waits; the gauge shows the latest step's state in one series."""
+    engine = _engine(tiny_model_dir, adapters)  # max_loras 1
+    seen = []
+    engine.observers.append(lambda stats: seen.append((stats.lora.running, stats.lora.waiting)))
+    _run(engine, {"a": (PROMPT, "every"), "b": (PROMPT, "qv")})
+    assert seen[0] == (("every",), ("qv",)) and (("qv",), ()) in seen and seen[-1] == ((), ())
+    cfg = tiny_config(tiny_model_dir, enable_lora=True, lora_modules={k: str(v) for k, v in adapters.items()},
+                      max_loras=2)
+    with live_server(cfg) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        assert client.post("/v1/completions", json={"model": "qv", "prompt": PROMPT, "max_tokens": 2}).status_code == 200
+        lines = [line for line in client.get("/metrics").text.splitlines()
+                 if line.startswith("vllm:lora_requests_info{")]
+    assert len(lines) == 1 and 'max_lora="2"' in lines[0] and 'waiting_lora_adapters=""' in lines[0]
