@@ -96,9 +96,13 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     for name in _FILES:
         file = folder / name
         if file.is_file():
-            if name.endswith(".safetensors"):
-                return load_file(file)
-            return torch.load(file, map_location="cpu", weights_only=True)
+            try:
+                if name.endswith(".safetensors"):
+                    return load_file(file)
+                return torch.load(file, map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - safetensors' and pickle's errors share no base class
+                raise ConfigError(f"LoRA adapter {folder}: cannot read {name} ({exc.__class__.__name__}: "
+                                  f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
     raise ConfigError(f"LoRA adapter {folder}: no {' or '.join(_FILES)}")
 
 

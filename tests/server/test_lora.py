@@ -170,6 +170,10 @@ def test_unusable_adapters_are_named(tiny_model_dir, tmp_path):
         load(tmp_path / "empty")
     with pytest.raises(ConfigError, match="rank 32 is over max_lora_rank 16"):
         load(write_adapter(tmp_path / "big", tiny_model_dir, ("q_proj",), rank=32))
+    corrupt = write_adapter(tmp_path / "corrupt", tiny_model_dir, ("q_proj",))
+    (corrupt / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ConfigError, match="cannot read adapter_model.safetensors"):
+        load(corrupt)
     with pytest.raises(ConfigError, match="use_dora"):
         load(write_adapter(tmp_path / "dora", tiny_model_dir, ("q_proj",), use_dora=True))
     folder = write_adapter(tmp_path / "head", tiny_model_dir, ("q_proj",))
