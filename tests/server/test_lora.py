@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from bench.harness import LORA_TARGETS, write_random_lora
+from compression.compress import CompressSettings, compress_model
 from server.backends import check_backend_available
 from server.backends.base import SeqChunk
 from server.backends.torch_runner import TorchRunner
@@ -23,6 +24,7 @@ from server.engine.block_manager import PagedKV
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
+from server.models.compressed import apply_artifact_to_hf
 from server.models.lora import load_lora_adapter
 from server.models.packed_linear import panels_available
 from server.runtime import build_engine, eos_token_ids
@@ -39,21 +41,21 @@ def write_adapter(folder: Path, model_dir: Path, targets: tuple[str, ...], rank:
     return write_random_lora(folder, model_config, targets, rank, alpha, seed, layers, **config)
 
 
-def merged_logits(model_dir: Path, adapter: Path | None, ids: list[int]) -> torch.Tensor:
-    """HF's logits over ids with the adapter merged into the weights (W + alpha / r · B·A), fp32."""
+def merged_logits(model_dir: Path, adapter: Path | None, ids: list[int], artifact: Path | None = None) -> torch.Tensor:
+    """HF's logits over ids with the adapter applied as LoRA defines it (each target's output + alpha / r · x·Aᵀ·Bᵀ,
+    by forward hooks, so it holds over a compressed artifact's low-rank modules too), fp32."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if artifact is not None:
+        apply_artifact_to_hf(hf, artifact, model_dir)
     if adapter is not None:
         config = json.loads((adapter / "adapter_config.json").read_text())
-        factors = {}
-        for key, value in load_file(adapter / "adapter_model.safetensors").items():
-            factors[key.removeprefix("base_model.model.").replace(".lora_A.weight", ".A").replace(
-                ".lora_B.weight", ".B")] = value
-        with torch.no_grad():
-            for key in [k for k in factors if k.endswith(".A")]:
-                name = key.removesuffix(".A")
-                A, B = factors[key], factors[name + ".B"]
-                scale = config["lora_alpha"] / (A.shape[0] ** 0.5 if config.get("use_rslora") else A.shape[0])
-                hf.get_submodule(name).weight += scale * B @ A
+        tensors = load_file(adapter / "adapter_model.safetensors")
+        for key in [k for k in tensors if k.endswith(".lora_A.weight")]:
+            name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            A, B = tensors[key], tensors[key.replace("lora_A", "lora_B")]
+            scale = config["lora_alpha"] / (A.shape[0] ** 0.5 if config.get("use_rslora") else A.shape[0])
+            hf.get_submodule(name).register_forward_hook(
+                lambda module, inputs, out, A=A, B=B, scale=scale: out + scale * (inputs[0] @ A.T) @ B.T)
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0].float()
 
@@ -110,6 +112,22 @@ def test_the_update_goes_in_before_qwen3s_head_norms(smol_dir, tmp_path):
     runner.allocate_kv(1)
     ours = runner.execute([SeqChunk(0, PROMPT, 0, all_logits=True, lora="qkv")])
     torch.testing.assert_close(ours, merged_logits(model_dir, adapter, PROMPT), atol=1e-4, rtol=1e-4)
+
+
+def test_an_adapter_over_a_compressed_model(tiny_model_dir, adapters, tmp_path):
+    """The product's case: adapters over an SVD artifact's low-rank MLP (the update adds to the factored projection's
+    output), against transformers with the artifact applied and the adapter hooked in."""
+    artifact = tmp_path / "art"
+    compress_model(tiny_model_dir, CompressSettings(keep_ratio=0.5, rank_multiple=8, calib_samples=4, calib_seqlen=32,
+                                                    batch_size=2, allocation="uniform"), artifact, model_id="tiny")
+    runner = TorchRunner(tiny_model_dir, 64, "float32", compressed=artifact, lora_modules=adapters)
+    runner.load()
+    assert runner.model.decoder_plan() is None or runner.loras["every"].plan is not None
+    runner.allocate_kv(1)
+    ours = runner.execute([SeqChunk(0, PROMPT, 0, all_logits=True, lora="every")])
+    expected = merged_logits(tiny_model_dir, adapters["every"], PROMPT, artifact)
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(expected, merged_logits(tiny_model_dir, adapters["every"], PROMPT), atol=1e-3)
 
 
 def test_one_batch_runs_each_row_through_its_own_adapter(tiny_model_dir, adapters):
