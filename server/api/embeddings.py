@@ -28,6 +28,9 @@ class EmbeddingsAPI:
     async def create(self, req: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
         adapter = self.serving.check_model(req.model)
         self.serving.check_fields(req)
+        if not self.serving.serves_embeddings:
+            raise APIError(400, "this backend returns no embeddings (the torch backend does)", param="input",
+                           code="embeddings_not_supported")
         prompts = prompt_list(req.input)
         if not prompts:
             raise APIError(400, "input must not be empty", param="input")

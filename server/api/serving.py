@@ -109,6 +109,7 @@ class OpenAIServing:
         self.strict_fields = cfg.server.strict_fields
         self.stream_interval = cfg.server.stream_interval
         self.by_priority = cfg.engine.scheduling_policy == "priority"
+        self.serves_embeddings = cfg.backend == "torch"  # the neuron runner keeps no hidden states
         self.metrics = metrics
         try:
             self.tool_parser = get_tool_parser(cfg.server.tool_call_parser)

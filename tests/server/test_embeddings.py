@@ -86,6 +86,15 @@ def test_dimensions_token_ids_and_raw_states(server, tiny_model_dir, expected):
     torch.testing.assert_close(torch.tensor(by_ids["data"][0]["embedding"]), expected[1], atol=1e-4, rtol=1e-4)
 
 
+def test_a_backend_without_embeddings_answers_400(server):
+    server.state.serving.serves_embeddings = False  # as under the neuron backend
+    try:
+        resp = httpx.post(f"{server.url}/v1/embeddings", json={"input": "x"})
+    finally:
+        server.state.serving.serves_embeddings = True
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "embeddings_not_supported"
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": []}, "input"),
     ({"input": ""}, "input"),
