@@ -309,11 +309,12 @@ class ResponseObject(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
 
 
-def _usage(usage) -> ResponseUsage:
+def _usage(usage, reasoning_tokens: int = 0) -> ResponseUsage:
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
     return ResponseUsage(input_tokens=usage.prompt_tokens,
                          input_tokens_details=InputTokensDetails(cached_tokens=cached),
-                         output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens)
+                         output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens,
+                         output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens))
 
 
 class InputItemList(BaseModel):
@@ -372,8 +373,12 @@ class ResponsesAPI:
         if choice.message.content or not (choice.message.tool_calls or choice.message.reasoning):
             output.append(OutputMessage(content=[OutputText(text=choice.message.content or "")]))
         output += _calls(choice.message.tool_calls)
-        return self._kept(self._finished(shell, output, choice.finish_reason, _usage(answer.usage)), conversation,
-                          inputs)
+        usage = _usage(answer.usage, self._reasoning_tokens(choice.message.reasoning))
+        return self._kept(self._finished(shell, output, choice.finish_reason, usage), conversation, inputs)
+
+    def _reasoning_tokens(self, reasoning: str | None) -> int:
+        """The reasoning's tokens (the parser splits the reply's text; its tokens are counted again from it)."""
+        return len(self.serving.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
 
     def get(self, response_id: str) -> dict:
         """GET /v1/responses/{id}: a stored response."""
@@ -539,6 +544,8 @@ class ResponsesAPI:
             message = OutputMessage(content=[OutputText(text="")])  # non-streamed answer has
             output.append(message)
             yield event("response.output_item.added", output_index=0, item={**dump(message), "content": []})
+        if usage is not None and thinking is not None:
+            usage.output_tokens_details.reasoning_tokens = self._reasoning_tokens(thinking.content[0].text)
         done = self._kept(self._finished(shell, output, finish, usage), conversation, inputs)
         for item in ([thinking] if thinking_open else []) + ([message] if message is not None else []):
             for line in closed(item):

@@ -132,6 +132,9 @@ def test_responses_api_gives_the_reasoning_its_own_item(tiny_model_dir, scripted
         thought, said = resp.output
         assert thought.type == "reasoning" and thought.content[0].text == "Compare the tenths: 1 < 8."
         assert said.type == "message" and resp.output_text == "No, 9.8 is bigger." and resp.status == "completed"
+        tok = load_tokenizer(tiny_model_dir)
+        thinking_tokens = len(tok.encode("Compare the tenths: 1 < 8.", add_special_tokens=False))
+        assert resp.usage.output_tokens_details.reasoning_tokens == thinking_tokens
         events = list(client.responses.create(stream=True, **kw))
         kinds = [e.type for e in events]
         assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought.content[0].text
@@ -140,6 +143,7 @@ def test_responses_api_gives_the_reasoning_its_own_item(tiny_model_dir, scripted
         assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 2
         final = events[-1].response
         assert [i.type for i in final.output] == ["reasoning", "message"] and final.output[0].status == "completed"
+        assert final.usage.output_tokens_details.reasoning_tokens == thinking_tokens
         # cut off while thinking: the reasoning alone, incomplete
         short = client.responses.create(**{**kw, "max_output_tokens": 5})
         assert [i.type for i in short.output] == ["reasoning"] and short.output[0].status == "incomplete"
