@@ -568,6 +568,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: Logprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = Field(None, description="vLLM's: the stop token id or stop string that ended "
+                                                            "the choice (null: EOS or length)")
     prompt_logprobs: PromptLogprobs | None = None
 
     @model_serializer(mode="wrap")
@@ -575,6 +577,8 @@ class CompletionChoice(BaseModel):
         out = handler(self)
         if out.get("prompt_logprobs") is None:
             out.pop("prompt_logprobs", None)
+        if "stop_reason" not in self.model_fields_set:  # (a streamed chunk's: set on the last, as vLLM sends it)
+            out.pop("stop_reason", None)
         return out
 
 
@@ -607,6 +611,8 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = Field(None, description="vLLM's: the stop token id or stop string that ended "
+                                                            "the choice (null: EOS or length)")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -646,6 +652,14 @@ class ChatStreamChoice(BaseModel):
     delta: ChatDelta
     finish_reason: str | None = None
     logprobs: dict[str, Any] | None = None
+    stop_reason: int | str | None = None  # on the last chunk of a choice (vLLM's)
+
+    @model_serializer(mode="wrap")
+    def _stop_reason_when_finished(self, handler):
+        out = handler(self)
+        if "stop_reason" not in self.model_fields_set:
+            out.pop("stop_reason", None)
+        return out
 
 
 # What str.splitlines (and clients that split a stream like it, httpx's aiter_lines among them) takes for a line end

@@ -74,6 +74,7 @@ class _Choice:
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or string that ended it
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
         self.prediction_tokens: tuple[int, int] | None = None  # with a predicted reply: (kept, refused) so far
@@ -342,6 +343,7 @@ class OpenAIServing:
                 c.num_cached_tokens = max(c.num_cached_tokens, out.num_cached_tokens)
                 c.prediction_tokens = out.prediction_tokens or c.prediction_tokens
                 c.finish_reason = out.finish_reason or c.finish_reason
+                c.stop_reason = out.stop_reason if out.finish_reason else c.stop_reason
                 c.embedding = out.embedding or c.embedding
 
         work = asyncio.gather(*(drain(i * n, g) for i, g in enumerate(gens)))
@@ -479,7 +481,7 @@ class OpenAIServing:
                   for p in range(len(prompts))]
         return CompletionResponse(id=rid, model=self.reply_model(req.model), usage=usage, choices=[
             CompletionChoice(index=i, text=echoes[i // req.n] + c.text, finish_reason=c.finish_reason,
-                             logprobs=(self._completion_logprobs(c.logprobs, _TextOffsets(), prompts[i // req.n],
+                             stop_reason=c.stop_reason, logprobs=(self._completion_logprobs(c.logprobs, _TextOffsets(), prompts[i // req.n],
                                                                  c.prompt_logprobs, req.logprobs)
                                        if req.logprobs is not None else None),
                              prompt_logprobs=shared[i // req.n])
@@ -537,7 +539,10 @@ class OpenAIServing:
         if out.logprobs or prompt_ids:
             offsets = state.setdefault(("offsets", index), _TextOffsets())
             logprobs = self._completion_logprobs(out.logprobs or [], offsets, prompt_ids, out.prompt_logprobs)
-        return CompletionChoice(index=index, text=echo + out.text, finish_reason=out.finish_reason, logprobs=logprobs)
+        choice = CompletionChoice(index=index, text=echo + out.text, finish_reason=out.finish_reason, logprobs=logprobs)
+        if out.finish_reason is not None:
+            choice.stop_reason = out.stop_reason
+        return choice
 
     def _observe(self, prompts: list[list[int]], n: int, num_outputs: list[int]) -> None:
         for i, count in enumerate(num_outputs):
@@ -616,7 +621,7 @@ class OpenAIServing:
         finish = calls_reason if calls and c.finish_reason == "stop" else c.finish_reason
         message = (ChatMessageOut(content=content, reasoning=thought, tool_calls=calls) if reasoning
                    else ChatMessageOut(content=content, tool_calls=calls))
-        return ChatChoice(index=index, message=message, finish_reason=finish,
+        return ChatChoice(index=index, message=message, finish_reason=finish, stop_reason=c.stop_reason,
                           logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None)
 
     def _chat_delta(self, out: SeqOutput, index: int, state: dict) -> ChatStreamChoice:
@@ -646,8 +651,11 @@ class OpenAIServing:
                                     for k, c in enumerate(calls)]
         if text or not (delta.tool_calls or delta.reasoning):
             delta.content = text
-        return ChatStreamChoice(index=index, delta=delta, finish_reason=finish,
-                                logprobs=self._chat_logprobs(out.logprobs) if out.logprobs else None)
+        choice = ChatStreamChoice(index=index, delta=delta, finish_reason=finish,
+                                  logprobs=self._chat_logprobs(out.logprobs) if out.logprobs else None)
+        if finish is not None:
+            choice.stop_reason = out.stop_reason
+        return choice
 
     # ---- streaming -------------------------------------------------------------------------
     async def _stream(self, gens, n: int, num_prompt_tokens: int, options: StreamOptions | None, rid: str, obj: str,

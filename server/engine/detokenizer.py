@@ -12,6 +12,7 @@ class IncrementalDetokenizer:
         self.skip_special = skip_special_tokens
         self.include_stop = include_stop  # keep the matched stop string (vLLM's include_stop_str_in_output)
         self.text = ""
+        self.matched: str | None = None  # the stop string that ended the text
         self.emitted = 0  # chars of self.text already handed out
         self._prefix_offset = 0
         self._read_offset = 0
@@ -34,6 +35,7 @@ class IncrementalDetokenizer:
         hits = [(at, len(stop)) for stop in self.stop if (at := self.text.find(stop, search_from)) != -1]
         if hits:
             at, length = min(hits)
+            self.matched = self.text[at:at + length]
             self.text = self.text[:at + length if self.include_stop else at]
             return True
         return False

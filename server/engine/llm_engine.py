@@ -288,8 +288,10 @@ class LLMEngine:
         if not params.ignore_eos and token in seq.eos_token_ids:
             return "stop"
         if token in params.stop_token_ids:
+            seq.stop_reason = token
             return "stop"
         if seq.detok.append(seq.output_ids):
+            seq.stop_reason = seq.detok.matched
             return "stop"
         if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
@@ -307,7 +309,7 @@ class LLMEngine:
                         seq.finish_reason if finished else None, len(seq.prompt_ids), len(seq.output_ids), error,
                         seq.num_cached_tokens, prompt_lps,
                         None if seq.prediction is None else (seq.prediction.accepted, seq.prediction.rejected),
-                        seq.embedding)
+                        seq.embedding, seq.stop_reason if finished else None)
         if finished and all(s.is_finished for s in self.seqs.get(seq.request_id, [])):
             self.seqs.pop(seq.request_id, None)
         return out

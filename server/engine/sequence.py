@@ -50,6 +50,7 @@ class SeqOutput:
     # with a predicted reply: its drafted tokens the reply kept and those the model refused, so far
     prediction_tokens: tuple[int, int] | None = None
     embedding: list[float] | None = None  # a pooling request's: the prompt's last hidden state
+    stop_reason: int | str | None = None  # with a "stop" finish: the stop token id or string (None: EOS)
 
     def followed_by(self, later: SeqOutput) -> SeqOutput:
         """This output and the same sequence's next one as one delta (the API's --stream-interval sends them so)."""
@@ -62,7 +63,7 @@ class SeqOutput:
                          num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens),
                          prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None
                          else later.prompt_logprobs, prediction_tokens=later.prediction_tokens,
-                         embedding=later.embedding)
+                         embedding=later.embedding, stop_reason=later.stop_reason)
 
 
 @dataclass
@@ -84,6 +85,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it (None: EOS)
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # first admitted into the running batch
     first_token_time: float | None = None

@@ -106,6 +106,30 @@ def test_logit_bias_and_stop_token_ids_steer_generation(server, tokenizer):
     assert resp["choices"][0]["text"] == tokenizer.decode([forced] * 5)
     stopped = httpx.post(f"{server.url}/v1/completions", json={**body, "stop_token_ids": [forced]}).json()
     assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == 1
+    assert stopped["choices"][0]["stop_reason"] == forced  # vLLM's: what stopped it
+    assert resp["choices"][0]["stop_reason"] is None  # (it ran to max_tokens)
+
+
+def test_stop_reason_names_the_stop_string_or_token(server, tokenizer):
+    """vLLM's stop_reason: the stop string matched, the stop token id, or null for EOS; streamed, on the last chunk."""
+    forced = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(forced): 100}, "stop": ["nope", "nana ba"]}
+    done = httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]
+    assert done["finish_reason"] == "stop" and done["stop_reason"] == "nana ba" and done["text"] == " ba"
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={
+        **{k: v for k, v in body.items() if k != "prompt"}, "messages": [{"role": "user", "content": "x"}]}).json()
+    assert chat["choices"][0]["stop_reason"] == "nana ba"
+    for route, extra in (("completions", {"prompt": "x"}), ("chat/completions", {"messages": [
+            {"role": "user", "content": "x"}]})):
+        fields = {k: v for k, v in body.items() if k != "prompt"}
+        events = _sse(f"{server.url}/v1/{route}", {**fields, **extra, "stream": True})
+        choices = [e["choices"][0] for e in events if e["choices"]]
+        assert choices[-1]["stop_reason"] == "nana ba" and all("stop_reason" not in c for c in choices[:-1])
+    eos = tokenizer.eos_token_id
+    at_eos = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3,
+                                                              "logit_bias": {str(eos): 100}}).json()["choices"][0]
+    assert at_eos["finish_reason"] == "stop" and at_eos["stop_reason"] is None
 
 
 def test_min_tokens_holds_off_eos(server, tokenizer):
