@@ -1,5 +1,5 @@
 """Test helpers shared by several folders: a Config for the tiny model, a live in-process uvicorn server, pytest
-in a fresh process, waiting for a condition."""
+in a fresh process, waiting for a condition, a runtime whose logits write a scripted reply."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
 import uvicorn
 
 from bench.harness import wait_healthy
@@ -94,3 +95,28 @@ def wait_for(cond: Callable[[], object], timeout: float = 20.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.005)
+
+
+def scripted_loader(prompt_len: int, reply_ids: list[int], eos: int | None):
+    """The tiny model's runtime, its logits forcing `reply_ids` after any prompt of `prompt_len` tokens, then EOS
+    (None: then the model's own logits) (a random model writes no <think>; what follows the parser is the API's)."""
+
+    def loader(cfg):
+        runtime = load_runtime(cfg)
+        execute = runtime.runner.execute
+
+        def forced(chunks):
+            logits = execute(chunks).clone()  # (an inference tensor: not written in place outside inference mode)
+            rows = [c for c in chunks if c.needs_logits]
+            for row, chunk in enumerate(rows):
+                k = chunk.start_pos + len(chunk.token_ids) - prompt_len  # the output token this row chooses
+                if k >= len(reply_ids) and eos is None:
+                    continue
+                logits[row] = -torch.inf
+                logits[row, reply_ids[k] if 0 <= k < len(reply_ids) else eos] = 0.0
+            return logits
+
+        runtime.runner.execute = forced
+        return runtime
+
+    return loader

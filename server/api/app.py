@@ -30,6 +30,7 @@ from server.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, 
                                  ModelList, ServerLoad, TokenizeRequest, TokenizeResponse, UnloadLoraAdapterRequest,
                                  VersionResponse)
 from server.api.embeddings import EmbeddingsAPI
+from server.api.messages import CountTokensRequest, CountTokensResponse, MessagesAPI, MessagesRequest, MessagesResponse
 from server.api.response_store import ResponseStore
 from server.api.responses import DeletedResponse, InputItemList, ResponseObject, ResponsesAPI, ResponsesRequest
 from server.api.serving import OpenAIServing
@@ -96,6 +97,7 @@ class AppState:
         self.starting_engine: EngineCoreClient | None = None  # an engine core spawned, not yet serving
         self.serving: OpenAIServing | None = None
         self.responses: ResponsesAPI | None = None
+        self.messages: MessagesAPI | None = None
         self.embeddings: EmbeddingsAPI | None = None
 
     def start(self, runtime: Runtime) -> None:
@@ -148,6 +150,7 @@ class AppState:
                                 eos_token_ids(model_dir, tokenizer) if model_dir else None)
         self.responses = ResponsesAPI(serving, ResponseStore(self.cfg.server.responses_store_size))
         self.embeddings = EmbeddingsAPI(serving)
+        self.messages = MessagesAPI(serving)
         self.serving = serving  # last: a set serving layer means the others are ready (ready_state)
         if isinstance(engine, AsyncEngine):
             engine.start()
@@ -182,17 +185,18 @@ class GuardMiddleware:
         finally:
             self.state.num_active -= counted
 
-    def _authorized(self, header: str) -> bool:
-        """`Authorization: Bearer <key>` (scheme in any case); the key never reaches a log line."""
-        scheme, _, token = header.partition(" ")
+    def _authorized(self, headers: dict[str, str]) -> bool:
+        """`Authorization: Bearer <key>` (scheme in any case), or Anthropic's `x-api-key: <key>` (its clients send
+        that); the key never reaches a log line."""
+        scheme, _, token = headers.get("authorization", "").partition(" ")
         # compare_digest's time does not depend on where the strings differ, so it leaks no prefix
-        matches = hmac.compare_digest(token.strip().encode(), self.api_key.encode())
-        return matches and scheme.lower() == "bearer"
+        bearer = hmac.compare_digest(token.strip().encode(), self.api_key.encode()) and scheme.lower() == "bearer"
+        return bearer or hmac.compare_digest(headers.get("x-api-key", "").strip().encode(), self.api_key.encode())
 
     def _check(self, scope) -> JSONResponse | None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         path = scope["path"]
-        if self.api_key and path not in self.open_paths and not self._authorized(headers.get("authorization", "")):
+        if self.api_key and path not in self.open_paths and not self._authorized(headers):
             return error_response(401, "missing or invalid API key", code="invalid_api_key",
                                   headers={"WWW-Authenticate": "Bearer"})
         length = headers.get("content-length", "")
@@ -417,6 +421,15 @@ def _install_routes(app: FastAPI) -> None:
     @app.post("/v1/responses", response_model=ResponseObject, responses=_POST_RESPONSES)
     async def responses(body: ResponsesRequest, request: Request):
         return await respond(await ready_state(request).responses.create(body, request))
+
+    @app.post("/v1/messages", response_model=MessagesResponse, responses=_POST_RESPONSES)
+    async def messages(body: MessagesRequest, request: Request):
+        """Anthropic's Messages API (as vLLM and llama.cpp serve it), on the chat path."""
+        return await respond(await ready_state(request).messages.create(body, request))
+
+    @app.post("/v1/messages/count_tokens", response_model=CountTokensResponse, responses=_ERRORS)
+    async def count_message_tokens(body: CountTokensRequest, request: Request):
+        return ready_state(request).messages.count_tokens(body)
 
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
     async def stored_response(response_id: str, request: Request):

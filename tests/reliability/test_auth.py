@@ -83,7 +83,11 @@ def test_keys_are_compared_in_constant_time(keyed, monkeypatch):
     monkeypatch.setattr(app_module.hmac, "compare_digest", spy)
     assert _call(keyed, "GET", "/v1/models", {"Authorization": "Bearer nope"}).status_code == 401
     assert _call(keyed, "GET", "/v1/models", {"Authorization": f"Bearer {KEY}"}).status_code == 200
-    assert [b for _, b in calls] == [KEY.encode(), KEY.encode()]
+    assert _call(keyed, "GET", "/v1/models", {"x-api-key": "nope"}).status_code == 401  # Anthropic's header
+    assert _call(keyed, "GET", "/v1/models", {"x-api-key": KEY}).status_code == 200
+    # every header a request brings is compared with the key, each in constant time (a bearer key, then x-api-key)
+    assert [a for a, _ in calls] == [b"nope", b"", KEY.encode(), b"", b"nope", b"", KEY.encode()]
+    assert all(b == KEY.encode() for _, b in calls)
 
 
 def test_key_never_logged(keyed, caplog):

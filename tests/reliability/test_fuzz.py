@@ -117,7 +117,8 @@ def test_fuzz_get_endpoints(live, schema, label):
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 @pytest.mark.parametrize("label", ["POST /tokenize", "POST /detokenize", "POST /invocations", "POST /v1/responses",
                                    "POST /v1/embeddings", "POST /v1/load_lora_adapter",
-                                   "POST /v1/unload_lora_adapter"])
+                                   "POST /v1/unload_lora_adapter", "POST /v1/messages",
+                                   "POST /v1/messages/count_tokens"])
 def test_fuzz_token_endpoints(live, schema, label, mode):
     _fuzz(live, _operations(schema)[label], mode, 40)
 

@@ -7,11 +7,10 @@ import random
 import httpx
 import openai
 import pytest
-import torch
 
 from server.api.reasoning import get_reasoning_parser
-from server.runtime import load_runtime, load_tokenizer
-from support import live_server, tiny_config
+from server.runtime import load_tokenizer
+from support import live_server, scripted_loader, tiny_config
 
 REPLIES = ["<think>Let me see.</think>The answer.", "  <think>\nhm</think>\n\nYes", "no tags at all",
            "<think>cut off while thinking", "still thinking</think>done", "<think></think>", "<thi", "", "a</think>",
@@ -61,37 +60,12 @@ MESSAGES = [{"role": "user", "content": "Is 9.11 bigger than 9.8?"}]
 SCRIPT = "<think>Compare the tenths: 1 < 8.</think>No, 9.8 is bigger."
 
 
-def _scripted_loader(prompt_len: int, reply_ids: list[int], eos: int | None):
-    """The tiny model's runtime, its logits forcing `reply_ids` after any prompt of `prompt_len` tokens, then EOS
-    (None: then the model's own logits) (a random model writes no <think>; what follows the parser is the API's)."""
-
-    def loader(cfg):
-        runtime = load_runtime(cfg)
-        execute = runtime.runner.execute
-
-        def forced(chunks):
-            logits = execute(chunks).clone()  # (an inference tensor: not written in place outside inference mode)
-            rows = [c for c in chunks if c.needs_logits]
-            for row, chunk in enumerate(rows):
-                k = chunk.start_pos + len(chunk.token_ids) - prompt_len  # the output token this row chooses
-                if k >= len(reply_ids) and eos is None:
-                    continue
-                logits[row] = -torch.inf
-                logits[row, reply_ids[k] if 0 <= k < len(reply_ids) else eos] = 0.0
-            return logits
-
-        runtime.runner.execute = forced
-        return runtime
-
-    return loader
-
-
 @pytest.fixture(scope="module")
 def scripted(tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
     text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     prompt_len = len(tok.encode(text, add_special_tokens=False))  # as the server tokenizes a rendered chat
-    return _scripted_loader(prompt_len, tok.encode(SCRIPT, add_special_tokens=False), tok.eos_token_id)
+    return scripted_loader(prompt_len, tok.encode(SCRIPT, add_special_tokens=False), tok.eos_token_id)
 
 
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
@@ -164,7 +138,7 @@ def test_structured_output_applies_once_the_reasoning_ends(tiny_model_dir, parse
     tok = load_tokenizer(tiny_model_dir)
     text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     thought = "<think>Compare the tenths: 1 < 8.</think>"
-    loader = _scripted_loader(len(tok.encode(text, add_special_tokens=False)),
+    loader = scripted_loader(len(tok.encode(text, add_special_tokens=False)),
                               tok.encode(thought, add_special_tokens=False), None)
     cfg = tiny_config(tiny_model_dir)
     cfg.server.reasoning_parser = parser
