@@ -412,3 +412,19 @@ def test_lora_requests_info_names_the_running_and_waiting_adapters(tiny_model_di
         lines = [line for line in client.get("/metrics").text.splitlines()
                  if line.startswith("vllm:lora_requests_info{")]
     assert len(lines) == 1 and 'max_lora="2"' in lines[0] and 'waiting_lora_adapters=""' in lines[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI has none)")
+def test_adapters_on_cuda_give_the_merged_models_logits(tiny_model_dir, adapters):
+    """On a CUDA device the updates run as torch's GEMMs (no panel GEMM there), decode steps eagerly beside the
+    captured graphs the base rows replay."""
+    runner = TorchRunner(tiny_model_dir, 64, "float32", device="cuda", lora_modules=adapters, max_num_seqs=2)
+    runner.load()
+    runner.allocate_kv(2)
+    logits = runner.execute([SeqChunk(0, PROMPT, 0, all_logits=True, lora="every"),
+                             SeqChunk(1, PROMPT, 0, all_logits=True)]).cpu()
+    n = len(PROMPT)
+    torch.testing.assert_close(logits[:n], merged_logits(tiny_model_dir, adapters["every"], PROMPT), atol=1e-3,
+                               rtol=1e-3)
+    torch.testing.assert_close(logits[n:], merged_logits(tiny_model_dir, None, PROMPT), atol=1e-3, rtol=1e-3)
