@@ -34,6 +34,17 @@ class EngineDeadError(RuntimeError):
 ENGINE_CALLS = frozenset({"load_lora", "unload_lora"})
 
 
+def run_engine_call(engine, method: str, args: tuple) -> tuple[object, Exception | None]:
+    """engine.<method>(*args), one of ENGINE_CALLS, where the engine runs: (its result, None) or (None, the exception
+    it raised, for the caller to raise)."""
+    if method not in ENGINE_CALLS:
+        return None, ValueError(f"{method} is not an engine call")
+    try:
+        return getattr(engine, method)(*args), None
+    except Exception as exc:  # noqa: BLE001 - the caller's to report
+        return None, exc
+
+
 def settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
     """Give an engine call's future its result or exception (in its loop), unless its caller gave up on it."""
     if future.done():
@@ -122,8 +133,6 @@ class AsyncEngine:
     async def call(self, method: str, *args) -> object:
         """engine.<method>(*args) (one of ENGINE_CALLS) run by the engine thread between steps: its result, or the
         exception it raised, raised here."""
-        if method not in ENGINE_CALLS:
-            raise ValueError(f"{method} is not an engine call")
         if not self.is_alive:
             raise EngineDeadError("engine is not running")
         loop = asyncio.get_running_loop()
@@ -140,11 +149,7 @@ class AsyncEngine:
             aborts, self._aborts = self._aborts, []
             calls, self._calls = self._calls, []
         for method, args, loop, future in calls:
-            try:
-                result, error = getattr(self.engine, method)(*args), None
-            except Exception as exc:  # the caller's to report
-                result, error = None, exc
-            loop.call_soon_threadsafe(settle, future, result, error)
+            loop.call_soon_threadsafe(settle, future, *run_engine_call(self.engine, method, args))
         # counted as the engine ends them: a request that finished as its client left is not also an abort
         aborted = sum(self.engine.abort(rid) for rid in aborts)
         for _ in range(aborted if self.on_abort else 0):

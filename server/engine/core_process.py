@@ -9,7 +9,7 @@ import logging
 import signal
 
 from server.config import Config
-from server.engine.async_engine import ENGINE_CALLS
+from server.engine.async_engine import run_engine_call
 from server.engine.engine_core import SHUTDOWN_SIGNALS, AddRequest, StepReport
 from server.engine.llm_engine import StepStats
 from server.engine.sequence import SeqOutput
@@ -58,8 +58,9 @@ def _serve_requests(engine, conn, stats: list[StepStats]) -> None:
                 return
             if kind == "abort":
                 aborted += engine.abort(payload)
-            elif kind == "call":
-                _call(engine, conn, *payload)
+            elif kind == "call":  # (token, method, args): the result or exception goes back under the token
+                token, method, args = payload
+                conn.send(("reply", (token, *run_engine_call(engine, method, args))))
             else:
                 _add(engine, conn, payload)
         if not engine.has_work():
@@ -81,16 +82,6 @@ def _serve_requests(engine, conn, stats: list[StepStats]) -> None:
 def _counts(engine) -> tuple[int, int, int]:
     sched = engine.scheduler
     return sched.num_waiting, sched.num_running, sched.num_waiting_requests
-
-
-def _call(engine, conn, token: str, method: str, args: tuple) -> None:
-    """Run an engine call (ENGINE_CALLS) and send its result or exception back."""
-    try:
-        result, error = (getattr(engine, method)(*args), None) if method in ENGINE_CALLS else (
-            None, ValueError(f"{method} is not an engine call"))
-    except Exception as exc:  # the caller's to report
-        result, error = None, exc
-    conn.send(("reply", (token, result, error)))
 
 
 def _add(engine, conn, add: AddRequest) -> None:
