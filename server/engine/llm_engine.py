@@ -114,7 +114,7 @@ class LLMEngine:
         self.runner.add_lora(name, path)
 
     def unload_lora(self, name: str) -> None:
-        """Forget an adapter (ValueError: unknown, or a request still runs through it)."""
+        """Forget an adapter (LookupError: no such adapter; ValueError: a request still runs through it)."""
         if name not in getattr(self.runner, "loras", {}):
             raise LookupError(f"the LoRA adapter {name!r} cannot be found")
         busy = sum(s.params.lora == name for seqs in self.seqs.values() for s in seqs if not s.is_finished)
