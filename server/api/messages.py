@@ -173,6 +173,8 @@ class MessagesRequest(RequestPart):
         """The chat request that generates this message; fields the client left unset stay unset."""
         body: dict[str, Any] = {"model": self.model, "messages": self.chat_messages(), "max_tokens": self.max_tokens,
                                 "stream": self.stream}
+        if self.messages[-1].role == "assistant":  # a prefilled reply: the answer goes on from its text (Anthropic's)
+            body.update(add_generation_prompt=False, continue_final_message=True)
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         for ours, chat in (("stop_sequences", "stop"), ("temperature", "temperature"), ("top_p", "top_p"),

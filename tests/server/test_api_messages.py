@@ -47,6 +47,18 @@ def test_a_message_is_the_chat_reply_as_content_blocks(client, server):
     assert counted.input_tokens == prompt
 
 
+def test_a_last_assistant_message_is_a_prefill_the_reply_continues(client, server):
+    """Anthropic's prefilled response: the reply goes on from the assistant's text, as chat's continue_final_message
+    has it."""
+    prefill = [*USER, {"role": "assistant", "content": "The weather in Paris is"}]
+    message = client.messages.create(model="tiny", max_tokens=6, messages=prefill, extra_body={"temperature": 0})
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "model": "tiny", "max_tokens": 6, "temperature": 0, "messages": prefill, "add_generation_prompt": False,
+        "continue_final_message": True}).json()
+    assert message.content[0].text == chat["choices"][0]["message"]["content"]
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == chat["usage"]["prompt_tokens"]
+
+
 def test_streamed_events_give_the_same_message(client):
     kw = dict(model="tiny", max_tokens=8, messages=USER, extra_body={"temperature": 0})
     whole = client.messages.create(**kw)
