@@ -133,7 +133,9 @@ class MessagesRequest(RequestPart):
     tools: list[AnthropicTool] | None = None
     tool_choice: ToolChoice | None = None
     metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None  # extended thinking: a thinking model reasons under its reasoning parser
+    # extended thinking: {"type": "enabled" | "disabled", ...} reaches the chat template as enable_thinking (Qwen3's
+    # switch); a thinking model's reasoning comes back as thinking blocks under the server's reasoning parser
+    thinking: dict[str, Any] | None = None
     output_config: OutputConfig | None = None
 
     def chat_messages(self) -> list[dict]:
@@ -184,6 +186,8 @@ class MessagesRequest(RequestPart):
         if self.output_config is not None and self.output_config.format is not None:
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "output", "schema": self.output_config.format.schema_}}
+        if self.thinking is not None and self.thinking.get("type") in ("enabled", "disabled"):
+            body["chat_template_kwargs"] = {"enable_thinking": self.thinking["type"] == "enabled"}
         if self.metadata and isinstance(self.metadata.get("user_id"), str):
             body["user"] = self.metadata["user_id"]
         if self.tools:
@@ -292,7 +296,10 @@ class MessagesAPI:
         """The prompt's tokens as the chat template renders it (vLLM's /tokenize on the same messages)."""
         self.serving.check_fields(req)
         probe = MessagesRequest.model_validate({**req.model_dump(exclude_none=True), "max_tokens": 1}).as_chat()
-        tokenize = TokenizeChatRequest(model=req.model, messages=probe.messages, tools=probe.tools)
+        tokenize = TokenizeChatRequest(model=req.model, messages=probe.messages, tools=probe.tools,
+                                       add_generation_prompt=probe.add_generation_prompt,
+                                       continue_final_message=probe.continue_final_message,
+                                       chat_template_kwargs=probe.chat_template_kwargs)
         return CountTokensResponse(input_tokens=self.serving.tokenize(tokenize).count)
 
     async def _events(self, chunks: AsyncIterator[StreamChunk | dict], model: str,

@@ -59,6 +59,22 @@ def test_a_last_assistant_message_is_a_prefill_the_reply_continues(client, serve
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens == chat["usage"]["prompt_tokens"]
 
 
+def test_thinking_switch_reaches_the_chat_template(tiny_model_dir):
+    """Anthropic's thinking {"type": "disabled"} as the template's enable_thinking (Qwen3's switch): a template that
+    reads it renders a different prompt."""
+    template = ("{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    path = tiny_model_dir.parent / "thinking_switch.jinja"
+    path.write_text(template)
+    cfg = tiny_config(tiny_model_dir)
+    cfg.server.chat_template = str(path)
+    with live_server(cfg) as live:
+        client = anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0)
+        counts = {kind: client.messages.count_tokens(model="tiny", messages=USER, thinking={"type": kind}).input_tokens
+                  for kind in ("enabled", "disabled")}
+    assert counts["disabled"] > counts["enabled"]
+
+
 def test_streamed_events_give_the_same_message(client):
     kw = dict(model="tiny", max_tokens=8, messages=USER, extra_body={"temperature": 0})
     whole = client.messages.create(**kw)
