@@ -175,6 +175,18 @@ def test_bf16_adapter_follows_the_merged_model(tiny_model_dir, adapters):
     assert (ours - expected).abs().max() < 0.1 * expected.abs().max()
 
 
+def test_an_odd_rank_in_bf16_runs_through_the_python_loop(tiny_model_dir, tmp_path):
+    """bf16 panels pair the inner dimension: a rank-3 update stays on torch's GEMMs, its steps in the Python loop."""
+    adapter = write_adapter(tmp_path / "odd", tiny_model_dir, ("q_proj",), rank=3, alpha=6.0, seed=5)
+    runner = _runner(tiny_model_dir, {"odd": adapter}, dtype="bfloat16")
+    assert runner.loras["odd"].plan is None and all(d.fast is None for d in runner.loras["odd"].deltas.values())
+    runner.allocate_kv(1)
+    ours = runner.execute([SeqChunk(0, PROMPT, 0, all_logits=True, lora="odd")])
+    expected = merged_logits(tiny_model_dir, adapter, PROMPT)
+    assert (ours.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+    assert (ours - expected).abs().max() < 0.1 * expected.abs().max()
+
+
 def test_unusable_adapters_are_named(tiny_model_dir, tmp_path):
     config = AutoModelForCausalLM.from_pretrained(tiny_model_dir).config
 
