@@ -587,6 +587,8 @@ class OpenAIServing:
         if reasoning is not None and structured is not None:  # the constraint applies once the reasoning ends
             structured = replace(structured, after=tuple(self.tokenizer.encode(END, add_special_tokens=False)))
         params = self._params(req, max_tokens, logprobs, structured)
+        if req.uses_tools and self.tool_parser.keeps_special_tokens:  # (Mistral's [TOOL_CALLS] is a control token)
+            params = replace(params, skip_special_tokens=False)
         if req.prediction is not None:
             params = replace(params, prediction=self._prediction_ids(req.prediction))
         rid = f"chatcmpl-{raw.state.request_id}"

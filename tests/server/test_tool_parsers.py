@@ -5,10 +5,15 @@ from __future__ import annotations
 import json
 
 import llguidance
+import openai
 import pytest
+from transformers import AutoTokenizer
 
+from bench.harness import make_tiny_model
 from server.api.protocol import Tool
+from server.api.serving import load_chat_template
 from server.api.tool_parsers import PARSERS, get_tool_parser
+from support import live_server, scripted_loader, tiny_config
 
 WEATHER = Tool.model_validate({"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -32,6 +37,17 @@ CASES = [
     ("llama3_json", "Paris is sunny {today}.", "Paris is sunny {today}.", []),
     ("llama3_json", '{"city": "Paris"}', '{"city": "Paris"}', []),  # JSON, but no call: content
     ("llama3_json", "{not json", "{not json", []),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "b", "arguments": '
+                '{}}]', None, [("get_weather", {"city": "Paris"}), ("b", {})]),
+    ("mistral", 'Let me look. [TOOL_CALLS][{"name": "a", "arguments": "{\\"x\\": 1}"}]', "Let me look.",
+     [("a", {"x": 1})]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]b[ARGS]{}', None,  # tokenizer v11 on
+     [("get_weather", {"city": "Paris"}), ("b", {})]),
+    ("mistral", '[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[ARGS]{"x": ', None, [("a", {})]),  # cut off
+    ("mistral", '[{"name": "a", "arguments": {}}]', None, [("a", {})]),  # the bare list a forced call writes
+    ("mistral", "[1] is the first item.", "[1] is the first item.", []),
+    ("mistral", "[TOOL_CALLS] not json", "[TOOL_CALLS] not json", []),
+    ("mistral", "Paris is sunny.", "Paris is sunny.", []),
 ]
 
 
@@ -72,8 +88,6 @@ def test_llama3_calls_come_out_as_their_json_closes():
 @pytest.mark.parametrize("parallel", [False, True])
 def test_forced_grammars_accept_what_the_parser_reads_back(smol_dir, name, parallel):
     """Each parser's forced grammar compiles, and the calls it allows parse back to the same calls."""
-    from transformers import AutoTokenizer
-
     parser = get_tool_parser(name)
     grammar = parser.forced_grammar([WEATHER, TIME], parallel)
     assert not llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar))
@@ -82,6 +96,8 @@ def test_forced_grammars_accept_what_the_parser_reads_back(smol_dir, name, paral
     two = {"name": "get_time", key: {}}
     if name == "hermes":
         text = "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in ([one, two] if parallel else [one]))
+    elif name == "mistral":
+        text = json.dumps([one, two] if parallel else [one])
     else:
         text = "; ".join(json.dumps(c) for c in ([one, two] if parallel else [one]))
     tokenizer = AutoTokenizer.from_pretrained(smol_dir)
@@ -91,3 +107,32 @@ def test_forced_grammars_accept_what_the_parser_reads_back(smol_dir, name, paral
     assert matcher.is_accepting() and not matcher.is_error()
     assert _calls(parser.extract(text)[1]) == [("get_weather", {"city": "Paris"})] + (
         [("get_time", {})] if parallel else [])
+
+
+def test_served_mistral_calls_keep_their_control_token(smol_dir, tmp_path):
+    """Mistral's [TOOL_CALLS] is a special token: under the mistral parser a reply to a request with tools is decoded
+    keeping it (skipped, the calls would read as content), streamed or not."""
+    tok = AutoTokenizer.from_pretrained(smol_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    tok.save_pretrained(tmp_path / "tok")
+    model_dir = make_tiny_model(tmp_path / "model", tmp_path / "tok")
+    cfg = tiny_config(model_dir)
+    cfg.server.tool_call_parser, cfg.server.chat_template = "mistral", "hermes_tools"
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    tools = [WEATHER.model_dump(exclude_none=True)]
+    prompt = tok.apply_chat_template(messages, tools=tools, chat_template=load_chat_template("hermes_tools"),
+                                     add_generation_prompt=True, tokenize=False)
+    # the v11 form: without its control token it reads as text (the v3 list would still parse as a bare list)
+    reply = tok.encode('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', add_special_tokens=False)
+    assert tok.convert_tokens_to_ids("[TOOL_CALLS]") in reply  # one control token, not its characters
+    loader = scripted_loader(len(tok.encode(prompt, add_special_tokens=False)), reply, tok.eos_token_id)
+    with live_server(cfg, loader=loader) as live:
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+        kw = dict(model="tiny", messages=messages, tools=tools, max_tokens=60, temperature=0)
+        choice = client.chat.completions.create(**kw).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert _calls(choice.message.tool_calls) == [("get_weather", {"city": "Paris"})]
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert _calls([call for d in deltas for call in d.tool_calls or []]) == [("get_weather", {"city": "Paris"})]
+        assert not "".join(d.content or "" for d in deltas)

@@ -10,8 +10,9 @@ from __future__ import annotations
 from server.api.tool_parsers.base import ToolCallStream, ToolParser
 from server.api.tool_parsers.hermes import HermesToolParser
 from server.api.tool_parsers.llama3_json import Llama3JsonToolParser
+from server.api.tool_parsers.mistral import MistralToolParser
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
 
 
 def get_tool_parser(name: str) -> ToolParser:

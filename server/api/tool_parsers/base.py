@@ -52,6 +52,8 @@ class ToolParser:
     """How a model writes tool calls: parse a finished reply, follow a streamed one, force calls by grammar."""
 
     name: ClassVar[str]
+    # the format's markers are special tokens: a reply to a request with tools is decoded keeping them
+    keeps_special_tokens: ClassVar[bool] = False
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, or None when only calls were written; calls); a reply whose calls do not parse stays content."""
