@@ -141,7 +141,7 @@ def build_engine(cfg: Config, runner, tokenizer, eos_ids: set[int]) -> LLMEngine
                  spec.prompt_lookup_max)
     try:
         return LLMEngine(runner, tokenizer, e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len, kv, eos_ids,
-                         e.seed, cap, e.speculative, e.scheduling_policy, e.max_loras if e.lora_modules else None)
+                         e.seed, cap, e.speculative, e.scheduling_policy, e.max_loras if e.enable_lora else None)
     except ValueError as exc:
         raise ConfigError(f"engine.speculative: {exc}") from None
 

@@ -386,6 +386,14 @@ def test_adapters_loaded_and_unloaded_at_run_time(tiny_model_dir, adapters, tmp_
         assert top_logprob("every") == pytest.approx(expected(adapters["every"]), abs=5e-3)
 
 
+def test_max_loras_holds_with_lora_enabled_and_no_adapter_at_start(tiny_model_dir):
+    """--enable-lora alone (adapters to come at run time): the engine still keeps to max_loras and reports them."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = build_engine(tiny_config(tiny_model_dir, enable_lora=True, max_loras=2), _runner(tiny_model_dir, {}), tok,
+                          eos_token_ids(tiny_model_dir, tok))
+    assert engine.scheduler.max_loras == 2
+
+
 def test_runtime_updates_are_off_unless_asked(tiny_model_dir, adapters):
     cfg = tiny_config(tiny_model_dir, enable_lora=True, lora_modules={"every": str(adapters["every"])})
     with live_server(cfg) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
