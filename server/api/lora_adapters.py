@@ -28,6 +28,7 @@ class LoraAdapters:
 
     @property
     def names(self) -> list[str]:
+        """The adapters' names, in the order they were configured or loaded."""
         return list(self.paths)
 
     def _check_updatable(self) -> None:

@@ -28,6 +28,8 @@ from server.api.serving import OpenAIServing
 
 # ---- the request -------------------------------------------------------------------------------
 class TextBlock(RequestPart):
+    """A text content block."""
+
     type: Literal["text"]
     text: str
 
@@ -56,6 +58,7 @@ class ToolResultBlock(RequestPart):
     is_error: bool = False
 
     def text(self) -> str:
+        """The result's text (its text blocks joined)."""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -79,14 +82,19 @@ ContentBlock = Annotated[Annotated[TextBlock, Tag("text")] | Annotated[ImageBloc
 
 
 class Message(RequestPart):
+    """A turn of the conversation: its text, or its content blocks."""
+
     role: Literal["user", "assistant"]
     content: text_or_parts(ContentBlock)
 
     def blocks(self) -> list:
+        """The content as blocks (a string is one text block)."""
         return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
 
 
 class AnthropicTool(RequestPart):
+    """A tool the model may call: its name, description and input JSON schema."""
+
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
     description: str | None = None
     input_schema: dict[str, Any]
@@ -94,6 +102,8 @@ class AnthropicTool(RequestPart):
 
 
 class ToolChoice(RequestPart):
+    """Whether the model may (auto), must (any), must call this one (tool) or may not (none) call tools."""
+
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool = False
@@ -106,6 +116,8 @@ class ToolChoice(RequestPart):
 
 
 class OutputFormat(RequestPart):
+    """A JSON schema the reply follows."""
+
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
@@ -217,6 +229,8 @@ class CountTokensRequest(RequestPart):
 
 # ---- the response ------------------------------------------------------------------------------
 class MessagesUsage(BaseModel):
+    """Token counts, as Anthropic's usage splits the prompt (cache reads apart)."""
+
     input_tokens: int  # the prompt's tokens not read from the prefix cache
     output_tokens: int
     cache_read_input_tokens: int = 0
@@ -224,6 +238,8 @@ class MessagesUsage(BaseModel):
 
 
 class MessagesResponse(BaseModel):
+    """The answer: a message of content blocks."""
+
     id: str = Field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
@@ -235,6 +251,8 @@ class MessagesResponse(BaseModel):
 
 
 class CountTokensResponse(BaseModel):
+    """POST /v1/messages/count_tokens's answer."""
+
     input_tokens: int
 
 

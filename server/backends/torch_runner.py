@@ -110,6 +110,7 @@ class TorchRunner:
                                                          self.max_lora_rank))
 
     def remove_lora(self, name: str) -> None:
+        """Forget an adapter (the engine has checked that no sequence runs through it)."""
         del self.loras[name]
 
     def _ready(self, adapter: LoraAdapter) -> LoraAdapter:

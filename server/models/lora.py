@@ -51,6 +51,7 @@ class LoraDelta:
     fast: Project | None = None
 
     def update(self, x: torch.Tensor) -> torch.Tensor:
+        """(x·Aᵀ)·Bᵀ for x's rows."""
         return self.fast(x) if self.fast is not None else F.linear(F.linear(x, self.A), self.B)
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None) -> None:
@@ -74,13 +75,16 @@ class LoraAdapter:
     plan: object | None = None
 
     def to(self, device: torch.device | str) -> LoraAdapter:
-        return replace(self, deltas={k: LoraDelta(d.A.to(device), d.B.to(device)) for k, d in self.deltas.items()})
+        """The adapter with its factors on `device` (packed updates and plan dropped: the runner builds them there)."""
+        return replace(self, deltas={k: LoraDelta(d.A.to(device), d.B.to(device)) for k, d in self.deltas.items()},
+                       plan=None)
 
     def with_fast_updates(self, pack: Callable[[torch.Tensor, torch.Tensor], Project | None]) -> LoraAdapter:
         """The adapter with each update computed by pack(A, B)'s callable (where it gives one)."""
         return replace(self, deltas={k: replace(d, fast=pack(d.A, d.B)) for k, d in self.deltas.items()})
 
     def with_plan(self, plan: object) -> LoraAdapter:
+        """The adapter with its C++ layer loop plan (csrc/decoder.cpp LoraPlan)."""
         return replace(self, plan=plan)
 
 

@@ -52,6 +52,8 @@ def parse_calls(after_tag: str) -> list[ToolCall] | None:
 
 
 class MistralToolParser(ToolParser):
+    """Mistral's `[TOOL_CALLS]` calls, in either form (see the module's docstring)."""
+
     name = "mistral"
     keeps_special_tokens = True  # [TOOL_CALLS] is a control token: decoded only when special tokens are kept
 
