@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Annotated, Any, Literal
 
 from fastapi import Request
@@ -23,7 +22,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, mode
 from server.api.errors import APIError
 from server.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, RequestPart, StreamChunk,
                                  TokenizeChatRequest, text_or_parts)
-from server.api.serving import OpenAIServing
+from server.api.serving import OpenAIServing, chat_stream_parts
 
 
 # ---- the request -------------------------------------------------------------------------------
@@ -329,41 +328,40 @@ class MessagesAPI:
         yield _event("message_start", message={
             "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}})
-        async with aclosing(chunks) as stream:
-            async for chunk in stream:
-                if isinstance(chunk, dict):  # the engine failed: an error event ends the stream
-                    yield _event("error", error={"type": "api_error", "message": chunk["error"]["message"]})
-                    return
-                if chunk.usage is not None and not chunk.choices:
-                    usage = _usage(chunk.usage)
+        async for kind, item in chat_stream_parts(chunks):
+            if kind == "error":  # the engine failed: an error event ends the stream
+                yield _event("error", error={"type": "api_error", "message": item["error"]["message"]})
+                return
+            if kind == "usage":
+                usage = _usage(item)
+                continue
+            choice = item
+            finish = choice.finish_reason or finish
+            stop_reason = choice.stop_reason if "stop_reason" in choice.model_fields_set else stop_reason
+            parts = [("thinking", choice.delta.reasoning), ("text", choice.delta.content)]
+            for block_kind, piece in parts:
+                if not piece:
                     continue
-                choice = chunk.choices[0]
-                finish = choice.finish_reason or finish
-                stop_reason = choice.stop_reason if "stop_reason" in choice.model_fields_set else stop_reason
-                parts = [("thinking", choice.delta.reasoning), ("text", choice.delta.content)]
-                for kind, piece in parts:
-                    if not piece:
-                        continue
-                    if open_kind != kind:
-                        if open_kind is not None:
-                            yield _event("content_block_stop", index=index)
-                        index, open_kind = index + 1, kind
-                        block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {
-                            "type": "text", "text": ""}
-                        yield _event("content_block_start", index=index, content_block=block)
-                    delta = ({"type": "thinking_delta", "thinking": piece} if kind == "thinking"
-                             else {"type": "text_delta", "text": piece})
-                    yield _event("content_block_delta", index=index, delta=delta)
-                for call in choice.delta.tool_calls or []:
+                if open_kind != block_kind:
                     if open_kind is not None:
                         yield _event("content_block_stop", index=index)
-                        open_kind = None
-                    index += 1
-                    use = _tool_use(call)
-                    yield _event("content_block_start", index=index, content_block={**use, "input": {}})
-                    yield _event("content_block_delta", index=index, delta={
-                        "type": "input_json_delta", "partial_json": json.dumps(use["input"])})
+                    index, open_kind = index + 1, block_kind
+                    block = {"type": "thinking", "thinking": "", "signature": ""} if block_kind == "thinking" else {
+                        "type": "text", "text": ""}
+                    yield _event("content_block_start", index=index, content_block=block)
+                delta = ({"type": "thinking_delta", "thinking": piece} if block_kind == "thinking"
+                         else {"type": "text_delta", "text": piece})
+                yield _event("content_block_delta", index=index, delta=delta)
+            for call in choice.delta.tool_calls or []:
+                if open_kind is not None:
                     yield _event("content_block_stop", index=index)
+                    open_kind = None
+                index += 1
+                use = _tool_use(call)
+                yield _event("content_block_start", index=index, content_block={**use, "input": {}})
+                yield _event("content_block_delta", index=index, delta={
+                    "type": "input_json_delta", "partial_json": json.dumps(use["input"])})
+                yield _event("content_block_stop", index=index)
         if open_kind is not None:
             yield _event("content_block_stop", index=index)
         reason, sequence = _stop(finish, stop_reason, stops)

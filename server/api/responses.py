@@ -15,7 +15,6 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Annotated, Any, Literal
 
 from fastapi import Request
@@ -25,7 +24,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, mode
 from server.api.errors import APIError
 from server.api.protocol import ChatCompletionRequest, ChatCompletionResponse, RequestPart, StreamChunk, text_or_parts
 from server.api.response_store import ResponseStore, StoredResponse
-from server.api.serving import OpenAIServing
+from server.api.serving import OpenAIServing, chat_stream_parts
 
 
 # ---- the request -------------------------------------------------------------------------------
@@ -496,50 +495,49 @@ class ResponsesAPI:
         thinking_open = False  # until the reply goes on past it
         message: OutputMessage | None = None  # the message being streamed, while text comes
         finish, usage = None, None
-        async with aclosing(chunks) as stream:
-            async for chunk in stream:
-                if isinstance(chunk, dict):  # the engine failed: the response failed
-                    failed = shell.model_copy(update={"status": "failed", "output": output, "error": ResponseError(
-                        code=chunk["error"].get("code") or "server_error", message=chunk["error"]["message"])})
-                    yield event("response.failed", response=dump(failed))
-                    return
-                if chunk.usage is not None and not chunk.choices:
-                    usage = _usage(chunk.usage)
-                    continue
-                choice = chunk.choices[0]
-                finish = choice.finish_reason or finish
-                thought, text, calls = choice.delta.reasoning, choice.delta.content, choice.delta.tool_calls or []
-                if thought:
-                    if thinking is None:
-                        thinking, thinking_open = OutputReasoning(status="in_progress",
-                                                                  content=[ReasoningText(text="")]), True
-                        for line in opened(thinking):
-                            yield line
-                    thinking.content[0].text += thought
-                    yield event("response.reasoning_text.delta", item_id=thinking.id,
-                                output_index=output.index(thinking), content_index=0, delta=thought)
-                if (text or calls) and thinking_open:  # the reply went on past its reasoning
-                    thinking.status, thinking_open = "completed", False
-                    for line in closed(thinking):
+        async for kind, item in chat_stream_parts(chunks):
+            if kind == "error":  # the engine failed: the response failed
+                failed = shell.model_copy(update={"status": "failed", "output": output, "error": ResponseError(
+                    code=item["error"].get("code") or "server_error", message=item["error"]["message"])})
+                yield event("response.failed", response=dump(failed))
+                return
+            if kind == "usage":
+                usage = _usage(item)
+                continue
+            choice = item
+            finish = choice.finish_reason or finish
+            thought, text, calls = choice.delta.reasoning, choice.delta.content, choice.delta.tool_calls or []
+            if thought:
+                if thinking is None:
+                    thinking, thinking_open = OutputReasoning(status="in_progress",
+                                                              content=[ReasoningText(text="")]), True
+                    for line in opened(thinking):
                         yield line
-                if text:
-                    if message is None:
-                        message = OutputMessage(status="in_progress", content=[OutputText(text="")])
-                        for line in opened(message):
-                            yield line
-                    message.content[0].text += text
-                    yield event("response.output_text.delta", item_id=message.id, output_index=len(output) - 1,
-                                content_index=0, delta=text)
-                for call in _calls(calls):
-                    output.append(call)
-                    index = len(output) - 1
-                    yield event("response.output_item.added", output_index=index,
-                                item={**dump(call), "arguments": "", "status": "in_progress"})
-                    yield event("response.function_call_arguments.delta", item_id=call.id, output_index=index,
-                                delta=call.arguments)
-                    yield event("response.function_call_arguments.done", item_id=call.id, output_index=index,
-                                arguments=call.arguments)
-                    yield event("response.output_item.done", output_index=index, item=dump(call))
+                thinking.content[0].text += thought
+                yield event("response.reasoning_text.delta", item_id=thinking.id,
+                            output_index=output.index(thinking), content_index=0, delta=thought)
+            if (text or calls) and thinking_open:  # the reply went on past its reasoning
+                thinking.status, thinking_open = "completed", False
+                for line in closed(thinking):
+                    yield line
+            if text:
+                if message is None:
+                    message = OutputMessage(status="in_progress", content=[OutputText(text="")])
+                    for line in opened(message):
+                        yield line
+                message.content[0].text += text
+                yield event("response.output_text.delta", item_id=message.id, output_index=len(output) - 1,
+                            content_index=0, delta=text)
+            for call in _calls(calls):
+                output.append(call)
+                index = len(output) - 1
+                yield event("response.output_item.added", output_index=index,
+                            item={**dump(call), "arguments": "", "status": "in_progress"})
+                yield event("response.function_call_arguments.delta", item_id=call.id, output_index=index,
+                            delta=call.arguments)
+                yield event("response.function_call_arguments.done", item_id=call.id, output_index=index,
+                            arguments=call.arguments)
+                yield event("response.output_item.done", output_index=index, item=dump(call))
         if message is None and thinking is None and not output:  # nothing was said: an empty message, as a
             message = OutputMessage(content=[OutputText(text="")])  # non-streamed answer has
             output.append(message)

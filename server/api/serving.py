@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from fastapi import Request
 from pydantic import ValidationError
@@ -734,6 +735,21 @@ class OpenAIServing:
         if any(not 0 <= t < self.vocab_size for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {self.vocab_size})", param="tokens")
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+
+async def chat_stream_parts(chunks: AsyncIterator[StreamChunk | dict]) -> AsyncIterator[tuple[str, Any]]:
+    """A streamed chat's chunks (OpenAIServing.chat with as_chunks) for an API built on it, each as (kind, item):
+    ("error", the error body) and then nothing, ("usage", UsageInfo) at the end, or ("choice", its first choice);
+    the chunks are closed however the caller stops reading."""
+    async with aclosing(chunks) as stream:
+        async for chunk in stream:
+            if isinstance(chunk, dict):  # the engine failed: the stream ends
+                yield "error", chunk
+                return
+            if chunk.usage is not None and not chunk.choices:
+                yield "usage", chunk.usage
+            else:
+                yield "choice", chunk.choices[0]
 
 
 async def _merged(gens: list, n: int) -> AsyncIterator[tuple[int, SeqOutput | Exception]]:

@@ -167,7 +167,8 @@ class TorchRunner:
     def build_batch(self, chunks: list[SeqChunk]) -> FlatBatch:
         """Flatten chunks into the model's FlatBatch (one host->device copy per field)."""
         ids, positions, slot_mapping, seq_index, context_lens, logits_index = [], [], [], [], [], []
-        adapters: list[str | None] = []  # each token's LoRA adapter (None: the base model)
+        with_lora = any(chunk.lora for chunk in chunks)
+        adapters: list[str | None] = []  # each token's LoRA adapter (None: the base model), in a step that has any
         sdpa_chunks, tables = [], []
         block_size = self.cache.block_size
         sdpa_min_chunk = self.model.kernels.sdpa_min_chunk
@@ -186,7 +187,8 @@ class TorchRunner:
             positions.extend(range(start, start + n))
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
             seq_index.extend([row] * n)
-            adapters.extend([chunk.lora] * n)
+            if with_lora:
+                adapters.extend([chunk.lora] * n)
             context_lens.extend(range(start + 1, start + n + 1) if fused else [0] * n)
             if chunk.all_logits:
                 logits_index.extend(range(len(ids) - n, len(ids)))
@@ -203,7 +205,7 @@ class TorchRunner:
             block_tables=as_tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
             logits_index=None if every_token else as_tensor(logits_index), sdpa_chunks=sdpa_chunks,
             lora=(lora_rows(self.loras, adapters, None if every_token else logits_index, self.device)
-                  if any(adapters) else []))
+                  if with_lora else []))
 
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
         batch = self.build_batch(chunks)
