@@ -120,16 +120,13 @@ class TorchRunner:
                 and hasattr(torch.ops.neuronmm, "factored_linear")):
             return adapter
 
-        packed: dict[int, FactoredPanelLinear] = {}  # by id of A: each update's packed factors
-
-        def pack(A: torch.Tensor, B: torch.Tensor):
+        def pack(A: torch.Tensor, B: torch.Tensor) -> FactoredPanelLinear | None:
             if self.weight_dtype == torch.bfloat16 and (A.shape[0] % 2 or A.shape[1] % 2):
                 return None  # (bf16 panels pair the inner dimension)
-            packed[id(A)] = FactoredPanelLinear(A, [A.shape[0]], [B], self.weight_dtype)
-            return packed[id(A)].forward
+            return FactoredPanelLinear(A, [A.shape[0]], [B], self.weight_dtype)
 
-        adapter = adapter.with_fast_updates(pack)
-        if len(packed) < len(adapter.deltas) or not hasattr(torch.classes.neuronmm, "LoraPlan"):
+        adapter = adapter.with_packed_updates(pack)
+        if any(d.packed is None for d in adapter.deltas.values()) or not hasattr(torch.classes.neuronmm, "LoraPlan"):
             return adapter  # (an update the panel GEMM cannot take: the Python layer loop runs its steps)
         plan = torch.classes.neuronmm.LoraPlan()
         no_second = torch.empty(0)
@@ -139,7 +136,7 @@ class TorchRunner:
                 if delta is None:
                     plan.add_none()
                 else:
-                    first, splits, seconds, outs = packed[id(delta.A)].factored_args()
+                    first, splits, seconds, outs = delta.packed.factored_args()
                     plan.add_update(first, splits, [no_second if b is None else b for b in seconds], outs)
         return adapter.with_plan(plan)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from safetensors.torch import load_file
 
 from server.errors import ConfigError
@@ -36,23 +37,22 @@ _FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _LOADS = itertools.count(1)
 
 
-Project = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class LoraDelta:
     """One fused projection's update: y += (x·Aᵀ)·Bᵀ, A [rank, in], B [out, rank] (block-diagonal over the parts).
 
-    `fast` computes (x·Aᵀ)·Bᵀ from packed factors where the runner packed them (the panel GEMM's two phases in one
-    call: torch's two small GEMMs took ~25 µs each, a step makes four pairs a layer)."""
+    `packed` holds the factors packed for the panel GEMM where the runner packed them (a FactoredPanelLinear: both
+    GEMMs in one call, where torch's two small GEMMs took ~25 µs each, and a step makes four pairs a layer)."""
 
     A: torch.Tensor
     B: torch.Tensor
-    fast: Project | None = None
+    packed: nn.Module | None = None
 
     def update(self, x: torch.Tensor) -> torch.Tensor:
         """(x·Aᵀ)·Bᵀ for x's rows."""
-        return self.fast(x) if self.fast is not None else F.linear(F.linear(x, self.A), self.B)
+        return self.packed.forward(x) if self.packed is not None else F.linear(F.linear(x, self.A), self.B)
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None) -> None:
         """Add the update of x's `rows` (every row: None) into the same rows of y, in place."""
@@ -79,9 +79,9 @@ class LoraAdapter:
         return replace(self, deltas={k: LoraDelta(d.A.to(device), d.B.to(device)) for k, d in self.deltas.items()},
                        plan=None)
 
-    def with_fast_updates(self, pack: Callable[[torch.Tensor, torch.Tensor], Project | None]) -> LoraAdapter:
-        """The adapter with each update computed by pack(A, B)'s callable (where it gives one)."""
-        return replace(self, deltas={k: replace(d, fast=pack(d.A, d.B)) for k, d in self.deltas.items()})
+    def with_packed_updates(self, pack: Callable[[torch.Tensor, torch.Tensor], nn.Module | None]) -> LoraAdapter:
+        """The adapter with each update computed by the module pack(A, B) gives (where it gives one)."""
+        return replace(self, deltas={k: replace(d, packed=pack(d.A, d.B)) for k, d in self.deltas.items()})
 
     def with_plan(self, plan: object) -> LoraAdapter:
         """The adapter with its C++ layer loop plan (csrc/decoder.cpp LoraPlan)."""

@@ -81,7 +81,7 @@ def _runner(model_dir: Path, adapters: dict[str, Path], fused: bool = True, dtyp
 @pytest.mark.parametrize("name", ["every", "qv", "mlp-rslora"])
 def test_an_adapter_gives_the_merged_models_logits(tiny_model_dir, adapters, name, fused):
     runner = _runner(tiny_model_dir, adapters, fused)
-    fast = [d.fast is not None for d in runner.loras[name].deltas.values()]
+    fast = [d.packed is not None for d in runner.loras[name].deltas.values()]
     assert all(fast) == (fused and panels_available(torch.device("cpu"), torch.float32)) and any(fast) == all(fast)
     runner.allocate_kv(1)
     ours = [runner.execute([SeqChunk(0, PROMPT[:7], 0, all_logits=True, lora=name)])]
@@ -179,7 +179,7 @@ def test_an_odd_rank_in_bf16_runs_through_the_python_loop(tiny_model_dir, tmp_pa
     """bf16 panels pair the inner dimension: a rank-3 update stays on torch's GEMMs, its steps in the Python loop."""
     adapter = write_adapter(tmp_path / "odd", tiny_model_dir, ("q_proj",), rank=3, alpha=6.0, seed=5)
     runner = _runner(tiny_model_dir, {"odd": adapter}, dtype="bfloat16")
-    assert runner.loras["odd"].plan is None and all(d.fast is None for d in runner.loras["odd"].deltas.values())
+    assert runner.loras["odd"].plan is None and all(d.packed is None for d in runner.loras["odd"].deltas.values())
     runner.allocate_kv(1)
     ours = runner.execute([SeqChunk(0, PROMPT, 0, all_logits=True, lora="odd")])
     expected = merged_logits(tiny_model_dir, adapter, PROMPT)
