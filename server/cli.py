@@ -159,8 +159,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
          help="fcfs (default): arrival order; priority: each request's `priority` first (lower earlier), then arrival")
     flag("--enable-lora", action="store_true", help="serve LoRA adapters over the base model (--lora-modules)")
     flag("--lora-modules", type=_lora_module, nargs="+", metavar="NAME=PATH",
-         help='PEFT LoRA folders, each served under its name (a request\'s `model`): name=path, or vLLM\'s JSON '
-              '\'{"name": "sql", "path": "/adapters/sql"}\'')
+         help='PEFT LoRA folders or llama.cpp .gguf adapters, each served under its name (a request\'s `model`): '
+              'name=path, or vLLM\'s JSON \'{"name": "sql", "path": "/adapters/sql"}\'')
     flag("--max-loras", type=int, help="distinct adapters in the running batch at once (default 1)")
     flag("--max-lora-rank", type=int, help="the largest adapter rank accepted (default 16)")
     flag("--block-size", type=int, help="KV cache positions per block")

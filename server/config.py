@@ -110,8 +110,8 @@ class EngineConfig(_Strict):
 
     # LoRA adapters over the base model (vLLM's --enable-lora, --lora-modules, --max-loras, --max-lora-rank)
     enable_lora: bool = Field(False, description="serve LoRA adapters (lora_modules) over the base model")
-    lora_modules: dict[str, str] = Field(default_factory=dict,
-                                         description="adapter name (a request's `model`) -> PEFT LoRA folder")
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict, description="adapter name (a request's `model`) -> PEFT LoRA folder or GGUF adapter")
     max_loras: int = Field(1, ge=1, description="distinct adapters in the running batch at once")
     max_lora_rank: int = Field(16, ge=1, description="the largest adapter rank accepted")
 

@@ -1,4 +1,5 @@
-"""LoRA adapters served over one base model (vLLM's --lora-modules): PEFT folders read once, applied per row.
+"""LoRA adapters served over one base model (vLLM's --lora-modules): PEFT folders (or llama.cpp GGUF adapters) read
+once, applied per row.
 
 An adapter adds scale · B·A to some of a layer's seven projections. The served model fuses q/k/v and gate/up into
 one GEMM each, so an adapter is held in that shape too: per layer and fused projection, one A stacking its parts'
@@ -25,6 +26,7 @@ from torch import nn
 from safetensors.torch import load_file
 
 from server.errors import ConfigError
+from server.models.lora_gguf import read_gguf_adapter
 
 log = logging.getLogger(__name__)
 
@@ -130,14 +132,18 @@ def _read_config(folder: Path) -> dict:
 
 
 def load_lora_adapter(name: str, folder: Path, model_config, dtype: torch.dtype, max_rank: int) -> LoraAdapter:
-    """Read a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) for the served model; a ConfigError
-    names what does not fit (a module other than the seven projections, a shape, a rank over max_rank)."""
+    """Read a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors), or a llama.cpp GGUF LoRA file, for
+    the served model; a ConfigError names what does not fit (a module other than the seven projections, a shape, a
+    rank over max_rank)."""
     folder = Path(folder).expanduser()
-    if not folder.is_dir():
-        raise ConfigError(f"LoRA adapter {name}: {folder} is not a folder")
-    config = _read_config(folder)
+    if folder.is_file() and folder.suffix == ".gguf":
+        config, tensors = read_gguf_adapter(folder, model_config)
+    elif folder.is_dir():
+        config, tensors = _read_config(folder), _read_tensors(folder)
+    else:
+        raise ConfigError(f"LoRA adapter {name}: {folder} is neither a PEFT folder nor a .gguf file")
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in _read_tensors(folder).items():
+    for key, tensor in tensors.items():
         match = _KEY.match(key)
         if match is None or match.group(3) not in _MODULES:
             raise ConfigError(f"LoRA adapter {name}: {key} is not a LoRA factor of an attention or MLP projection "

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import httpx
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -193,7 +195,7 @@ def test_unusable_adapters_are_named(tiny_model_dir, tmp_path):
     def load(folder: Path, max_rank: int = 16):
         return load_lora_adapter("x", folder, config, torch.float32, max_rank)
 
-    with pytest.raises(ConfigError, match="not a folder"):
+    with pytest.raises(ConfigError, match="neither a PEFT folder nor a .gguf file"):
         load(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="no adapter_config.json"):
@@ -217,6 +219,89 @@ def test_unusable_adapters_are_named(tiny_model_dir, tmp_path):
               folder / "adapter_model.safetensors")
     with pytest.raises(ConfigError, match=r"q_proj A \(4, 32\) / B \(64, 4\) do not fit"):
         load(folder)
+
+
+def gguf_adapter(folder: Path, out: Path, model_dir: Path, dtype=np.float32, alpha: float | None = None,
+                 arch: str = "llama", extra: dict[str, np.ndarray] | None = None) -> Path:
+    """The PEFT folder as llama.cpp's convert_lora_to_gguf.py writes it: llama.cpp's tensor names, lora_a [r, in] and
+    lora_b [out, r] per projection, q and k rows permuted into its rotary layout (the llama architecture), the
+    alpha as adapter.lora.alpha (None: the folder's)."""
+    config = AutoConfig.from_pretrained(model_dir)
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+
+    def permute(w: torch.Tensor, n_head: int) -> torch.Tensor:  # llama.cpp's LlamaModel.permute
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    writer = gguf.GGUFWriter(out, arch)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    adapter_config = json.loads((folder / "adapter_config.json").read_text())
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, adapter_config["lora_alpha"] if alpha is None else alpha)
+    for key, tensor in load_file(folder / "adapter_model.safetensors").items():
+        layer, module, factor = key.split(".")[4], key.split(".")[6], key.split(".")[7][-1].lower()
+        if factor == "b" and module in heads:
+            tensor = permute(tensor, heads[module])
+        writer.add_tensor(f"blk.{layer}.{names[module]}.weight.lora_{factor}", tensor.numpy().astype(dtype))
+    for name, values in (extra or {}).items():
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+def test_a_gguf_adapter_serves_the_logits_of_the_peft_folder_it_was_converted_from(tiny_model_dir, tmp_path, dtype):
+    """llama.cpp's adapter format: read back with q and k un-permuted (the tiny model's 4 heads over 2 KV heads tell
+    a wrong permutation, or none, apart) and alpha / rank as the scale; f16 tensors (the converter's default)
+    dequantised. The folder holds values f16 can hold, so both files hold the same adapter."""
+    folder = write_adapter(tmp_path / "peft", tiny_model_dir, ATTENTION + MLP, rank=4, alpha=6.0, seed=5)
+    tensors = {k: v.half().float() for k, v in load_file(folder / "adapter_model.safetensors").items()}
+    save_file(tensors, folder / "adapter_model.safetensors")
+    converted = gguf_adapter(folder, tmp_path / "adapter.gguf", tiny_model_dir, dtype)
+    runner = _runner(tiny_model_dir, {"g": converted})
+    runner.allocate_kv(1)
+    ours = [runner.execute([SeqChunk(0, PROMPT[:7], 0, all_logits=True, lora="g")])]
+    ours += [runner.execute([SeqChunk(0, [t], 7 + i, lora="g")]) for i, t in enumerate(PROMPT[7:])]
+    torch.testing.assert_close(torch.cat(ours), merged_logits(tiny_model_dir, folder, PROMPT), atol=1e-4, rtol=1e-4)
+    assert runner.loras["g"].rank == 4
+
+
+def test_a_gguf_adapter_without_alpha_applies_at_scale_one(tiny_model_dir, tmp_path):
+    """llama.cpp applies an adapter whose alpha is 0 at scale 1: the folder's factors with alpha = rank."""
+    folder = write_adapter(tmp_path / "peft", tiny_model_dir, ("q_proj", "down_proj"), rank=4, alpha=4.0, seed=6)
+    config = AutoModelForCausalLM.from_pretrained(tiny_model_dir).config
+    from_gguf = load_lora_adapter("g", gguf_adapter(folder, tmp_path / "a.gguf", tiny_model_dir, alpha=0.0), config,
+                                  torch.float32, 16)
+    from_folder = load_lora_adapter("f", folder, config, torch.float32, 16)
+    assert from_gguf.deltas.keys() == from_folder.deltas.keys()
+    for key, delta in from_folder.deltas.items():
+        assert torch.equal(from_gguf.deltas[key].A, delta.A) and torch.equal(from_gguf.deltas[key].B, delta.B)
+
+
+def test_unusable_gguf_adapters_are_named(tiny_model_dir, tmp_path):
+    config = AutoModelForCausalLM.from_pretrained(tiny_model_dir).config
+    folder = write_adapter(tmp_path / "peft", tiny_model_dir, ("q_proj",))
+
+    def load(path: Path):
+        return load_lora_adapter("x", path, config, torch.float32, 16)
+
+    with pytest.raises(ConfigError, match="converted for llama.cpp architecture 'qwen2'"):
+        load(gguf_adapter(folder, tmp_path / "qwen.gguf", tiny_model_dir, arch="qwen2"))
+    with pytest.raises(ConfigError, match="blk.0.attn_norm.weight is not a LoRA factor"):
+        load(gguf_adapter(folder, tmp_path / "norm.gguf", tiny_model_dir,
+                          extra={"blk.0.attn_norm.weight": np.ones(64, dtype=np.float32)}))
+    model = gguf.GGUFWriter(tmp_path / "model.gguf", "llama")  # a model file, not an adapter
+    model.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    model.write_header_to_file(), model.write_kv_data_to_file(), model.write_tensors_to_file(), model.close()
+    with pytest.raises(ConfigError, match="a GGUF file but not a LoRA adapter"):
+        load(tmp_path / "model.gguf")
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF but not really")
+    with pytest.raises(ConfigError, match="not a readable GGUF file"):
+        load(tmp_path / "junk.gguf")
 
 
 def _engine(model_dir: Path, adapters: dict[str, Path], **engine):
@@ -370,7 +455,7 @@ def test_adapters_loaded_and_unloaded_at_run_time(tiny_model_dir, adapters, tmp_
         again = client.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(second)})
         assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
         bad = client.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path / "none")})
-        assert bad.status_code == 400 and "is not a folder" in bad.json()["error"]["message"]
+        assert bad.status_code == 400 and "neither a PEFT folder nor a .gguf file" in bad.json()["error"]["message"]
         clash = client.post("/v1/load_lora_adapter", json={"lora_name": "tiny", "lora_path": str(second)})
         assert clash.status_code == 400
 
