@@ -16,6 +16,8 @@ a noisy or drifting shared CPU moves both sides of each ratio together.
 
 `--ab-paired` alternates the two models step by step within each round (ABBA by step) and takes the median of the
 per-step ratios: on the 2-vCPU VMs measured, rounds of runs moved ±5 % apart where paired rounds moved ±1.5 %.
+Each round records the core-to-core round trip before it (bench.core_latency): a VM's host moves its vCPUs between
+placements that share an L3 or not, and the speed-up differs between them (docs/BENCHMARKS.md).
 
 `--region-times` adds, per batch size, where the GEMM and attention regions lose time to their threads (fork, tail,
 join) and how much of a step runs outside them (the Python of the step, the small ops).
@@ -37,6 +39,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench.core_latency import core_round_trip_ns
 from bench.harness import machine_facts
 from server.backends.base import SeqChunk
 from server.backends.torch_runner import TorchRunner
@@ -159,8 +162,9 @@ def ab_rows(dense: TorchRunner, compressed: TorchRunner, args, block_size: int) 
     rows = []
     for bs in args.batch_sizes:
         medians = {"dense": [], "compressed": []}
-        ratios = []
+        ratios, round_trips = [], []
         for r in tqdm(range(args.ab_rounds), desc=f"A/B rounds, batch {bs}"):
+            round_trips.append(core_round_trip_ns())  # the vCPUs' placement can change between rounds
             if args.ab_paired:
                 d, c = (t[5:] for t in paired_step_times(dense, compressed, bs, args.context, args.steps + 5,
                                                          args.seed + r, block_size))
@@ -173,9 +177,9 @@ def ab_rows(dense: TorchRunner, compressed: TorchRunner, args, block_size: int) 
                 times = step_times(runner, bs, args.context, args.steps + 5, args.seed + r, block_size)[5:]
                 medians[name].append(1000 * statistics.median(times))
             ratios.append(medians["dense"][-1] / medians["compressed"][-1])
-        ratios.sort()
         rows.append({"batch_size": bs, "dense_step_ms": medians["dense"], "compressed_step_ms": medians["compressed"],
-                     "speedup_median": statistics.median(ratios), "speedup_min": ratios[0], "speedup_max": ratios[-1]})
+                     "speedup": ratios, "core_round_trip_ns": round_trips, "speedup_median": statistics.median(ratios),
+                     "speedup_min": min(ratios), "speedup_max": max(ratios)})
     return rows
 
 
@@ -275,11 +279,13 @@ def _main_ab(args, cfg, model_dir: Path, compressed: TorchRunner, block_size: in
     result = {**_facts(args, compressed, args.compressed, block_size), "ab_rounds": args.ab_rounds, "ab_paired": args.ab_paired,
               "weight_bytes": {"dense": weight_bytes(dense.model), "compressed": weight_bytes(compressed.model)},
               "rows": rows}
-    print("| batch | dense step p50 ms (rounds) | compressed | speed-up median (min-max) |\n|---:|---|---|---|")
+    print("| batch | dense step p50 ms (rounds) | compressed | speed-up median (min-max) | core round trip ns "
+          "(before each round) |\n|---:|---|---|---|---|")
     for r in rows:
+        trips = " ".join("-" if t is None else f"{t:.0f}" for t in r["core_round_trip_ns"])
         print(f"| {r['batch_size']} | {' '.join(f'{t:.1f}' for t in r['dense_step_ms'])} | "
               f"{' '.join(f'{t:.1f}' for t in r['compressed_step_ms'])} | {r['speedup_median']:.3f} "
-              f"({r['speedup_min']:.3f}-{r['speedup_max']:.3f}) |")
+              f"({r['speedup_min']:.3f}-{r['speedup_max']:.3f}) | {trips} |")
     _save(args.out, result)
     return 0
 

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from bench.core_latency import core_round_trip_ns
 from bench.cpu_caps import caps_in_force
 from server.config import DEFAULT_CONFIG
 from server.fileio import atomic_file, write_json_atomic
@@ -162,9 +163,11 @@ def save_report(out: Path, report: dict, md: str) -> Path:
 
 
 def machine_facts() -> dict:
-    """What a report states first: the UTC date, the CPU count, the kernel-picking CPU flags and the caps in force."""
+    """What a report states first: the UTC date, the CPU count, the kernel-picking CPU flags, the caps in force and
+    the core-to-core round trip now (whether CPUs 0 and 1 share a last-level cache: bench.core_latency)."""
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-            "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "caps_in_force": caps_in_force()}
+            "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "caps_in_force": caps_in_force(),
+            "core_round_trip_ns": core_round_trip_ns()}
 
 
 def publish(out: Path, report: dict, md: str) -> int:
