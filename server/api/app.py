@@ -444,7 +444,12 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=_ERRORS)
     async def delete_response(response_id: str, request: Request):
-        return ready_state(request).responses.delete(response_id)
+        return await ready_state(request).responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject, responses=_ERRORS)
+    async def cancel_response(response_id: str, request: Request):
+        """Stop a background response (OpenAI's and vLLM's route)."""
+        return await ready_state(request).responses.cancel(response_id)
 
     either_body = {"anyOf": [{"$ref": f"#/components/schemas/{m.__name__}"}
                              for m in (ChatCompletionRequest, CompletionRequest)]}

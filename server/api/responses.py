@@ -7,14 +7,21 @@ outputs) and `instructions` become the messages, flat function tools become chat
 (`response.created` ... `response.output_text.delta` ... `response.completed`). A finished response is stored
 (unless `store` is false; server/api/response_store.py) for GET /v1/responses/{id} and for a later request's
 `previous_response_id`, which continues its conversation.
+
+With `background: true` the request is answered at once with a `queued` response, and the reply is generated on
+without its client: GET /v1/responses/{id} polls it (`in_progress`, then `completed`, `incomplete` or `failed`) and
+POST /v1/responses/{id}/cancel stops it (`cancelled`; its engine request aborted), as OpenAI's and vLLM's servers do.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Annotated, Any, Literal
 
 from fastapi import Request
@@ -25,6 +32,8 @@ from server.api.errors import APIError
 from server.api.protocol import ChatCompletionRequest, ChatCompletionResponse, RequestPart, StreamChunk, text_or_parts
 from server.api.response_store import ResponseStore, StoredResponse
 from server.api.serving import OpenAIServing, chat_stream_parts
+
+log = logging.getLogger(__name__)
 
 
 # ---- the request -------------------------------------------------------------------------------
@@ -133,6 +142,7 @@ class ResponsesRequest(RequestPart):
     text: TextOptions | None = None
     previous_response_id: str | None = Field(None, description="continue that stored response's conversation")
     store: bool = Field(True, description="keep the finished response for GET and previous_response_id")
+    background: bool = Field(False, description="answer at once (queued) and generate on: poll GET, or cancel")
     metadata: dict[str, str] | None = None
     user: str | None = None
 
@@ -145,6 +155,11 @@ class ResponsesRequest(RequestPart):
         fmt = self.text.format if self.text else None
         if fmt and fmt.type == "json_schema" and fmt.schema_ is None:
             raise ValueError("text.format of type json_schema needs a schema")
+        if self.background and self.stream:
+            raise ValueError("background responses are polled (GET /v1/responses/{id}), not streamed: "
+                             "set stream or background, not both")
+        if self.background and not self.store:
+            raise ValueError("background responses are kept to be polled: background needs store")
         return self
 
     def input_messages(self) -> list[dict]:
@@ -289,7 +304,7 @@ class ResponseObject(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     model: str
@@ -305,6 +320,7 @@ class ResponseObject(BaseModel):
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     previous_response_id: str | None = None
     store: bool = False
+    background: bool = False
     metadata: dict[str, str] = Field(default_factory=dict)
 
 
@@ -347,12 +363,24 @@ def _calls(tool_calls: list) -> list[OutputFunctionCall]:
     return [OutputFunctionCall(call_id=c.id, name=c.function.name, arguments=c.function.arguments) for c in tool_calls]
 
 
+class _Detached:
+    """What the chat path reads of a request (its id, whether its client left) for a background response, which
+    generates on after its own request was answered: no client to leave."""
+
+    def __init__(self, request_id: str):
+        self.state = SimpleNamespace(request_id=request_id)
+
+    async def is_disconnected(self) -> bool:
+        return False
+
+
 class ResponsesAPI:
     """The Responses API's routes through an OpenAIServing's chat path, with its stored responses."""
 
     def __init__(self, serving: OpenAIServing, store: ResponseStore):
         self.serving = serving
         self.store = store
+        self._background: dict[str, asyncio.Task] = {}  # the background responses generating, by id
 
     async def create(self, req: ResponsesRequest, raw: Request):
         """A ResponseObject, or an async iterator of the API's SSE events when stream is set."""
@@ -362,9 +390,66 @@ class ResponsesAPI:
         inputs = req.input_items()
         # a new id whatever X-Request-Id says: it keys the store, where a client's repeated header would overwrite
         shell = self._shell(req, f"resp_{uuid.uuid4().hex}")
+        if req.background:
+            return self._queued(shell, chat, conversation, inputs, raw.state.request_id)
         if req.stream:
             return self._events(shell, await self.serving.chat(chat, raw, as_chunks=True), conversation, inputs)
-        answer: ChatCompletionResponse = await self.serving.chat(chat, raw)
+        return self._kept(self._answered(shell, await self.serving.chat(chat, raw)), conversation, inputs)
+
+    def _queued(self, shell: ResponseObject, chat: ChatCompletionRequest, conversation: list[dict],
+                inputs: list[dict], request_id: str) -> ResponseObject:
+        """A background response, stored as queued, and its generation started."""
+        if not shell.store:
+            raise APIError(400, "background responses are kept to be polled, and this server stores none "
+                                "(server.responses_store_size is 0)", param="background")
+        self.serving.check_model(chat.model)  # (the rest of the chat path's checks fail the response instead)
+        queued = shell.model_copy(update={"status": "queued", "background": True})
+        self.store.put(queued.id, StoredResponse(queued.model_dump(mode="json"), [], inputs))
+        task = asyncio.create_task(self._generate(queued, chat, conversation, inputs, request_id))
+        self._background[queued.id] = task
+        task.add_done_callback(lambda _: self._background.pop(queued.id, None))
+        return queued
+
+    async def _generate(self, queued: ResponseObject, chat: ChatCompletionRequest, conversation: list[dict],
+                        inputs: list[dict], request_id: str) -> None:
+        """A background response's reply, stored when it ends (completed, incomplete, or failed with the error)."""
+        running = queued.model_copy(update={"status": "in_progress"})
+        self._put_state(running, inputs)
+        try:
+            answer = await self.serving.chat(chat, _Detached(request_id))
+        except APIError as exc:
+            self._put_state(running.model_copy(update={"status": "failed", "error": ResponseError(
+                code=exc.code or ("server_error" if exc.status >= 500 else "invalid_request"),
+                message=exc.message)}), inputs)
+            return
+        except Exception as exc:  # noqa: BLE001 - the response fails; the server goes on
+            log.exception("background response %s failed", queued.id)
+            self._put_state(running.model_copy(update={"status": "failed", "error": ResponseError(
+                code="server_error", message=f"{exc.__class__.__name__}: {exc}")}), inputs)
+            return
+        self._kept(self._answered(running, answer), conversation, inputs)
+
+    def _put_state(self, response: ResponseObject, inputs: list[dict]) -> None:
+        """Store a background response as it stands (a running or failed one continues no conversation)."""
+        self.store.put(response.id, StoredResponse(response.model_dump(mode="json"), [], inputs))
+
+    async def cancel(self, response_id: str) -> dict:
+        """POST /v1/responses/{id}/cancel: stop a background response still queued or generating (its engine request
+        aborted) and keep it as cancelled; a 400 for any other (a response answered in its request is done)."""
+        stored = self._stored(response_id, "response_id")
+        status = stored.response["status"]
+        task = self._background.get(response_id)
+        if task is None or status not in ("queued", "in_progress"):
+            raise APIError(400, f"Cannot cancel response '{response_id}': only a background response that is queued "
+                                f"or in progress can be cancelled (this one is {status})", param="response_id")
+        task.cancel()
+        await asyncio.wait({task})  # its engine request aborted when this returns
+        cancelled = {**stored.response, "status": "cancelled"}
+        self.store.put(response_id, StoredResponse(cancelled, [], stored.input_items))
+        return cancelled
+
+    def _answered(self, shell: ResponseObject, answer: ChatCompletionResponse) -> ResponseObject:
+        """The response a chat answer makes (its message, reasoning and function calls as output items)."""
         choice = answer.choices[0]
         output: list = []
         if choice.message.reasoning:
@@ -373,7 +458,7 @@ class ResponsesAPI:
             output.append(OutputMessage(content=[OutputText(text=choice.message.content or "")]))
         output += _calls(choice.message.tool_calls)
         usage = _usage(answer.usage, self._reasoning_tokens(choice.message.reasoning))
-        return self._kept(self._finished(shell, output, choice.finish_reason, usage), conversation, inputs)
+        return self._finished(shell, output, choice.finish_reason, usage)
 
     def _reasoning_tokens(self, reasoning: str | None) -> int:
         """The reasoning's tokens (the parser splits the reply's text; its tokens are counted again from it)."""
@@ -398,8 +483,13 @@ class ResponsesAPI:
         return InputItemList(data=page, first_id=page[0]["id"] if page else None,
                              last_id=page[-1]["id"] if page else None, has_more=len(window) > limit)
 
-    def delete(self, response_id: str) -> DeletedResponse:
-        """DELETE /v1/responses/{id}: forget a stored response (those that continued it keep their own copy)."""
+    async def delete(self, response_id: str) -> DeletedResponse:
+        """DELETE /v1/responses/{id}: forget a stored response (those that continued it keep their own copy); a
+        background one still generating is stopped first."""
+        task = self._background.get(response_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
         if not self.store.delete(response_id):
             raise self._not_found(response_id, "response_id")
         return DeletedResponse(id=response_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -185,6 +186,67 @@ def test_a_server_that_stores_nothing_says_so(tiny_model_dir):
         assert again.status_code == 404 and "stores no responses" in again.json()["error"]["message"]
 
 
+def _settled(client, response_id: str, timeout: float = 60.0):
+    """A background response polled until it leaves queued / in_progress."""
+    deadline = time.monotonic() + timeout
+    while (resp := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, f"{response_id} still {resp.status}"
+        time.sleep(0.05)
+    return resp
+
+
+def test_a_background_response_is_queued_then_polled_to_the_answer(client):
+    """background: answered at once (queued), generated without its client, stored as the answer the same request
+    gives in the foreground; continued from as any stored response."""
+    kw = dict(model="tiny", input="Hello there", temperature=0, max_output_tokens=8)
+    queued = client.responses.create(background=True, **kw)
+    assert queued.status == "queued" and queued.background is True and queued.output == []
+    done = _settled(client, queued.id)
+    foreground = client.responses.create(**kw)
+    assert done.status == foreground.status == "incomplete" and done.output_text == foreground.output_text
+    assert done.background is True and foreground.background is False and done.usage.output_tokens == 8
+    after = client.responses.create(model="tiny", input="And then?", previous_response_id=done.id, max_output_tokens=2)
+    assert after.usage.input_tokens > done.usage.input_tokens
+
+
+def test_a_background_response_is_cancelled_and_its_request_aborted(client, server):
+    """cancel stops a background response mid-reply (its engine request aborted: the server is idle right after)
+    and keeps it as cancelled; what is not a running background response cannot be cancelled."""
+    running = client.responses.create(model="tiny", input="Tell me everything", max_output_tokens=900,
+                                      background=True)
+    deadline = time.monotonic() + 30
+    while client.responses.retrieve(running.id).status == "queued":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(running.id).status == "cancelled"
+    assert httpx.get(f"{server.url}/load").json()["server_load"] == 0
+    running_gauge = [line for line in httpx.get(f"{server.url}/metrics").text.splitlines()
+                     if line.startswith("vllm:num_requests_running")]
+    assert running_gauge and all(line.endswith(" 0.0") for line in running_gauge)
+    for response_id, status in ((running.id, 400), (client.responses.create(model="tiny", input="x",
+                                                                           max_output_tokens=1).id, 400),
+                                ("resp_nope", 404)):
+        reply = httpx.post(f"{server.url}/v1/responses/{response_id}/cancel")
+        assert reply.status_code == status, reply.text
+        assert "Cannot cancel" in reply.json()["error"]["message"] or status == 404
+
+
+def test_a_background_response_that_cannot_run_fails_where_it_is_polled(client):
+    """A prompt longer than the model takes is found once the reply starts: the response fails, with the error."""
+    queued = client.responses.create(model="tiny", input="word " * 1500, max_output_tokens=4, background=True)
+    failed = _settled(client, queued.id)
+    assert failed.status == "failed" and "tokens" in failed.error.message and failed.output == []
+
+
+def test_a_background_response_needs_a_store(tiny_model_dir):
+    cfg = tiny_config(tiny_model_dir, max_model_len=256)
+    cfg.server.responses_store_size = 0
+    with live_server(cfg) as live:
+        reply = httpx.post(f"{live.url}/v1/responses", json={"input": "Hi", "background": True})
+        assert reply.status_code == 400 and "stores none" in reply.json()["error"]["message"]
+
+
 def test_text_format_json_schema_constrains_the_output(client):
     schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
               "additionalProperties": False}
@@ -203,6 +265,9 @@ def test_text_format_json_schema_constrains_the_output(client):
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "needs a schema"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "model": "other"}, "does not exist"),
+    ({"input": "x", "model": "other", "background": True}, "does not exist"),
+    ({"input": "x", "background": True, "stream": True}, "not both"),
+    ({"input": "x", "background": True, "store": False}, "background needs store"),
 ])
 def test_bad_requests_are_openai_errors(server, body, says):
     resp = httpx.post(f"{server.url}/v1/responses", json=body)
