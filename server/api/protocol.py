@@ -166,6 +166,10 @@ class _Request(RequestPart):
                                                                    "lower runs earlier")
     cache_salt: str | None = Field(None, min_length=1, description="vLLM's: prompt blocks are shared from the "
                                    "prefix cache only with requests of the same salt (one tenant's)")
+    return_token_ids: bool = Field(False, description="vLLM's: the prompt's token ids and each choice's generated ones "
+                                   "in the reply (streamed: the prompt's on the first chunk, each chunk's new ones)")
+    return_tokens_as_token_ids: bool = Field(False, description="vLLM's: logprobs name each token 'token_id:<id>' "
+                                             "(tokens whose text is not JSON-encodable stay identifiable)")
     # structured output (one constraint at most)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -571,14 +575,17 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = Field(None, description="vLLM's: the stop token id or stop string that ended "
                                                             "the choice (null: EOS or length)")
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = Field(None, description="vLLM's return_token_ids: the prompt's token ids")
+    token_ids: list[int] | None = Field(None, description="vLLM's return_token_ids: the generated token ids")
 
     @model_serializer(mode="wrap")
     def _prompt_logprobs_when_asked(self, handler):  # streamed chunks are this type too: no null on each
         out = handler(self)
         if out.get("prompt_logprobs") is None:
             out.pop("prompt_logprobs", None)
-        if "stop_reason" not in self.model_fields_set:  # (a streamed chunk's: set on the last, as vLLM sends it)
-            out.pop("stop_reason", None)
+        for field in ("stop_reason", "prompt_token_ids", "token_ids"):  # a streamed chunk's, where it has them
+            if field not in self.model_fields_set:
+                out.pop(field, None)
         return out
 
 
@@ -613,6 +620,7 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = Field(None, description="vLLM's: the stop token id or stop string that ended "
                                                             "the choice (null: EOS or length)")
+    token_ids: list[int] | None = Field(None, description="vLLM's return_token_ids: the generated token ids")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -623,6 +631,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = Field(None, description="vLLM's return_token_ids: the prompt's token ids "
+                                               "(the chat template's rendering)")
 
 
 class ToolCallDelta(BaseModel):
@@ -653,12 +663,14 @@ class ChatStreamChoice(BaseModel):
     finish_reason: str | None = None
     logprobs: dict[str, Any] | None = None
     stop_reason: int | str | None = None  # on the last chunk of a choice (vLLM's)
+    token_ids: list[int] | None = None  # the chunk's new tokens, under return_token_ids
 
     @model_serializer(mode="wrap")
     def _stop_reason_when_finished(self, handler):
         out = handler(self)
-        if "stop_reason" not in self.model_fields_set:
-            out.pop("stop_reason", None)
+        for field in ("stop_reason", "token_ids"):
+            if field not in self.model_fields_set:
+                out.pop(field, None)
         return out
 
 
@@ -676,10 +688,14 @@ class StreamChunk(BaseModel):
     model: str
     choices: list[CompletionChoice | ChatStreamChoice]  # a completion chunk's choice is a full one's shape
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # a chat stream's first chunk, under return_token_ids (vLLM's)
 
     def sse(self, include_usage: bool) -> str:
         """The chunk as an SSE `data:` line."""
-        data = self.model_dump_json(exclude=None if include_usage else {"usage"})
+        exclude = set() if include_usage else {"usage"}
+        if self.prompt_token_ids is None:
+            exclude.add("prompt_token_ids")
+        data = self.model_dump_json(exclude=exclude or None)
         return f"data: {data if data.isascii() else data.translate(_RAW_LINE_BREAKS)}\n\n"
 
 

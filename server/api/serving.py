@@ -72,6 +72,7 @@ class _Choice:
 
     def __init__(self):
         self.text = ""
+        self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.finish_reason: str | None = None
@@ -338,6 +339,7 @@ class OpenAIServing:
                     raise APIError(500, out.error, code="engine_error")
                 c = choices[offset + out.index]
                 c.text += out.text
+                c.token_ids.extend(out.token_ids)
                 c.logprobs.extend(out.logprobs or [])
                 c.prompt_logprobs = out.prompt_logprobs or c.prompt_logprobs
                 c.num_output_tokens = out.num_output_tokens
@@ -392,9 +394,12 @@ class OpenAIServing:
         return sum(choices[i].num_cached_tokens for i in range(0, len(choices), n))
 
     # ---- logprobs --------------------------------------------------------------------------
-    def _token(self, token_id: int) -> tuple[str, bytes]:
-        """A token as OpenAI shows it: its text, or `bytes:\\xNN..` when it is part of a character."""
+    def _token(self, token_id: int, as_id: bool = False) -> tuple[str, bytes]:
+        """A token as OpenAI shows it: its text, or `bytes:\\xNN..` when it is part of a character; `token_id:<id>`
+        with as_id (vLLM's return_tokens_as_token_ids). The bytes are its text's either way."""
         data = token_bytes(self.tokenizer, token_id)
+        if as_id:
+            return f"token_id:{token_id}", data
         try:
             return data.decode("utf-8"), data
         except UnicodeDecodeError:
@@ -403,24 +408,25 @@ class OpenAIServing:
     def _completion_logprobs(self, lps: list[TokenLogprob], offsets: _TextOffsets,
                              prompt_ids: list[int] | None = None,
                              prompt_lps: list[TokenLogprob | None] | None = None,
-                             num_top: int | None = None) -> Logprobs:
+                             num_top: int | None = None, as_ids: bool = False) -> Logprobs:
         """Completions logprobs of the generated tokens, after those of the echoed prompt when given (num_top of
-        each prompt token's alternatives: the engine may hold more, for prompt_logprobs)."""
+        each prompt token's alternatives: the engine may hold more, for prompt_logprobs); tokens named by id with
+        as_ids."""
         out = Logprobs()
         for token_id, lp in zip(prompt_ids or [], prompt_lps or []):
-            token, data = self._token(token_id)
+            token, data = self._token(token_id, as_ids)
             out.text_offset.append(offsets.next(data))
             out.tokens.append(token)
             out.token_logprobs.append(None if lp is None else lp.logprob)
             # as vLLM does: the prompt token itself is among its top alternatives
             out.top_logprobs.append(None if lp is None else {
-                **{self._token(t)[0]: v for t, v in lp.top[:num_top]}, token: lp.logprob})
+                **{self._token(t, as_ids)[0]: v for t, v in lp.top[:num_top]}, token: lp.logprob})
         for lp in lps:
-            token, data = self._token(lp.token_id)
+            token, data = self._token(lp.token_id, as_ids)
             out.text_offset.append(offsets.next(data))
             out.tokens.append(token)
             out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append({self._token(t)[0]: v for t, v in lp.top})
+            out.top_logprobs.append({self._token(t, as_ids)[0]: v for t, v in lp.top})
         return out
 
     def _prompt_logprobs(self, choices: list[_Choice], num_top: int | None) -> PromptLogprobs | None:
@@ -436,9 +442,9 @@ class OpenAIServing:
             entry(t, v, rank) for rank, (t, v) in enumerate(lp.top[:num_top], 1) if t != lp.token_id])
             for lp in lps]
 
-    def _chat_logprobs(self, lps: list[TokenLogprob]) -> dict:
+    def _chat_logprobs(self, lps: list[TokenLogprob], as_ids: bool = False) -> dict:
         def entry(token_id: int, logprob: float) -> dict:
-            token, data = self._token(token_id)
+            token, data = self._token(token_id, as_ids)
             return {"token": token, "logprob": logprob, "bytes": list(data)}
 
         return {"content": [{**entry(lp.token_id, lp.logprob),
@@ -471,7 +477,8 @@ class OpenAIServing:
         num_prompt = sum(len(ids) for ids in prompts)  # once per prompt, whatever n is
         if req.stream:
             state = {"echo": {i: echoes[i // req.n] for i in range(len(prompts) * req.n)},
-                     "prompts": {i: prompts[i // req.n] for i in range(len(prompts) * req.n)}}
+                     "prompts": {i: prompts[i // req.n] for i in range(len(prompts) * req.n)},
+                     "token_ids": req.return_token_ids, "as_ids": req.return_tokens_as_token_ids}
             return self._stream(gens, req.n, num_prompt, req.stream_options, rid, "text_completion",
                                 lambda out, index: self._completion_delta(out, index, state),
                                 self.reply_model(req.model))
@@ -480,12 +487,17 @@ class OpenAIServing:
         usage = self._usage(num_prompt, sum(c.num_output_tokens for c in choices), self._cached(choices, req.n))
         shared = [self._prompt_logprobs(choices[p * req.n:(p + 1) * req.n], req.prompt_logprobs)
                   for p in range(len(prompts))]
+        ids = req.return_token_ids
         return CompletionResponse(id=rid, model=self.reply_model(req.model), usage=usage, choices=[
             CompletionChoice(index=i, text=echoes[i // req.n] + c.text, finish_reason=c.finish_reason,
-                             stop_reason=c.stop_reason, logprobs=(self._completion_logprobs(c.logprobs, _TextOffsets(), prompts[i // req.n],
-                                                                 c.prompt_logprobs, req.logprobs)
+                             stop_reason=c.stop_reason,
+                             logprobs=(self._completion_logprobs(c.logprobs, _TextOffsets(), prompts[i // req.n],
+                                                                 c.prompt_logprobs, req.logprobs,
+                                                                 req.return_tokens_as_token_ids)
                                        if req.logprobs is not None else None),
-                             prompt_logprobs=shared[i // req.n])
+                             prompt_logprobs=shared[i // req.n],
+                             prompt_token_ids=prompts[i // req.n] if ids else None,
+                             token_ids=c.token_ids if ids else None)
             for i, c in enumerate(choices)])
 
     # ---- beam search -------------------------------------------------------------------------
@@ -535,12 +547,18 @@ class OpenAIServing:
 
     def _completion_delta(self, out: SeqOutput, index: int, state: dict) -> CompletionChoice:
         echo = state["echo"].pop(index, "")
-        prompt_ids = state["prompts"].pop(index, None) if out.prompt_logprobs else None
+        prompt = state["prompts"].pop(index, None)  # the choice's first chunk
+        prompt_ids = prompt if out.prompt_logprobs else None
         logprobs = None
         if out.logprobs or prompt_ids:
             offsets = state.setdefault(("offsets", index), _TextOffsets())
-            logprobs = self._completion_logprobs(out.logprobs or [], offsets, prompt_ids, out.prompt_logprobs)
+            logprobs = self._completion_logprobs(out.logprobs or [], offsets, prompt_ids, out.prompt_logprobs,
+                                                 as_ids=state["as_ids"])
         choice = CompletionChoice(index=index, text=echo + out.text, finish_reason=out.finish_reason, logprobs=logprobs)
+        if state["token_ids"]:
+            choice.token_ids = out.token_ids
+            if prompt is not None:
+                choice.prompt_token_ids = prompt
         if out.finish_reason is not None:
             choice.stop_reason = out.stop_reason
         return choice
@@ -597,17 +615,20 @@ class OpenAIServing:
         # a named function is what the client asked for: OpenAI ends that with "stop", others "tool_calls"
         calls_reason = "stop" if isinstance(req.tool_choice, NamedToolChoice) else "tool_calls"
         if req.stream:
-            state = {"tools": req.uses_tools, "calls_reason": calls_reason, "reasoning": reasoning}
+            state = {"tools": req.uses_tools, "calls_reason": calls_reason, "reasoning": reasoning,
+                     "token_ids": req.return_token_ids, "as_ids": req.return_tokens_as_token_ids}
             stream = self._chunks if as_chunks else self._stream
             return stream(gens, req.n, len(ids), req.stream_options, rid, "chat.completion.chunk",
-                          lambda out, index: self._chat_delta(out, index, state), self.reply_model(req.model))
+                          lambda out, index: self._chat_delta(out, index, state), self.reply_model(req.model),
+                          prompt_ids=ids if req.return_token_ids else None)
         choices = await self._collect(raw, gens, req.n)
         self._observe([ids], req.n, [c.num_output_tokens for c in choices])
         usage = self._usage(len(ids), sum(c.num_output_tokens for c in choices), self._cached(choices, req.n),
                             [c.prediction_tokens for c in choices])
         return ChatCompletionResponse(id=rid, model=self.reply_model(req.model), usage=usage, choices=[
             self._chat_choice(i, c, req, calls_reason, reasoning) for i, c in enumerate(choices)],
-            prompt_logprobs=self._prompt_logprobs(choices, req.prompt_logprobs))
+            prompt_logprobs=self._prompt_logprobs(choices, req.prompt_logprobs),
+            prompt_token_ids=ids if req.return_token_ids else None)
 
     def _reply_thinks(self, prompt_ids: list[int]) -> bool:
         """Whether a reply to this chat prompt reasons first, under a reasoning parser: unless the prompt closes a
@@ -625,7 +646,8 @@ class OpenAIServing:
         message = (ChatMessageOut(content=content, reasoning=thought, tool_calls=calls) if reasoning
                    else ChatMessageOut(content=content, tool_calls=calls))
         return ChatChoice(index=index, message=message, finish_reason=finish, stop_reason=c.stop_reason,
-                          logprobs=self._chat_logprobs(c.logprobs) if req.logprobs else None)
+                          logprobs=self._chat_logprobs(c.logprobs, req.return_tokens_as_token_ids) if req.logprobs
+                          else None, token_ids=c.token_ids if req.return_token_ids else None)
 
     def _chat_delta(self, out: SeqOutput, index: int, state: dict) -> ChatStreamChoice:
         delta = ChatDelta()
@@ -655,26 +677,31 @@ class OpenAIServing:
         if text or not (delta.tool_calls or delta.reasoning):
             delta.content = text
         choice = ChatStreamChoice(index=index, delta=delta, finish_reason=finish,
-                                  logprobs=self._chat_logprobs(out.logprobs) if out.logprobs else None)
+                                  logprobs=self._chat_logprobs(out.logprobs, state["as_ids"]) if out.logprobs else None)
+        if state["token_ids"]:
+            choice.token_ids = out.token_ids
         if finish is not None:
             choice.stop_reason = out.stop_reason
         return choice
 
     # ---- streaming -------------------------------------------------------------------------
     async def _stream(self, gens, n: int, num_prompt_tokens: int, options: StreamOptions | None, rid: str, obj: str,
-                      make_choice, model: str) -> AsyncIterator[str]:
+                      make_choice, model: str, prompt_ids: list[int] | None = None) -> AsyncIterator[str]:
         """SSE lines of `_chunks`, then [DONE]."""
         include_usage = bool(options and options.include_usage)
-        async with aclosing(self._chunks(gens, n, num_prompt_tokens, options, rid, obj, make_choice, model)) as chunks:
+        async with aclosing(self._chunks(gens, n, num_prompt_tokens, options, rid, obj, make_choice, model,
+                                         prompt_ids)) as chunks:
             async for chunk in chunks:
                 yield chunk.sse(include_usage) if isinstance(chunk, StreamChunk) else f"data: {json.dumps(chunk)}\n\n"
         yield "data: [DONE]\n\n"
 
     async def _chunks(self, gens, n: int, num_prompt_tokens: int, options: StreamOptions | None, rid: str, obj: str,
-                      make_choice, model: str) -> AsyncIterator[StreamChunk | dict]:
+                      make_choice, model: str,
+                      prompt_ids: list[int] | None = None) -> AsyncIterator[StreamChunk | dict]:
         """A chunk per output (with a stream interval above 1, a choice's first token, then a chunk per that many
         tokens and the last), or an error body (a dict) if the engine fails, which ends the stream; with
-        include_usage a last chunk with the usage (and with continuous_usage_stats the usage so far in every one)."""
+        include_usage a last chunk with the usage (and with continuous_usage_stats the usage so far in every one).
+        `prompt_ids` (a chat request's, under return_token_ids) go on the first chunk."""
         include_usage = bool(options and options.include_usage)
         continuous = include_usage and options.continuous_usage_stats
         created = int(time.time())
@@ -703,7 +730,8 @@ class OpenAIServing:
                 if item.finish_reason is not None:
                     self.metrics.observe_request(item.num_prompt_tokens, item.num_output_tokens)
                 chunk = StreamChunk(id=rid, object=obj, created=created, model=model,
-                                    choices=[make_choice(item, offset + item.index)])
+                                    choices=[make_choice(item, offset + item.index)], prompt_token_ids=prompt_ids)
+                prompt_ids = None
                 if continuous:
                     chunk.usage = self._usage(num_prompt_tokens, sum(completion_tokens.values()),
                                               sum(cached_tokens.values()), list(predicted.values()))

@@ -132,6 +132,43 @@ def test_stop_reason_names_the_stop_string_or_token(server, tokenizer):
     assert at_eos["finish_reason"] == "stop" and at_eos["stop_reason"] is None
 
 
+def test_return_token_ids_give_the_prompt_and_reply_tokens(server, tokenizer):
+    """vLLM's return_token_ids (what RL trainers read instead of re-tokenising): the prompt's ids (a chat's template
+    rendering) and each choice's generated ids, whole or a chunk's new ones (the prompt's on the first chunk only);
+    return_tokens_as_token_ids names logprob tokens by id. Without them, neither appears."""
+    fields = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 1,
+              "return_token_ids": True, "return_tokens_as_token_ids": True}
+    prompt_ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "one two three"}).json()["tokens"]
+    done = httpx.post(f"{server.url}/v1/completions", json={**fields, "prompt": "one two three"}).json()["choices"][0]
+    assert done["prompt_token_ids"] == prompt_ids and len(done["token_ids"]) == 6
+    assert tokenizer.decode(done["token_ids"]) == done["text"]
+    assert done["logprobs"]["tokens"] == [f"token_id:{t}" for t in done["token_ids"]]
+    assert all(key.startswith("token_id:") for top in done["logprobs"]["top_logprobs"] for key in top)
+    events = _sse(f"{server.url}/v1/completions", {**fields, "prompt": "one two three", "stream": True})
+    assert events[0]["choices"][0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in e["choices"][0] for e in events[1:])
+    assert [t for e in events for t in e["choices"][0]["token_ids"]] == done["token_ids"]
+
+    messages = [{"role": "user", "content": "one two three"}]
+    chat_ids = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["tokens"]
+    chat_fields = {**fields, "messages": messages, "logprobs": True, "top_logprobs": 1}
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json=chat_fields).json()
+    reply = chat["choices"][0]
+    assert chat["prompt_token_ids"] == chat_ids and tokenizer.decode(reply["token_ids"]) == reply["message"]["content"]
+    assert [c["token"] for c in reply["logprobs"]["content"]] == [f"token_id:{t}" for t in reply["token_ids"]]
+    events = _sse(f"{server.url}/v1/chat/completions", {**chat_fields, "stream": True})
+    assert events[0]["prompt_token_ids"] == chat_ids and all("prompt_token_ids" not in e for e in events[1:])
+    assert [t for e in events for t in e["choices"][0]["token_ids"]] == reply["token_ids"]
+
+    plain = {k: v for k, v in fields.items() if not k.startswith("return_")}
+    done = httpx.post(f"{server.url}/v1/completions", json={**plain, "prompt": "one two three"}).json()["choices"][0]
+    assert done.get("token_ids") is None and done.get("prompt_token_ids") is None
+    assert not any(t.startswith("token_id:") for t in done["logprobs"]["tokens"])
+    events = _sse(f"{server.url}/v1/chat/completions", {**plain, "logprobs": True, "messages": messages,
+                                                         "stream": True})
+    assert not any("prompt_token_ids" in e or "token_ids" in e["choices"][0] for e in events)
+
+
 def test_min_tokens_holds_off_eos(server, tokenizer):
     eos = tokenizer.eos_token_id
     body = {"model": "tiny", "prompt": "x", "max_tokens": 6, "temperature": 0, "logit_bias": {str(eos): 100}}
