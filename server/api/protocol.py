@@ -480,10 +480,20 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
+    documents: list[dict[str, str]] | None = Field(None, description="vLLM's: documents for a RAG chat template (each "
+                                                   "a dict such as title and text), as transformers renders them")
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
+        None, description="OpenAI's: for a template that takes it (gpt-oss's), the reasoning_effort variable")
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     prediction: Prediction | None = None
+
+    def template_variables(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: chat_template_kwargs, and reasoning_effort where they lack it."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     @model_validator(mode="after")
     def _check(self):

@@ -126,6 +126,14 @@ class TextOptions(RequestPart):
     format: TextFormat | None = None
 
 
+class ReasoningOptions(RequestPart):
+    """A Responses request's `reasoning`: its effort reaches the chat template as reasoning_effort (a summary is not
+    written: the reasoning comes out whole, as a reasoning item)."""
+
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(RequestPart):
     """POST /v1/responses."""
 
@@ -140,6 +148,7 @@ class ResponsesRequest(RequestPart):
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionTool | None = None
     parallel_tool_calls: bool = True
     text: TextOptions | None = None
+    reasoning: ReasoningOptions | None = None
     previous_response_id: str | None = Field(None, description="continue that stored response's conversation")
     store: bool = Field(True, description="keep the finished response for GET and previous_response_id")
     background: bool = Field(False, description="answer at once (queued) and generate on: poll GET, or cancel")
@@ -211,6 +220,8 @@ class ResponsesRequest(RequestPart):
                                 "parallel_tool_calls": self.parallel_tool_calls}
         if self.stream:
             body["stream_options"] = {"include_usage": True}
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            body["reasoning_effort"] = self.reasoning.effort
         for ours, chat in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
                            ("top_p", "top_p"), ("user", "user")):
             if getattr(self, ours) is not None:

@@ -235,7 +235,8 @@ class OpenAIServing:
         return out
 
     def _render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool,
-                continue_final_message: bool = False, template_kwargs: dict | None = None) -> str:
+                continue_final_message: bool = False, template_kwargs: dict | None = None,
+                documents: list[dict[str, str]] | None = None) -> str:
         clash = sorted(set(template_kwargs or {}) & self._render_arguments)
         if clash:  # the template's variables only, not apply_chat_template's own switches
             raise APIError(400, f"chat_template_kwargs cannot set {', '.join(clash)}", param="chat_template_kwargs")
@@ -244,7 +245,7 @@ class OpenAIServing:
                                                       chat_template=self.chat_template,
                                                       add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message,
-                                                      **(template_kwargs or {}))
+                                                      documents=documents, **(template_kwargs or {}))
         except Exception as exc:  # template errors are the request's fault (e.g. role order)
             raise APIError(400, f"chat template rejected the messages: {exc}", param="messages") from None
 
@@ -257,7 +258,7 @@ class OpenAIServing:
         return self._renders_tools
 
     def _chat_ids(self, messages, tools, add_generation_prompt: bool, continue_final_message: bool = False,
-                  template_kwargs: dict | None = None) -> list[int]:
+                  template_kwargs: dict | None = None, documents: list[dict[str, str]] | None = None) -> list[int]:
         converted = self._template_messages(messages)
         num_chars = sum(len(m["content"]) for m in converted)
         if num_chars > self.max_prompt_chars:
@@ -271,7 +272,8 @@ class OpenAIServing:
                                     "--chat-template hermes_tools (bundled) or a template that does",
                                param="tools", code="tools_not_supported")
             tool_dicts = [t.model_dump(exclude_none=True) for t in tools]
-        text = self._render(converted, tool_dicts, add_generation_prompt, continue_final_message, template_kwargs)
+        text = self._render(converted, tool_dicts, add_generation_prompt, continue_final_message, template_kwargs,
+                            documents)
         # the template writes the special tokens (BOS, role markers) itself
         return self._tokenize(text, add_special_tokens=False) if text else self._tokenize("")
 
@@ -590,7 +592,7 @@ class OpenAIServing:
         self.check_fields(req)
         req = self._with_defaults(req)
         ids = self._chat_ids(req.messages, req.tools if req.uses_tools else None, req.add_generation_prompt,
-                             req.continue_final_message, req.chat_template_kwargs)
+                             req.continue_final_message, req.template_variables(), req.documents)
         ids = self._truncated(ids, req.truncate_prompt_tokens)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = self._max_tokens(req.max_completion_tokens or req.max_tokens, len(ids), None)

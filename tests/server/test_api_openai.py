@@ -423,6 +423,30 @@ def test_chat_template_kwargs_reach_the_template(server, monkeypatch):
     assert clash.status_code == 400 and clash.json()["error"]["param"] == "chat_template_kwargs"
 
 
+def test_documents_and_reasoning_effort_reach_the_template(server, monkeypatch):
+    """vLLM's documents (a RAG template's) and OpenAI's reasoning_effort (gpt-oss's template variable; a
+    chat_template_kwargs value of the same name wins) render into the prompt."""
+    serving = server.state.serving
+    monkeypatch.setattr(serving, "chat_template", "{{ reasoning_effort }}|{% if documents %}{% for d in documents %}"
+                        "[{{ d.title }}:{{ d.text }}]{% endfor %}{% endif %}|{% for m in messages %}{{ m.content }}"
+                        "{% endfor %}")
+
+    def prompt(**fields) -> str:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                "return_token_ids": True, **fields}
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        return serving.tokenizer.decode(reply.json()["prompt_token_ids"])
+
+    assert prompt(documents=[{"title": "A", "text": "x"}, {"title": "B", "text": "y"}],
+                  reasoning_effort="low") == "low|[A:x][B:y]|Hi"
+    assert prompt() == "||Hi"
+    assert prompt(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "mine"}) == "mine||Hi"
+    bad = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "tiny", "reasoning_effort": "huge",
+                                                                "messages": [{"role": "user", "content": "Hi"}]})
+    assert bad.status_code == 400 and "reasoning_effort" in bad.text
+
+
 @pytest.mark.parametrize("fields", [{"allowed_token_ids": []}, {"allowed_token_ids": [-1]},
                                     {"allowed_token_ids": [10 ** 6]}, {"truncate_prompt_tokens": 0},
                                     {"truncate_prompt_tokens": -2}, {"prompt_logprobs": 21}, {"bad_words": "x"}])

@@ -186,6 +186,16 @@ def test_a_server_that_stores_nothing_says_so(tiny_model_dir):
         assert again.status_code == 404 and "stores no responses" in again.json()["error"]["message"]
 
 
+def test_reasoning_effort_reaches_the_template(client, server, monkeypatch):
+    serving = server.state.serving
+    monkeypatch.setattr(serving, "chat_template", "{{ reasoning_effort }}|{% for m in messages %}{{ m.content }}"
+                                                  "{% endfor %}")
+    for effort, rendered in (("low", "low|Hi"), (None, "|Hi")):
+        resp = client.responses.create(model="tiny", input="Hi", max_output_tokens=1,
+                                       **({"reasoning": {"effort": effort, "summary": "auto"}} if effort else {}))
+        assert resp.usage.input_tokens == len(serving.tokenizer.encode(rendered, add_special_tokens=False))
+
+
 def _settled(client, response_id: str, timeout: float = 60.0):
     """A background response polled until it leaves queued / in_progress."""
     deadline = time.monotonic() + timeout
