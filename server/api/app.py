@@ -30,6 +30,7 @@ from server.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, 
                                  ModelList, ServerLoad, TokenizeRequest, TokenizeResponse, UnloadLoraAdapterRequest,
                                  VersionResponse)
 from server.api.embeddings import EmbeddingsAPI
+from server.api.scoring import RerankRequest, RerankResponse, ScoreRequest, ScoreResponse, ScoringAPI
 from server.api.messages import CountTokensRequest, CountTokensResponse, MessagesAPI, MessagesRequest, MessagesResponse
 from server.api.response_store import ResponseStore
 from server.api.responses import DeletedResponse, InputItemList, ResponseObject, ResponsesAPI, ResponsesRequest
@@ -65,9 +66,13 @@ def _as_json(scope) -> dict:
             + [(b"content-type", b"application/json")]}
 
 
+_MODEL_ROOTS = {"/invocations", "/score", "/rerank"}  # routes off /v1 that run the model (SageMaker's, vLLM's)
+
+
 def _generates(scope) -> bool:
-    """A request that may run the model: the OpenAI routes' POSTs and SageMaker's /invocations."""
-    return scope["method"] == "POST" and (scope["path"].startswith("/v1/") or scope["path"] == "/invocations")
+    """A request that may run the model: the OpenAI routes' POSTs (/v1, Cohere's /v2/rerank) and those off them."""
+    path = scope["path"]
+    return scope["method"] == "POST" and (path.startswith(("/v1/", "/v2/")) or path in _MODEL_ROOTS)
 
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -99,6 +104,7 @@ class AppState:
         self.responses: ResponsesAPI | None = None
         self.messages: MessagesAPI | None = None
         self.embeddings: EmbeddingsAPI | None = None
+        self.scoring: ScoringAPI | None = None
 
     def start(self, runtime: Runtime) -> None:
         """Serve from an engine loaded in this process (its loop runs in a thread)."""
@@ -150,6 +156,7 @@ class AppState:
                                 eos_token_ids(model_dir, tokenizer) if model_dir else None)
         self.responses = ResponsesAPI(serving, ResponseStore(self.cfg.server.responses_store_size))
         self.embeddings = EmbeddingsAPI(serving)
+        self.scoring = ScoringAPI(self.embeddings)
         self.messages = MessagesAPI(serving)
         self.serving = serving  # last: a set serving layer means the others are ready (ready_state)
         if isinstance(engine, AsyncEngine):
@@ -417,6 +424,19 @@ def _install_routes(app: FastAPI) -> None:
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_POST_RESPONSES)
     async def embeddings(body: EmbeddingRequest, request: Request):
         return await ready_state(request).embeddings.create(body, request)
+
+    @app.post("/score", response_model=ScoreResponse, responses=_POST_RESPONSES)
+    @app.post("/v1/score", response_model=ScoreResponse, responses=_POST_RESPONSES)
+    async def score(body: ScoreRequest, request: Request):
+        """vLLM's score: the cosine similarity of text_1's and each text_2's embeddings."""
+        return await ready_state(request).scoring.score(body, request)
+
+    @app.post("/rerank", response_model=RerankResponse, responses=_POST_RESPONSES)
+    @app.post("/v1/rerank", response_model=RerankResponse, responses=_POST_RESPONSES)
+    @app.post("/v2/rerank", response_model=RerankResponse, responses=_POST_RESPONSES)
+    async def rerank(body: RerankRequest, request: Request):
+        """vLLM's rerank (Jina's and Cohere's shape): the documents by their embeddings' similarity to the query."""
+        return await ready_state(request).scoring.rerank(body, request)
 
     @app.post("/v1/responses", response_model=ResponseObject, responses=_POST_RESPONSES)
     async def responses(body: ResponsesRequest, request: Request):

@@ -28,15 +28,11 @@ class EmbeddingsAPI:
     async def create(self, req: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
         adapter = self.serving.check_model(req.model)
         self.serving.check_fields(req)
-        if not self.serving.serves_embeddings:
-            raise APIError(400, "this backend returns no embeddings (the torch backend does)", param="input",
-                           code="embeddings_not_supported")
         prompts = prompt_list(req.input)
         if not prompts:
             raise APIError(400, "input must not be empty", param="input")
-        states, num_tokens = await self.serving.last_hidden_states(
-            prompts, req.add_special_tokens, req.truncate_prompt_tokens, raw, f"embd-{raw.state.request_id}", adapter)
-        vectors = torch.tensor(states, dtype=torch.float32)
+        vectors, num_tokens = await self.states(prompts, req.add_special_tokens, req.truncate_prompt_tokens, raw,
+                                                f"embd-{raw.state.request_id}", adapter)
         if req.dimensions is not None and req.dimensions > vectors.shape[1]:
             raise APIError(400, f"dimensions {req.dimensions} is more than the model's {vectors.shape[1]}",
                            param="dimensions")
@@ -48,6 +44,18 @@ class EmbeddingsAPI:
                                  usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
                                  data=[Embedding(index=i, embedding=_encoded(v, req.encoding_format))
                                        for i, v in enumerate(vectors)])
+
+
+    async def states(self, prompts: list[str | list[int]], add_special_tokens: bool, truncate: int | None,
+                     raw: Request, rid: str, adapter: str | None) -> tuple[torch.Tensor, int]:
+        """The prompts' last hidden states [len(prompts), hidden] (fp32, not normalised) and their token count; a
+        400 where this backend returns none."""
+        if not self.serving.serves_embeddings:
+            raise APIError(400, "this backend returns no embeddings (the torch backend does)", param="input",
+                           code="embeddings_not_supported")
+        states, num_tokens = await self.serving.last_hidden_states(prompts, add_special_tokens, truncate, raw, rid,
+                                                                   adapter)
+        return torch.tensor(states, dtype=torch.float32), num_tokens
 
 
 def _encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:

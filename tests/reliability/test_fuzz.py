@@ -118,7 +118,8 @@ def test_fuzz_get_endpoints(live, schema, label):
 @pytest.mark.parametrize("label", ["POST /tokenize", "POST /detokenize", "POST /invocations", "POST /v1/responses",
                                    "POST /v1/embeddings", "POST /v1/load_lora_adapter",
                                    "POST /v1/unload_lora_adapter", "POST /v1/messages",
-                                   "POST /v1/messages/count_tokens"])
+                                   "POST /v1/messages/count_tokens", "POST /score", "POST /v1/score",
+                                   "POST /rerank", "POST /v1/rerank", "POST /v2/rerank"])
 def test_fuzz_token_endpoints(live, schema, label, mode):
     _fuzz(live, _operations(schema)[label], mode, 40)
 

@@ -111,3 +111,40 @@ def test_bad_requests_are_openai_errors(server, body, param):
     error = resp.json()["error"]
     assert error["message"] and (param is None or error["param"] == param), error
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_score_is_the_cosine_similarity_of_the_embeddings(server, expected):
+    """vLLM's /score for an embedding model: text_1 against each text_2, or the lists pair by pair, each score the
+    cosine of the two texts' embeddings (transformers' last hidden states here)."""
+    unit = torch.nn.functional.normalize(expected, dim=-1)
+    one_to_many = httpx.post(f"{server.url}/score", json={"model": "tiny", "text_1": TEXTS[0], "text_2": TEXTS}).json()
+    assert one_to_many["object"] == "list" and one_to_many["id"].startswith("score-")
+    assert [d["index"] for d in one_to_many["data"]] == [0, 1, 2]
+    torch.testing.assert_close(torch.tensor([d["score"] for d in one_to_many["data"]]), unit @ unit[0],
+                               atol=1e-4, rtol=1e-4)
+    assert one_to_many["data"][0]["score"] == pytest.approx(1.0, abs=1e-5)  # a text against itself
+    pairwise = httpx.post(f"{server.url}/v1/score", json={"text_1": TEXTS[:2], "text_2": TEXTS[1:]}).json()
+    torch.testing.assert_close(torch.tensor([d["score"] for d in pairwise["data"]]),
+                               torch.stack([unit[0] @ unit[1], unit[1] @ unit[2]]), atol=1e-4, rtol=1e-4)
+    assert pairwise["usage"]["prompt_tokens"] == pairwise["usage"]["total_tokens"] > 0
+    mismatched = httpx.post(f"{server.url}/score", json={"text_1": TEXTS[:2], "text_2": TEXTS})
+    assert mismatched.status_code == 400 and "same length" in mismatched.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("route", ["/rerank", "/v1/rerank", "/v2/rerank"])
+def test_rerank_orders_the_documents_by_similarity(server, expected, route):
+    """Jina's and Cohere's rerank shape: results best first, top_n of them, each with its index and document."""
+    unit = torch.nn.functional.normalize(expected, dim=-1)
+    want = (unit[1:] @ unit[0]).tolist()
+    reply = httpx.post(f"{server.url}{route}", json={"model": "tiny", "query": TEXTS[0], "documents": TEXTS[1:],
+                                                     "top_n": 1}).json()
+    best = max(range(2), key=lambda i: want[i])
+    assert [r["index"] for r in reply["results"]] == [best]
+    assert reply["results"][0]["document"]["text"] == TEXTS[1 + best]
+    assert reply["results"][0]["relevance_score"] == pytest.approx(want[best], abs=1e-4)
+    every = httpx.post(f"{server.url}{route}", json={"query": TEXTS[0], "documents": TEXTS[1:],
+                                                     "return_documents": False}).json()
+    assert [r["index"] for r in every["results"]] == sorted(range(2), key=lambda i: -want[i])
+    assert all(r["document"] is None for r in every["results"]) and every["usage"]["total_tokens"] > 0
+    empty = httpx.post(f"{server.url}{route}", json={"query": "x", "documents": []})
+    assert empty.status_code == 400
