@@ -27,9 +27,11 @@ from server.api.metrics import ServerMetrics
 from server.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                  CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                                  EmbeddingRequest, EmbeddingResponse, HealthStatus, LoadLoraAdapterRequest, ModelCard,
-                                 ModelList, ServerLoad, TokenizeRequest, TokenizeResponse, UnloadLoraAdapterRequest,
+                                 ModelList, ServerLoad, TokenizeChatRequest, TokenizeRequest, TokenizeResponse,
+                                 UnloadLoraAdapterRequest,
                                  VersionResponse)
 from server.api.embeddings import EmbeddingsAPI
+from server.api.llama_cpp import ApplyTemplateResponse, LlamaCompletionRequest, LlamaCppAPI
 from server.api.scoring import RerankRequest, RerankResponse, ScoreRequest, ScoreResponse, ScoringAPI
 from server.api.messages import CountTokensRequest, CountTokensResponse, MessagesAPI, MessagesRequest, MessagesResponse
 from server.api.response_store import ResponseStore
@@ -66,7 +68,8 @@ def _as_json(scope) -> dict:
             + [(b"content-type", b"application/json")]}
 
 
-_MODEL_ROOTS = {"/invocations", "/score", "/rerank"}  # routes off /v1 that run the model (SageMaker's, vLLM's)
+# routes off /v1 that run the model (SageMaker's, vLLM's, llama-server's)
+_MODEL_ROOTS = {"/invocations", "/score", "/rerank", "/completion", "/completions"}
 
 
 def _generates(scope) -> bool:
@@ -105,6 +108,7 @@ class AppState:
         self.messages: MessagesAPI | None = None
         self.embeddings: EmbeddingsAPI | None = None
         self.scoring: ScoringAPI | None = None
+        self.llama_cpp: LlamaCppAPI | None = None
 
     def start(self, runtime: Runtime) -> None:
         """Serve from an engine loaded in this process (its loop runs in a thread)."""
@@ -157,6 +161,7 @@ class AppState:
         self.responses = ResponsesAPI(serving, ResponseStore(self.cfg.server.responses_store_size))
         self.embeddings = EmbeddingsAPI(serving)
         self.scoring = ScoringAPI(self.embeddings)
+        self.llama_cpp = LlamaCppAPI(serving)
         self.messages = MessagesAPI(serving)
         self.serving = serving  # last: a set serving layer means the others are ready (ready_state)
         if isinstance(engine, AsyncEngine):
@@ -424,6 +429,17 @@ def _install_routes(app: FastAPI) -> None:
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_POST_RESPONSES)
     async def embeddings(body: EmbeddingRequest, request: Request):
         return await ready_state(request).embeddings.create(body, request)
+
+    @app.post("/completion", responses=_POST_RESPONSES)
+    @app.post("/completions", responses=_POST_RESPONSES)
+    async def llama_cpp_completion(body: LlamaCompletionRequest, request: Request):
+        """llama-server's own completion API (its fields, defaults and answer), on the completions path."""
+        return await respond(await ready_state(request).llama_cpp.completion(body, request))
+
+    @app.post("/apply-template", response_model=ApplyTemplateResponse, responses=_ERRORS)
+    async def apply_template(body: TokenizeChatRequest, request: Request):
+        """llama-server's: the chat template's rendering of the messages."""
+        return ready_state(request).llama_cpp.apply_template(body)
 
     @app.post("/score", response_model=ScoreResponse, responses=_POST_RESPONSES)
     @app.post("/v1/score", response_model=ScoreResponse, responses=_POST_RESPONSES)

@@ -396,7 +396,7 @@ class OpenAIServing:
         return sum(choices[i].num_cached_tokens for i in range(0, len(choices), n))
 
     # ---- logprobs --------------------------------------------------------------------------
-    def _token(self, token_id: int, as_id: bool = False) -> tuple[str, bytes]:
+    def token_text(self, token_id: int, as_id: bool = False) -> tuple[str, bytes]:
         """A token as OpenAI shows it: its text, or `bytes:\\xNN..` when it is part of a character; `token_id:<id>`
         with as_id (vLLM's return_tokens_as_token_ids). The bytes are its text's either way."""
         data = token_bytes(self.tokenizer, token_id)
@@ -416,19 +416,19 @@ class OpenAIServing:
         as_ids."""
         out = Logprobs()
         for token_id, lp in zip(prompt_ids or [], prompt_lps or []):
-            token, data = self._token(token_id, as_ids)
+            token, data = self.token_text(token_id, as_ids)
             out.text_offset.append(offsets.next(data))
             out.tokens.append(token)
             out.token_logprobs.append(None if lp is None else lp.logprob)
             # as vLLM does: the prompt token itself is among its top alternatives
             out.top_logprobs.append(None if lp is None else {
-                **{self._token(t, as_ids)[0]: v for t, v in lp.top[:num_top]}, token: lp.logprob})
+                **{self.token_text(t, as_ids)[0]: v for t, v in lp.top[:num_top]}, token: lp.logprob})
         for lp in lps:
-            token, data = self._token(lp.token_id, as_ids)
+            token, data = self.token_text(lp.token_id, as_ids)
             out.text_offset.append(offsets.next(data))
             out.tokens.append(token)
             out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append({self._token(t, as_ids)[0]: v for t, v in lp.top})
+            out.top_logprobs.append({self.token_text(t, as_ids)[0]: v for t, v in lp.top})
         return out
 
     def _prompt_logprobs(self, choices: list[_Choice], num_top: int | None) -> PromptLogprobs | None:
@@ -438,7 +438,7 @@ class OpenAIServing:
             return None
 
         def entry(token_id: int, logprob: float, rank: int | None) -> tuple[str, PromptLogprob]:
-            return str(token_id), PromptLogprob(logprob=logprob, rank=rank, decoded_token=self._token(token_id)[0])
+            return str(token_id), PromptLogprob(logprob=logprob, rank=rank, decoded_token=self.token_text(token_id)[0])
 
         return [None if lp is None else dict([entry(lp.token_id, lp.logprob, lp.rank)] + [
             entry(t, v, rank) for rank, (t, v) in enumerate(lp.top[:num_top], 1) if t != lp.token_id])
@@ -446,15 +446,28 @@ class OpenAIServing:
 
     def _chat_logprobs(self, lps: list[TokenLogprob], as_ids: bool = False) -> dict:
         def entry(token_id: int, logprob: float) -> dict:
-            token, data = self._token(token_id, as_ids)
+            token, data = self.token_text(token_id, as_ids)
             return {"token": token, "logprob": logprob, "bytes": list(data)}
 
         return {"content": [{**entry(lp.token_id, lp.logprob),
                              "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
 
     # ---- completions -----------------------------------------------------------------------
-    async def completions(self, req: CompletionRequest, raw: Request):
-        """Non-streamed CompletionResponse, or an async iterator of SSE lines when stream is set."""
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A completion prompt's token ids (text tokenised with the special tokens, ids checked), as completions
+        reads it."""
+        return self._tokenize(prompt)
+
+    def chat_prompt(self, req: TokenizeChatRequest) -> str:
+        """The chat template's rendering of a tokenize-chat request's messages (the text /tokenize tokenises)."""
+        self.check_fields(req)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        return self._render(self._template_messages(req.messages), tools, req.add_generation_prompt,
+                            req.continue_final_message, req.chat_template_kwargs)
+
+    async def completions(self, req: CompletionRequest, raw: Request, as_chunks: bool = False):
+        """Non-streamed CompletionResponse, or an async iterator of SSE lines when stream is set (of the StreamChunk
+        objects with as_chunks, for an API built on this one)."""
         self.check_model(req.model)
         self.check_fields(req)
         req = self._with_defaults(req)
@@ -481,9 +494,9 @@ class OpenAIServing:
             state = {"echo": {i: echoes[i // req.n] for i in range(len(prompts) * req.n)},
                      "prompts": {i: prompts[i // req.n] for i in range(len(prompts) * req.n)},
                      "token_ids": req.return_token_ids, "as_ids": req.return_tokens_as_token_ids}
-            return self._stream(gens, req.n, num_prompt, req.stream_options, rid, "text_completion",
-                                lambda out, index: self._completion_delta(out, index, state),
-                                self.reply_model(req.model))
+            stream = self._chunks if as_chunks else self._stream
+            return stream(gens, req.n, num_prompt, req.stream_options, rid, "text_completion",
+                          lambda out, index: self._completion_delta(out, index, state), self.reply_model(req.model))
         choices = await self._collect(raw, gens, req.n)
         self._observe(prompts, req.n, [c.num_output_tokens for c in choices])
         usage = self._usage(num_prompt, sum(c.num_output_tokens for c in choices), self._cached(choices, req.n))
