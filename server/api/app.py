@@ -31,7 +31,7 @@ from server.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, 
                                  UnloadLoraAdapterRequest,
                                  VersionResponse)
 from server.api.embeddings import EmbeddingsAPI
-from server.api.llama_cpp import ApplyTemplateResponse, LlamaCompletionRequest, LlamaCppAPI
+from server.api.llama_cpp import ApplyTemplateResponse, LlamaCompletionRequest, LlamaCppAPI, LlamaInfillRequest
 from server.api.scoring import RerankRequest, RerankResponse, ScoreRequest, ScoreResponse, ScoringAPI
 from server.api.messages import CountTokensRequest, CountTokensResponse, MessagesAPI, MessagesRequest, MessagesResponse
 from server.api.response_store import ResponseStore
@@ -69,7 +69,7 @@ def _as_json(scope) -> dict:
 
 
 # routes off /v1 that run the model (SageMaker's, vLLM's, llama-server's)
-_MODEL_ROOTS = {"/invocations", "/score", "/rerank", "/completion", "/completions"}
+_MODEL_ROOTS = {"/invocations", "/score", "/rerank", "/completion", "/completions", "/infill"}
 
 
 def _generates(scope) -> bool:
@@ -434,6 +434,11 @@ def _install_routes(app: FastAPI) -> None:
     @app.post("/completions", responses=_POST_RESPONSES)
     async def llama_cpp_completion(body: LlamaCompletionRequest, request: Request):
         """llama-server's own completion API (its fields, defaults and answer), on the completions path."""
+        return await respond(await ready_state(request).llama_cpp.completion(body, request))
+
+    @app.post("/infill", responses=_POST_RESPONSES)
+    async def llama_cpp_infill(body: LlamaInfillRequest, request: Request):
+        """llama-server's fill in the middle: the code between input_prefix and input_suffix, /completion's answer."""
         return await respond(await ready_state(request).llama_cpp.completion(body, request))
 
     @app.post("/apply-template", response_model=ApplyTemplateResponse, responses=_ERRORS)

@@ -1,6 +1,6 @@
-"""llama.cpp server's own completion API (POST /completion, and its alias /completions) and POST /apply-template, as
-llama-server's clients call them, on the completions path: a script written for llama-server runs against this
-server unchanged.
+"""llama.cpp server's own completion API (POST /completion, its alias /completions, and POST /infill: fill in the
+middle, server/api/fim.py) and POST /apply-template, as llama-server's clients call them, on the completions path: a
+script written for llama-server runs against this server unchanged.
 
 A request's llama.cpp fields map onto an OpenAI completion's (n_predict → max_tokens, -1 to the end of the context;
 repeat_penalty → repetition_penalty; n_probs → logprobs; grammar and json_schema → structured outputs), with
@@ -99,6 +99,23 @@ class LlamaCompletionRequest(RequestPart):
             "presence_penalty", "frequency_penalty", "ignore_eos", "stream", "grammar")}
 
 
+class InfillFile(RequestPart):
+    """Another file of the repository, context for an infill."""
+
+    filename: str = ""
+    text: str
+
+
+class LlamaInfillRequest(LlamaCompletionRequest):
+    """POST /infill: the code between input_prefix and input_suffix (input_extra: other files before them; prompt:
+    text the reply goes on from, after the middle token), with /completion's fields."""
+
+    prompt: str = ""
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[InfillFile] = Field(default_factory=list)
+
+
 class ApplyTemplateResponse(BaseModel):
     """POST /apply-template's answer."""
 
@@ -126,7 +143,11 @@ class LlamaCppAPI:
     async def completion(self, req: LlamaCompletionRequest, raw: Request):
         """llama.cpp's completion answer, or an async iterator of its SSE events when stream is set."""
         self.serving.check_fields(req)
-        ids = self.serving.prompt_ids(req.prompt)
+        if isinstance(req, LlamaInfillRequest):
+            ids = self.serving.infill_ids(req.input_prefix, req.input_suffix,
+                                          [(f.filename, f.text) for f in req.input_extra], req.prompt)
+        else:
+            ids = self.serving.prompt_ids(req.prompt)
         chunks = await self.serving.completions(req.as_completion(ids, self.serving.max_model_len), raw,
                                                 as_chunks=True)
         reply = _Reply(len(ids))
@@ -202,7 +223,8 @@ class LlamaCppAPI:
             "tokens": reply.tokens if whole and req.return_tokens else [], "id_slot": 0, "stop": True,
             "model": self.serving.reply_model(None), "tokens_predicted": predicted_n, "tokens_evaluated": len(ids),
             "generation_settings": req.settings(),
-            "prompt": req.prompt if isinstance(req.prompt, str) else self.serving.tokenizer.decode(ids),
+            "prompt": req.prompt if isinstance(req.prompt, str) and not isinstance(req, LlamaInfillRequest)
+            else self.serving.tokenizer.decode(ids),
             "has_new_line": "\n" in reply.content, "truncated": False, "stop_type": stop_type,
             "stopping_word": word, "tokens_cached": reply.cached,
             "timings": {"prompt_n": prompt_n, "prompt_ms": prompt_ms,

@@ -283,12 +283,15 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: str | None = Field(None, description="fill in the middle: the text after the reply (prompt before it), "
+                                                 "for a model whose tokenizer has FIM tokens")
 
     @model_validator(mode="after")
     def _check(self):
-        if self.suffix:
-            raise ValueError("suffix is not supported")
+        if self.suffix is not None and any(not isinstance(p, str) for p in self.prompts()):
+            raise ValueError("suffix goes with text prompts (the prefixes), not token ids")
+        if self.suffix is not None and self.echo:
+            raise ValueError("suffix and echo do not go together")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of must equal n (server-side ranking is not supported)")
         return self

@@ -28,6 +28,7 @@ from server.api.protocol import (ChatChoice, ChatCompletionRequest, ChatCompleti
                                  StreamChunk, StreamOptions, TokenizeChatRequest, TokenizeCompletionRequest,
                                  TokenizeResponse, ToolCallDelta, UsageInfo)
 from server.api.beam_search import Beam, beam_search
+from server.api.fim import fim_prompt, fim_tokens
 from server.api.reasoning import END, START, ReasoningParser, ReasoningStream, get_reasoning_parser
 from server.api.tool_parsers import ToolCallStream, get_tool_parser
 from server.config import Config, ConfigError
@@ -105,6 +106,7 @@ class OpenAIServing:
         self.eos_ids = frozenset(eos_ids if eos_ids is not None else {tokenizer.eos_token_id} - {None})
         self.sampling_defaults = self._checked_defaults(sampling_defaults or {})
         self.tokenizer = tokenizer
+        self.fim = fim_tokens(tokenizer.get_vocab())  # the tokenizer's fill-in-the-middle tokens (None: it has none)
         self.model_name = cfg.model.name
         self.model_names = [cfg.model.name, *cfg.server.model_aliases]
         self.adapters = LoraAdapters(engine, cfg)  # LoRA adapters, served under their own names
@@ -458,6 +460,22 @@ class OpenAIServing:
         reads it."""
         return self._tokenize(prompt)
 
+    def infill_ids(self, prefix: str, suffix: str, files: list[tuple[str, str]] = (), middle: str = "",
+                   param: str = "input_suffix") -> list[int]:
+        """A fill-in-the-middle prompt's token ids (server/api/fim.py), after what the tokenizer puts first (a BOS);
+        a 400 naming `param` where the tokenizer has no FIM tokens."""
+        if self.fim is None:
+            raise APIError(400, "this model's tokenizer has no fill-in-the-middle tokens (a code model's, such as "
+                                "Qwen2.5-Coder's <|fim_prefix|>, is needed)", param=param, code="fim_not_supported")
+        texts = (prefix, suffix, middle, *(t for pair in files for t in pair))
+        if sum(map(len, texts)) > self.max_prompt_chars:
+            raise self._too_long(f"a fill-in-the-middle prompt of {sum(map(len, texts))} characters")
+        for text in texts:
+            _check_unicode(text, param)
+        ids = fim_prompt(self.fim, lambda text: self.tokenizer.encode(text, add_special_tokens=False), prefix, suffix,
+                         files, middle)
+        return self.tokenizer.encode("", add_special_tokens=True) + ids
+
     def chat_prompt(self, req: TokenizeChatRequest) -> str:
         """The chat template's rendering of a tokenize-chat request's messages (the text /tokenize tokenises)."""
         self.check_fields(req)
@@ -471,7 +489,9 @@ class OpenAIServing:
         self.check_model(req.model)
         self.check_fields(req)
         req = self._with_defaults(req)
-        prompts = [self._truncated(self._tokenize(p), req.truncate_prompt_tokens) for p in req.prompts()]
+        texts = req.prompts() if req.suffix is None else [self.infill_ids(p, req.suffix, param="suffix")
+                                                           for p in req.prompts()]
+        prompts = [self._truncated(self._tokenize(p), req.truncate_prompt_tokens) for p in texts]
         if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")
         if req.use_beam_search:

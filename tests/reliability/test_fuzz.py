@@ -120,7 +120,7 @@ def test_fuzz_get_endpoints(live, schema, label):
                                    "POST /v1/unload_lora_adapter", "POST /v1/messages",
                                    "POST /v1/messages/count_tokens", "POST /score", "POST /v1/score",
                                    "POST /rerank", "POST /v1/rerank", "POST /v2/rerank", "POST /completion",
-                                   "POST /completions", "POST /apply-template"])
+                                   "POST /completions", "POST /infill", "POST /apply-template"])
 def test_fuzz_token_endpoints(live, schema, label, mode):
     _fuzz(live, _operations(schema)[label], mode, 40)
 

@@ -6,7 +6,9 @@ import json
 
 import httpx
 import pytest
+from transformers import AutoTokenizer
 
+from bench.harness import make_tiny_model
 from support import live_server, tiny_config
 
 
@@ -109,3 +111,55 @@ def test_apply_template_renders_the_chat_prompt(server):
 def test_bad_requests_are_errors(server, body, says):
     reply = httpx.post(f"{server.url}/completion", json=body)
     assert reply.status_code == 400 and says in reply.text, reply.text
+
+
+FIM = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|file_sep|>")
+
+
+@pytest.fixture(scope="module")
+def coder(smol_dir, tmp_path_factory):
+    """The tiny model with a code model's FIM tokens in its tokenizer (Qwen2.5-Coder's names)."""
+    tok = AutoTokenizer.from_pretrained(smol_dir)
+    tok.add_special_tokens({"additional_special_tokens": list(FIM)})
+    tok_dir = tmp_path_factory.mktemp("fim-tokenizer")
+    tok.save_pretrained(tok_dir)
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("fim-model"), tok_dir)
+    with live_server(tiny_config(model_dir, max_model_len=256)) as live:
+        yield live
+
+
+def _fim_ids(tok, prefix: str, suffix: str, files=(), middle: str = "") -> list[int]:
+    """Prefix-suffix-middle, as Qwen2.5-Coder is trained (each file behind <|file_sep|>)."""
+    pre, suf, mid, sep = (tok.convert_tokens_to_ids(t) for t in FIM)
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    ids = [i for name, text in files for i in [sep] + enc(f"{name}\n{text}")]
+    return ids + [pre] + enc(prefix) + [suf] + enc(suffix) + [mid] + enc(middle)
+
+
+def test_suffix_and_infill_fill_in_the_middle(coder):
+    """OpenAI's completions `suffix` and llama-server's /infill give the reply to the FIM prompt a code model is
+    trained on: the same greedy text as that prompt's token ids sent as they are."""
+    tok = coder.state.serving.tokenizer
+    greedy = {"temperature": 0, "ignore_eos": True}
+    want = httpx.post(f"{coder.url}/v1/completions", json={
+        "prompt": _fim_ids(tok, "def add(a, b):\n    ", "\n    return c"), "max_tokens": 6, **greedy}).json()
+    filled = httpx.post(f"{coder.url}/v1/completions", json={
+        "prompt": "def add(a, b):\n    ", "suffix": "\n    return c", "max_tokens": 6, **greedy}).json()
+    assert filled["choices"][0]["text"] == want["choices"][0]["text"]
+    assert filled["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    files = [("util.py", "def sub(a, b):\n    return a - b")]
+    ids = _fim_ids(tok, "def add(a, b):\n    ", "\n    return c", files, middle="c =")
+    infill = httpx.post(f"{coder.url}/infill", json={
+        "input_prefix": "def add(a, b):\n    ", "input_suffix": "\n    return c", "prompt": "c =", "n_predict": 6,
+        "input_extra": [{"filename": n, "text": t} for n, t in files], **greedy}).json()
+    direct = httpx.post(f"{coder.url}/completion", json={"prompt": ids, "n_predict": 6, **greedy}).json()
+    assert infill["content"] == direct["content"] and infill["tokens_evaluated"] == len(ids)
+
+
+def test_a_model_without_fim_tokens_refuses_to_fill_in(server):
+    for route, body in (("/v1/completions", {"prompt": "x", "suffix": "y"}),
+                        ("/infill", {"input_prefix": "x", "input_suffix": "y"})):
+        reply = httpx.post(f"{server.url}{route}", json=body)
+        assert reply.status_code == 400 and "fill-in-the-middle" in reply.json()["error"]["message"]
+    ids = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2], "suffix": "y"})
+    assert ids.status_code == 400 and "text prompts" in ids.text
