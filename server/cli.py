@@ -139,9 +139,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     flag("--enforce-eager", action="store_true",
          help="CUDA: run decode steps op by op instead of replaying captured CUDA graphs")
     flag("--tensor-parallel-size", type=int, help="NeuronCores to shard over (backend neuron)")
-    flag("--chat-template", help="a Jinja file, or `hermes_tools` (bundled ChatML with tool calls)")
-    flag("--tool-call-parser", help="how the model writes tool calls: hermes (default; Qwen's form), llama3_json "
-                                    "or mistral")
+    flag("--chat-template", help="a Jinja file, or a bundled one: `hermes_tools` (ChatML with tool calls), "
+                                 "`llama3_pythonic` (Llama 3 with pythonic tool calls)")
+    flag("--tool-call-parser", help="how the model writes tool calls: hermes (default; Qwen's form), llama3_json, "
+                                    "mistral or pythonic")
     flag("--reasoning-parser", help="deepseek_r1 or qwen3: a thinking model's <think>...</think> goes to `reasoning`")
     flag("--enable-auto-tool-choice", action="store_true",
          help="accepted as vLLM's command lines give it: `auto` tool calls are always parsed here")

@@ -142,7 +142,8 @@ class ServerConfig(_Strict):
     # OpenAI API behaviour
     model_aliases: list[str] = Field(default_factory=list, description="more names requests may use for model.name")
     chat_template: str | None = Field(None, description="a Jinja file replacing the tokenizer's chat template, "
-                                                        "or `hermes_tools` (bundled: ChatML with tool calls)")
+                                                        "or a bundled one: `hermes_tools` (ChatML with tool calls), "
+                                                        "`llama3_pythonic` (Llama 3, pythonic tool calls)")
     tool_call_parser: str = Field("hermes", description="how the model writes tool calls (server/api/tool_parsers)")
     reasoning_parser: str | None = Field(None, description="deepseek_r1 or qwen3: a thinking model's <think> part "
                                                            "goes to `reasoning` (server/api/reasoning.py)")

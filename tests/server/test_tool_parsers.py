@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import llguidance
 import openai
 import pytest
@@ -48,6 +49,17 @@ CASES = [
     ("mistral", "[1] is the first item.", "[1] is the first item.", []),
     ("mistral", "[TOOL_CALLS] not json", "[TOOL_CALLS] not json", []),
     ("mistral", "Paris is sunny.", "Paris is sunny.", []),
+    ("pythonic", '[get_weather(city="Paris"), b(x=1, y=[1, -2.5], z={"k": None}, w=True)]', None,
+     [("get_weather", {"city": "Paris"}), ("b", {"x": 1, "y": [1, -2.5], "z": {"k": None}, "w": True})]),
+    ("pythonic", '<|python_start|>[a(x=true, y=null)]<|python_end|>', None, [("a", {"x": True, "y": None})]),  # JSON's
+    ("pythonic", ' [a(s="]"), b()]\n', None, [("a", {"s": "]"}), ("b", {})]),
+    ("pythonic", "[a()] and then text", None, [("a", {})]),  # text after the closed list is dropped
+    ("pythonic", "[1, 2] are numbers.", "[1, 2] are numbers.", []),
+    ("pythonic", "[a(1)]", "[a(1)]", []),  # positional arguments: not a call list
+    ("pythonic", '[a(x=f())]', '[a(x=f())]', []),  # not a literal
+    ("pythonic", '[a(x=1), b(y="(", z=', None, [("a", {"x": 1})]),  # cut off: the complete calls count
+    ("pythonic", "[a(x=", "[a(x=", []),
+    ("pythonic", "Paris is sunny.", "Paris is sunny.", []),
 ]
 
 
@@ -98,6 +110,8 @@ def test_forced_grammars_accept_what_the_parser_reads_back(smol_dir, name, paral
         text = "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in ([one, two] if parallel else [one]))
     elif name == "mistral":
         text = json.dumps([one, two] if parallel else [one])
+    elif name == "pythonic":  # each call's required arguments, as JSON values
+        text = '[get_weather(city="Paris"), get_time()]' if parallel else '[get_weather(city="Paris")]'
     else:
         text = "; ".join(json.dumps(c) for c in ([one, two] if parallel else [one]))
     tokenizer = AutoTokenizer.from_pretrained(smol_dir)
@@ -136,3 +150,31 @@ def test_served_mistral_calls_keep_their_control_token(smol_dir, tmp_path):
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         assert _calls([call for d in deltas for call in d.tool_calls or []]) == [("get_weather", {"city": "Paris"})]
         assert not "".join(d.content or "" for d in deltas)
+
+
+def test_served_pythonic_calls_through_the_bundled_template(tiny_model_dir):
+    """--tool-call-parser pythonic with the bundled llama3_pythonic template: the template lists the tools, asks for
+    a Python list of calls and writes an earlier call back in that form (a tool's result in an ipython turn); a
+    required call is forced into that form and comes back parsed, streamed or not."""
+    cfg = tiny_config(tiny_model_dir)
+    cfg.server.tool_call_parser, cfg.server.chat_template = "pythonic", "llama3_pythonic"
+    tools = [WEATHER.model_dump(exclude_none=True), TIME.model_dump(exclude_none=True)]
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    with live_server(cfg) as live:
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+        ids = httpx.post(f"{live.url}/tokenize", json={"messages": history, "tools": tools}).json()["tokens"]
+        prompt = live.state.serving.tokenizer.decode(ids)
+        assert '"name": "get_weather"' in prompt and "Python list of calls" in prompt
+        assert '[get_weather(city="Paris", days=2)]<|eot_id|>' in prompt
+        assert "ipython<|end_header_id|>\n\nsunny" in prompt
+        kw = dict(model="tiny", messages=history[:1], tools=tools, tool_choice="required", max_tokens=40)
+        choice = client.chat.completions.create(**kw).choices[0]
+        calls = _calls(choice.message.tool_calls)
+        assert calls and all(name in ("get_weather", "get_time") for name, _ in calls)
+        assert all("city" in args for name, args in calls if name == "get_weather")  # its required argument
+        chunks = list(client.chat.completions.create(stream=True, **kw, seed=1))
+        streamed = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
+        assert streamed and all(call.function.name in ("get_weather", "get_time") for call in streamed)

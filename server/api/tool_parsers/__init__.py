@@ -11,8 +11,10 @@ from server.api.tool_parsers.base import ToolCallStream, ToolParser
 from server.api.tool_parsers.hermes import HermesToolParser
 from server.api.tool_parsers.llama3_json import Llama3JsonToolParser
 from server.api.tool_parsers.mistral import MistralToolParser
+from server.api.tool_parsers.pythonic import PythonicToolParser
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
+                                                            PythonicToolParser)}
 
 
 def get_tool_parser(name: str) -> ToolParser:

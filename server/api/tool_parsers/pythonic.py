@@ -1,0 +1,148 @@
+"""Pythonic calls (vLLM's `pythonic` parser): the reply is a Python list of calls with keyword arguments,
+`[get_weather(city="Paris"), get_time(zone="CET")]`, perhaps between Llama 4's `<|python_start|>` and
+`<|python_end|>`. Llama 3.2's small models call tools more reliably this way than in JSON (with a template that asks
+for it: `--chat-template llama3_pythonic`, bundled).
+
+Arguments are Python literals; JSON's true, false and null are read as True, False and None (a forced call writes its
+arguments as JSON values, valid for each parameter's schema).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+
+from server.api.protocol import Tool, ToolCall
+from server.api.tool_parsers.base import ToolCallStream, ToolParser, tool_call
+from server.engine.structured import lark_json
+
+_START, _END = "<|python_start|>", "<|python_end|>"
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _value(node: ast.expr):
+    """A keyword argument's value: a Python literal, JSON's true / false / null inside it too."""
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_value(item) for item in node.elts]
+    if isinstance(node, ast.Dict):
+        if any(key is None for key in node.keys):  # {**other}
+            raise ValueError("a dict unpacked into another is no literal")
+        return {_value(key): _value(value) for key, value in zip(node.keys, node.values)}
+    return ast.literal_eval(node)
+
+
+def _body(text: str) -> str:
+    """The reply without surrounding whitespace and Llama 4's python tags."""
+    body = text.strip()
+    body = body[len(_START):] if body.startswith(_START) else body
+    body = body[:-len(_END)] if body.endswith(_END) else body
+    return body.strip()
+
+
+def parse_calls(text: str) -> list[ToolCall] | None:
+    """The calls of a reply that is a Python list of calls (keyword arguments only), or None for any other text."""
+    try:
+        tree = ast.parse(_body(text), mode="eval")
+    except (SyntaxError, ValueError):
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls = []
+    for node in tree.body.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        try:
+            arguments = {kw.arg: _value(kw.value) for kw in node.keywords if kw.arg is not None}
+        except (ValueError, TypeError, SyntaxError):
+            return None
+        if len(arguments) != len(node.keywords):  # f(**kwargs)
+            return None
+        calls.append(tool_call(node.func.id, arguments))
+    return calls
+
+
+def first_calls(text: str) -> list[ToolCall] | None:
+    """The calls of the shortest start of a reply that closes into a list of calls (what follows it is dropped, as
+    text after the calls of the other formats is), or None."""
+    if not _body(text).startswith("["):
+        return None
+    for end in (i + 1 for i, char in enumerate(text) if char == "]"):
+        calls = parse_calls(text[:end])
+        if calls:
+            return calls
+    return None
+
+
+def salvaged_calls(text: str) -> list[ToolCall] | None:
+    """The complete calls of a list cut off before it closed (by max_tokens), or None."""
+    if not _body(text).startswith("["):
+        return None
+    for end in reversed([i + 1 for i, char in enumerate(text) if char == ")"]):
+        calls = parse_calls(text[:end] + "]")
+        if calls:
+            return calls
+    return None
+
+
+class PythonicToolParser(ToolParser):
+    name = "pythonic"
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        calls = first_calls(text) or salvaged_calls(text)
+        return (None, calls) if calls else (text, [])
+
+    def stream(self) -> "PythonicCallStream":
+        return PythonicCallStream()
+
+    def forced_grammar(self, tools: list[Tool], parallel: bool) -> str:
+        """Calls by name, each with its required parameters in the schema's order, as JSON values of their schemas."""
+        rules = []
+        for i, tool in enumerate(tools):
+            schema = tool.function.parameters or {}
+            properties = schema.get("properties", {})
+            parts = [json.dumps(tool.function.name + "(")]
+            for k, name in enumerate(schema.get("required", [])):
+                parts += [json.dumps((", " if k else "") + name + "="), lark_json(properties.get(name, {}))]
+            rules.append(f"call_{i}: " + " ".join(parts + [json.dumps(")")]))
+        calls = 'call (", " call)*' if parallel else "call"
+        names = " | ".join(f"call_{i}" for i in range(len(tools)))
+        return "\n".join([f'start: "[" {calls} "]"', f"call: {names}", *rules]) + "\n"
+
+
+class PythonicCallStream(ToolCallStream):
+    """Holds a reply back while it may be a list of calls (it opens with `[` or the python tag) and emits the calls
+    once the list closes; a reply that opens otherwise streams as content."""
+
+    def __init__(self):
+        super().__init__()
+        self.buffer = ""
+        self.mode = "undecided"  # then "content" or "calls"
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        self.buffer += delta
+        if self.mode == "undecided":
+            head = self.buffer.lstrip()
+            if not head or (_START.startswith(head) and head != _START):
+                return "", []  # may still become a list of calls
+            self.mode = "calls" if _body(head).startswith("[") or head == _START else "content"
+        if self.mode == "content":
+            out, self.buffer = self.buffer, ""
+            return out, []
+        if self.calls or "]" not in delta:
+            return "", []
+        calls = first_calls(self.buffer) or []
+        self.calls += calls
+        return "", calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """At the end of the stream: the complete calls of a list cut off before it closed, or else the held-back
+        reply as content (calls of a closed list went out when its `]` came)."""
+        if self.mode == "content" or self.calls:
+            return "", []
+        calls = salvaged_calls(self.buffer) if self.mode == "calls" else None
+        if calls:
+            self.calls += calls
+            return "", calls
+        return self.buffer, []
