@@ -361,6 +361,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config, max_len)
+        # SmolLM3's layers without rotary (no_rope_layers: 0 where a layer skips it); every other family rotates in all
+        self.rotates = [bool(r) for r in getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers]
         self.kernels = REFERENCE_KERNELS
         self._layer_calls: list[LayerCalls] | None = None
         self.use_decoder_plan = True  # run the layers in C++ where decoder_plan() allows (off: the Python loop)
@@ -414,6 +416,8 @@ class LlamaModel(nn.Module):
         if not all(layer.self_attn.plain for layer in self.layers):  # Qwen2's biases, Qwen3's head norms
             for layer in self.layers:
                 plan.add_attention_extras(*(no_second if t is None else t for t in layer.self_attn.extras()))
+        if not all(self.rotates):  # SmolLM3's layers without rotary
+            plan.set_rotates([int(r) for r in self.rotates])
         return plan
 
     def layer_calls(self) -> list[LayerCalls]:
@@ -453,9 +457,12 @@ class LlamaModel(nn.Module):
                 h = kernels.decode_layers(plan, x, h, cos, sin, cache.k, cache.v, slots, tables, seq_index, lens, rows)
             return self._logits(h)
         calls = self.layer_calls() if not batch.lora else self._calls_with_lora(batch.lora, rows is not None)
-        for layer, k_cache, v_cache in zip(calls, cache.k, cache.v):
+        # a layer without rotary rotates by angle 0: cos 1 and sin 0 leave q and k as they are, bit for bit
+        still = (torch.ones_like(cos), torch.zeros_like(sin)) if not all(self.rotates) else None
+        for layer, k_cache, v_cache, rotates in zip(calls, cache.k, cache.v, self.rotates):
             attn = layer.attention
-            out, q_rot = attention(layer.qkv(h), cos, sin, k_cache, v_cache, slots, tables, seq_index, lens,
+            c, s = (cos, sin) if rotates else still
+            out, q_rot = attention(layer.qkv(h), c, s, k_cache, v_cache, slots, tables, seq_index, lens,
                                    attn.num_heads, attn.num_kv_heads, attn.scale)
             if batch.sdpa_chunks:
                 attn.attend_sdpa_chunks(out, q_rot, batch, k_cache, v_cache)

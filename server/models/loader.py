@@ -18,7 +18,8 @@ from server.models.source import check_max_model_len
 log = logging.getLogger(__name__)
 
 # The Llama family as LlamaModel runs it: Mistral is Llama's layout; Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms.
-SUPPORTED_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+SUPPORTED_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                   "SmolLM3ForCausalLM"}
 
 
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:

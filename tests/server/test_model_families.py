@@ -1,4 +1,5 @@
-"""The Llama family beyond Llama: Mistral, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms) run as HF runs them."""
+"""The Llama family beyond Llama: Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) and SmolLM3 (layers
+without rotary) run as HF runs them."""
 
 from __future__ import annotations
 
@@ -22,11 +23,15 @@ FAMILIES = {
     "qwen2": lambda vocab: Qwen2Config(vocab_size=vocab, **SHAPE),
     # Qwen3's head_dim is its own (here wider than hidden / heads, as Qwen3-0.6B's 128 against 1024 / 16)
     "qwen3": lambda vocab: transformers.Qwen3Config(vocab_size=vocab, head_dim=32, **SHAPE),
+    # SmolLM3 skips rotary in every no_rope_layer_interval-th layer: here the second of two
+    "smollm3": lambda vocab: transformers.SmolLM3Config(vocab_size=vocab, no_rope_layer_interval=2, pad_token_id=None,
+                                                        **SHAPE),
 }
 # transformers 4.48 (the Neuron DLC's, the compat CI job's) predates Qwen3
-KNOWN = [pytest.param(name, marks=pytest.mark.skipif(name == "qwen3" and not hasattr(transformers, "Qwen3Config"),
-                                                     reason=f"transformers {transformers.__version__} has no Qwen3"))
-         for name in sorted(FAMILIES)]
+_CONFIGS = {"qwen3": "Qwen3Config", "smollm3": "SmolLM3Config"}
+KNOWN = [pytest.param(name, marks=pytest.mark.skipif(
+    not hasattr(transformers, _CONFIGS.get(name, "LlamaConfig")),
+    reason=f"transformers {transformers.__version__} has no {_CONFIGS.get(name)}")) for name in sorted(FAMILIES)]
 
 
 def _family_model(out: Path, family: str, tokenizer_dir: Path, **overrides) -> Path:

@@ -123,6 +123,10 @@ struct DecoderPlan : torch::CustomClassHolder {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(norms.size() / 2); }
+
+  // Which layers rotate q and k (SmolLM3's skip it in some; unset: every layer does).
+  void set_rotates(std::vector<int64_t> flags) { rotates = std::move(flags); }
+  std::vector<int64_t> rotates;
 };
 
 // Every layer of the plan over the flat batch: x is the residual stream (updated in place), h its normed input to
@@ -178,6 +182,12 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecoderPlan>& plan, at::Tensor
       if (rows.has_value()) add_rows_(y, *rows, update); else y.add_(update);
     }
   };
+  TORCH_CHECK(plan->rotates.empty() || static_cast<int64_t>(plan->rotates.size()) == layers,
+              "decode_layers: a rotary flag for every layer or for none");
+  // a layer without rotary rotates by angle 0: cos 1 and sin 0 leave q and k as they are, bit for bit
+  const bool some_still = std::find(plan->rotates.begin(), plan->rotates.end(), 0) != plan->rotates.end();
+  const at::Tensor cos_still = some_still ? at::ones_like(cos) : at::Tensor(),
+                   sin_still = some_still ? at::zeros_like(sin) : at::Tensor();
   // layer i's [q | k | v] of `in` (with its family's extras), rotary, its K/V into the cache, attention into attn
   const auto attend = [&](int64_t i, const at::Tensor& in) {
     at::Tensor k = k_caches[i], v = v_caches[i];  // handles to the caches: attention writes through them
@@ -188,8 +198,10 @@ at::Tensor decode_layers(const c10::intrusive_ptr<DecoderPlan>& plan, at::Tensor
       if (e.q_norm.defined()) neuronmm::head_rms_norm_(qkv, e.q_norm, e.k_norm, plan->num_heads, plan->num_kv_heads,
                                                        plan->eps);
     }
-    neuronmm::attention_into(qkv, cos, sin, k, v, slot_mapping, block_tables, seq_index, context_lens, plan->num_heads,
-                             plan->num_kv_heads, plan->scale, q_rot, attn);
+    const bool rotates = plan->rotates.empty() || plan->rotates[i] != 0;
+    neuronmm::attention_into(qkv, rotates ? cos : cos_still, rotates ? sin : sin_still, k, v, slot_mapping,
+                             block_tables, seq_index, context_lens, plan->num_heads, plan->num_kv_heads, plan->scale,
+                             q_rot, attn);
   };
   // the rest of layer i over the rows of `attn_rows` (and their residual `x_rows`, updated in place): the output
   // projection, the norm, the MLP and the next norm, into the buffers given (whole, or their first rows)
@@ -232,6 +244,7 @@ TORCH_LIBRARY_FRAGMENT(neuronmm, m) {
       .def("add_projection", &DecoderPlan::add_projection)
       .def("add_norms", &DecoderPlan::add_norms)
       .def("add_attention_extras", &DecoderPlan::add_attention_extras)
+      .def("set_rotates", &DecoderPlan::set_rotates)
       .def("num_layers", &DecoderPlan::num_layers);
   m.class_<LoraPlan>("LoraPlan")
       .def(torch::init<>())
