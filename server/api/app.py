@@ -436,6 +436,12 @@ def _install_routes(app: FastAPI) -> None:
         """llama-server's own completion API (its fields, defaults and answer), on the completions path."""
         return await respond(await ready_state(request).llama_cpp.completion(body, request))
 
+    @app.get("/props", responses=_ERRORS)
+    async def llama_cpp_props(request: Request):
+        """llama-server's: the context size, slots, chat template and default sampling of this server."""
+        state = ready_state(request)
+        return state.llama_cpp.props(state.cfg.engine.max_num_seqs, package_version())
+
     @app.post("/infill", responses=_POST_RESPONSES)
     async def llama_cpp_infill(body: LlamaInfillRequest, request: Request):
         """llama-server's fill in the middle: the code between input_prefix and input_suffix, /completion's answer."""

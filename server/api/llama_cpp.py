@@ -159,6 +159,14 @@ class LlamaCppAPI:
                 raise APIError(500, error["message"], code=error.get("code") or "engine_error")
         return self._final(req, ids, reply, whole=True)
 
+    def props(self, total_slots: int, version: str) -> dict[str, Any]:
+        """GET /props: what llama-server says of itself (its clients read the context size and the chat template)."""
+        defaults = LlamaCompletionRequest.model_construct(prompt="").settings()
+        return {"default_generation_settings": {"n_ctx": self.serving.max_model_len, "params": defaults},
+                "total_slots": total_slots, "model_path": self.serving.reply_model(None),
+                "chat_template": self.serving.chat_template or self.serving.tokenizer.chat_template or "",
+                "modalities": {"vision": False, "audio": False}, "build_info": f"neuronmm {version}"}
+
     def apply_template(self, req: TokenizeChatRequest) -> ApplyTemplateResponse:
         """POST /apply-template: the chat template's rendering of the messages (the prompt /completion would take)."""
         return ApplyTemplateResponse(prompt=self.serving.chat_prompt(req))

@@ -734,12 +734,26 @@ class ModelList(BaseModel):
 
 
 class TokenizeCompletionRequest(RequestPart):
-    """POST /tokenize with a prompt (vLLM's shape)."""
+    """POST /tokenize with a prompt (vLLM's shape), or llama-server's `content` and `add_special`."""
 
     model: str | None = None
-    prompt: str
+    prompt: str | None = None
+    content: str | None = Field(None, description="llama-server's name for the prompt")
     add_special_tokens: bool = True
+    add_special: bool | None = Field(None, description="llama-server's name for add_special_tokens")
     return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _check(self):
+        if (self.prompt is None) == (self.content is None):
+            raise ValueError("give the text as prompt (or llama-server's content), once")
+        return self
+
+    def text(self) -> str:
+        return self.prompt if self.prompt is not None else self.content
+
+    def special_tokens(self) -> bool:
+        return self.add_special if self.add_special is not None else self.add_special_tokens
 
 
 class TokenizeChatRequest(RequestPart):
@@ -797,6 +811,7 @@ class DetokenizeRequest(RequestPart):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+    content: str = Field(description="the same text under llama-server's name")
 
 
 class VersionResponse(BaseModel):

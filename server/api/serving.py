@@ -788,7 +788,7 @@ class OpenAIServing:
             ids = self._chat_ids(req.messages, req.tools, req.add_generation_prompt, req.continue_final_message,
                                  req.chat_template_kwargs)
         else:
-            ids = self._tokenize(req.prompt, req.add_special_tokens) if req.prompt else []
+            ids = self._tokenize(req.text(), req.special_tokens()) if req.text() else []
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 
@@ -797,7 +797,8 @@ class OpenAIServing:
         self.check_fields(req)
         if any(not 0 <= t < self.vocab_size for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {self.vocab_size})", param="tokens")
-        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+        text = self.tokenizer.decode(req.tokens)
+        return DetokenizeResponse(prompt=text, content=text)
 
 
 async def chat_stream_parts(chunks: AsyncIterator[StreamChunk | dict]) -> AsyncIterator[tuple[str, Any]]:

@@ -109,7 +109,8 @@ def _fuzz(live, op, mode: GenerationMode, max_examples: int) -> None:
 @pytest.mark.parametrize("label", ["GET /health", "GET /ping", "GET /metrics", "GET /v1/models", "GET /version",
                                    "GET /load", "GET /v1/models/{model_id}", "GET /v1/responses/{response_id}",
                                    "GET /v1/responses/{response_id}/input_items",
-                                   "DELETE /v1/responses/{response_id}", "POST /v1/responses/{response_id}/cancel"])
+                                   "DELETE /v1/responses/{response_id}", "POST /v1/responses/{response_id}/cancel",
+                                   "GET /props"])
 def test_fuzz_get_endpoints(live, schema, label):
     _fuzz(live, _operations(schema)[label], GenerationMode.POSITIVE, 5)
 

@@ -163,3 +163,20 @@ def test_a_model_without_fim_tokens_refuses_to_fill_in(server):
         assert reply.status_code == 400 and "fill-in-the-middle" in reply.json()["error"]["message"]
     ids = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2], "suffix": "y"})
     assert ids.status_code == 400 and "text prompts" in ids.text
+
+
+def test_llama_cpps_tokenize_detokenize_and_props_shapes(server):
+    """llama-server's clients send /tokenize {"content", "add_special"} and read /detokenize's "content" and
+    /props' context size and template; vLLM's shapes stay as they were."""
+    vllm = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello there"}).json()
+    llama = httpx.post(f"{server.url}/tokenize", json={"content": "Hello there", "add_special": False}).json()
+    tok = server.state.serving.tokenizer
+    assert llama["tokens"] == tok.encode("Hello there", add_special_tokens=False)
+    assert vllm["count"] >= len(llama["tokens"])
+    both = httpx.post(f"{server.url}/tokenize", json={"prompt": "a", "content": "b"})
+    assert both.status_code == 400 and "once" in both.json()["error"]["message"]
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": llama["tokens"]}).json()
+    assert text["content"] == text["prompt"] == "Hello there"
+    props = httpx.get(f"{server.url}/props").json()
+    assert props["default_generation_settings"]["n_ctx"] == 256 and props["total_slots"] >= 1
+    assert props["default_generation_settings"]["params"]["temperature"] == 0.8 and "{%" in props["chat_template"]
