@@ -13,9 +13,11 @@ and the totals (no [DONE], as llama-server ends that stream).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
@@ -153,11 +155,24 @@ class LlamaCppAPI:
         reply = _Reply(len(ids))
         if req.stream:
             return self._events(req, ids, chunks, reply)
+        work = asyncio.ensure_future(self._gathered(chunks, reply))
+        watcher = asyncio.ensure_future(self.serving.wait_disconnect(raw))
+        try:  # a client that leaves stops its generation (as the completions path's own collector does)
+            done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if work not in done:
+                raise APIError(499, "client disconnected")
+            work.result()
+        finally:
+            watcher.cancel()
+            work.cancel()
+        return self._final(req, ids, reply, whole=True)
+
+    async def _gathered(self, chunks: AsyncIterator[StreamChunk | dict], reply: _Reply) -> None:
+        """The whole reply into `reply`; an engine error raised as its APIError."""
         async for piece in self._pieces(chunks, reply):
             if "error" in piece:
                 error = piece["error"]
                 raise APIError(500, error["message"], code=error.get("code") or "engine_error")
-        return self._final(req, ids, reply, whole=True)
 
     def props(self, total_slots: int, version: str) -> dict[str, Any]:
         """GET /props: what llama-server says of itself (its clients read the context size and the chat template)."""
@@ -173,27 +188,28 @@ class LlamaCppAPI:
 
     async def _pieces(self, chunks: AsyncIterator[StreamChunk | dict], reply: _Reply) -> AsyncIterator[dict]:
         """Each chunk's piece as llama.cpp streams it (its text, tokens and probabilities), gathered into `reply`;
-        an error body ends them."""
-        async for chunk in chunks:
-            if isinstance(chunk, dict):
-                yield chunk
-                return
-            if chunk.usage is not None:
-                reply.cached = chunk.usage.prompt_tokens_details.cached_tokens
-            if not chunk.choices:
-                continue
-            choice = chunk.choices[0]
-            reply.first = reply.first or time.perf_counter()
-            reply.content += choice.text
-            reply.tokens += choice.token_ids or []
-            reply.finish_reason = choice.finish_reason or reply.finish_reason
-            reply.stop_reason = choice.stop_reason if choice.finish_reason else reply.stop_reason
-            probabilities = self._probabilities(choice.logprobs) if choice.logprobs else []
-            reply.probabilities += probabilities
-            piece = {"content": choice.text, "tokens": choice.token_ids or [], "stop": False}
-            if probabilities:
-                piece["completion_probabilities"] = probabilities
-            yield piece
+        an error body ends them. The chunks are closed however the reader stops (their engine requests aborted)."""
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                if isinstance(chunk, dict):
+                    yield chunk
+                    return
+                if chunk.usage is not None:
+                    reply.cached = chunk.usage.prompt_tokens_details.cached_tokens
+                if not chunk.choices:
+                    continue
+                choice = chunk.choices[0]
+                reply.first = reply.first or time.perf_counter()
+                reply.content += choice.text
+                reply.tokens += choice.token_ids or []
+                reply.finish_reason = choice.finish_reason or reply.finish_reason
+                reply.stop_reason = choice.stop_reason if choice.finish_reason else reply.stop_reason
+                probabilities = self._probabilities(choice.logprobs) if choice.logprobs else []
+                reply.probabilities += probabilities
+                piece = {"content": choice.text, "tokens": choice.token_ids or [], "stop": False}
+                if probabilities:
+                    piece["completion_probabilities"] = probabilities
+                yield piece
 
     def _probabilities(self, logprobs) -> list[dict]:
         """llama.cpp's completion_probabilities of a chunk's tokens (its logprobs name tokens `token_id:<id>`)."""
@@ -207,15 +223,17 @@ class LlamaCppAPI:
                 for name, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs)]
 
     async def _events(self, req: LlamaCompletionRequest, ids: list[int], chunks, reply: _Reply) -> AsyncIterator[str]:
-        async for piece in self._pieces(chunks, reply):
-            if "error" in piece:
-                yield f"data: {json.dumps(piece)}\n\n"
-                return
-            if not req.return_tokens:
-                piece["tokens"] = []
-            event = {"index": 0, **piece, "id_slot": 0, "tokens_predicted": len(reply.tokens),
-                     "tokens_evaluated": len(ids)}
-            yield f"data: {json.dumps(event)}\n\n"
+        """The streamed answer: an event a piece, then the totals (a client that leaves closes the pieces at once)."""
+        async with aclosing(self._pieces(chunks, reply)) as pieces:
+            async for piece in pieces:
+                if "error" in piece:
+                    yield f"data: {json.dumps(piece)}\n\n"
+                    return
+                if not req.return_tokens:
+                    piece["tokens"] = []
+                event = {"index": 0, **piece, "id_slot": 0, "tokens_predicted": len(reply.tokens),
+                         "tokens_evaluated": len(ids)}
+                yield f"data: {json.dumps(event)}\n\n"
         yield f"data: {json.dumps(self._final(req, ids, reply, whole=False))}\n\n"
 
     def _final(self, req: LlamaCompletionRequest, ids: list[int], reply: _Reply, whole: bool) -> dict:

@@ -354,7 +354,7 @@ class OpenAIServing:
                 c.embedding = out.embedding or c.embedding
 
         work = asyncio.gather(*(drain(i * n, g) for i, g in enumerate(gens)))
-        watcher = asyncio.ensure_future(self._wait_disconnect(raw))
+        watcher = asyncio.ensure_future(self.wait_disconnect(raw))
         try:
             done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if watcher in done:
@@ -372,7 +372,8 @@ class OpenAIServing:
                 await gen.aclose()
 
     @staticmethod
-    async def _wait_disconnect(raw: Request) -> None:
+    async def wait_disconnect(raw: Request) -> None:
+        """Returns once the request's client has gone away (polled)."""
         while not await raw.is_disconnected():
             await asyncio.sleep(_DISCONNECT_POLL_S)
 
