@@ -170,6 +170,8 @@ class _Request(RequestPart):
                                    "in the reply (streamed: the prompt's on the first chunk, each chunk's new ones)")
     return_tokens_as_token_ids: bool = Field(False, description="vLLM's: logprobs name each token 'token_id:<id>' "
                                              "(tokens whose text is not JSON-encodable stay identifiable)")
+    request_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._:-]{1,128}$", description="vLLM's: the reply's id "
+                                   "(after cmpl- or chatcmpl-), as the X-Request-Id header sets it")
     # structured output (one constraint at most)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

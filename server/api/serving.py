@@ -496,7 +496,7 @@ class OpenAIServing:
         if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")
         if req.use_beam_search:
-            rid = f"cmpl-{raw.state.request_id}"
+            rid = f"cmpl-{req.request_id or raw.state.request_id}"
             searched = [await self._beam_search(req, ids, self._max_tokens(req.max_tokens, len(ids), 16), raw, rid)
                         for ids in prompts]
             return CompletionResponse(id=rid, model=self.reply_model(req.model), choices=[
@@ -508,7 +508,7 @@ class OpenAIServing:
         requests = [(ids, self._params(req, self._max_tokens(req.max_tokens, len(ids), 16), req.logprobs, structured))
                     for ids in prompts]
         echoes = [self.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
-        rid = f"cmpl-{raw.state.request_id}"
+        rid = f"cmpl-{req.request_id or raw.state.request_id}"
         gens = self._submit(requests, req.n, rid)
         num_prompt = sum(len(ids) for ids in prompts)  # once per prompt, whatever n is
         if req.stream:
@@ -631,7 +631,7 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = self._max_tokens(req.max_completion_tokens or req.max_tokens, len(ids), None)
         if req.use_beam_search:
-            rid = f"chatcmpl-{raw.state.request_id}"
+            rid = f"chatcmpl-{req.request_id or raw.state.request_id}"
             beams = await self._beam_search(req, ids, max_tokens, raw, rid)
             return ChatCompletionResponse(id=rid, model=self.reply_model(req.model), choices=[
                 ChatChoice(index=i, message=ChatMessageOut(content=text), finish_reason=reason)
@@ -646,7 +646,7 @@ class OpenAIServing:
             params = replace(params, skip_special_tokens=False)
         if req.prediction is not None:
             params = replace(params, prediction=self._prediction_ids(req.prediction))
-        rid = f"chatcmpl-{raw.state.request_id}"
+        rid = f"chatcmpl-{req.request_id or raw.state.request_id}"
         gens = self._submit([(ids, params)], req.n, rid)
         # a named function is what the client asked for: OpenAI ends that with "stop", others "tool_calls"
         calls_reason = "stop" if isinstance(req.tool_choice, NamedToolChoice) else "tool_calls"

@@ -216,6 +216,9 @@ def test_api_key_required_when_configured(tiny_model_dir):
         assert httpx.get(f"{live.url}/ping").status_code == 200  # SageMaker's health check needs no key
         assert httpx.get(f"{live.url}/v1/models").status_code == 401
         assert httpx.post(f"{live.url}/invocations", json={"prompt": "x", "max_tokens": 1}).status_code == 401
+        for path in ("/completion", "/infill", "/score", "/rerank", "/v2/rerank", "/apply-template", "/tokenize"):
+            assert httpx.post(f"{live.url}{path}", json={}).status_code == 401, path  # routes off /v1 too
+        assert httpx.get(f"{live.url}/props").status_code == 401
         bad = httpx.get(f"{live.url}/v1/models", headers={"Authorization": "Bearer wrong"})
         assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
         ok = openai.OpenAI(base_url=f"{live.url}/v1", api_key="s3cret").models.list()

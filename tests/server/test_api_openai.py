@@ -169,6 +169,18 @@ def test_return_token_ids_give_the_prompt_and_reply_tokens(server, tokenizer):
     assert not any("prompt_token_ids" in e or "token_ids" in e["choices"][0] for e in events)
 
 
+def test_a_body_request_id_names_the_reply(server):
+    """vLLM's request_id field: the reply's id after cmpl- / chatcmpl- (as X-Request-Id sets it); a malformed one is
+    a 400."""
+    done = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 1, "request_id": "job-7.a"})
+    assert done.json()["id"] == "cmpl-job-7.a"
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "request_id": "job-8"}).json()
+    assert chat["id"] == "chatcmpl-job-8"
+    bad = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 1, "request_id": "a b"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
+
+
 def test_min_tokens_holds_off_eos(server, tokenizer):
     eos = tokenizer.eos_token_id
     body = {"model": "tiny", "prompt": "x", "max_tokens": 6, "temperature": 0, "logit_bias": {str(eos): 100}}
