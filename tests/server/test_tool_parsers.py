@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from bench.harness import make_tiny_model
 from server.api.protocol import Tool
 from server.api.serving import load_chat_template
-from server.api.tool_parsers import PARSERS, get_tool_parser
+from server.api.tool_parsers import PARSERS, get_tool_parser, pythonic
 from support import live_server, scripted_loader, tiny_config
 
 WEATHER = Tool.model_validate({"type": "function", "function": {
@@ -178,3 +178,15 @@ def test_served_pythonic_calls_through_the_bundled_template(tiny_model_dir):
         chunks = list(client.chat.completions.create(stream=True, **kw, seed=1))
         streamed = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
         assert streamed and all(call.function.name in ("get_weather", "get_time") for call in streamed)
+
+
+def test_a_long_reply_opening_with_a_bracket_is_read_once_it_closes(monkeypatch):
+    """A reply that opens like a list but is not one (thousands of `]`) is not parsed again at every `]`: the stream
+    reads the list only when its brackets close (here never), and it comes out as content."""
+    reply = "[" + ", ".join(f"[{i}]" for i in range(3000)) + " and more"
+    parsed = []
+    monkeypatch.setattr(pythonic, "first_calls", lambda text: parsed.append(len(text)))
+    follower = get_tool_parser("pythonic").stream()
+    for at in range(0, len(reply), 3):
+        assert follower.feed(reply[at:at + 3]) == ("", [])
+    assert follower.finish() == (reply, []) and parsed == []

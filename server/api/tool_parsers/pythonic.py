@@ -10,7 +10,9 @@ arguments as JSON values, valid for each parameter's schema).
 from __future__ import annotations
 
 import ast
+import io
 import json
+import tokenize
 
 from server.api.protocol import Tool, ToolCall
 from server.api.tool_parsers.base import ToolCallStream, ToolParser, tool_call
@@ -63,16 +65,32 @@ def parse_calls(text: str) -> list[ToolCall] | None:
     return calls
 
 
-def first_calls(text: str) -> list[ToolCall] | None:
-    """The calls of the shortest start of a reply that closes into a list of calls (what follows it is dropped, as
-    text after the calls of the other formats is), or None."""
-    if not _body(text).startswith("["):
+def _list_end(body: str) -> int | None:
+    """Where the Python list that opens `body` closes (the index after its `]`, brackets inside strings not
+    counted), or None while it is still open or cannot be read as Python."""
+    starts = [0]  # each line's offset: tokenize gives (line, column) positions
+    for line in body.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    depth = 0
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(body).readline):
+            if token.type == tokenize.OP and token.string in "([{":
+                depth += 1
+            elif token.type == tokenize.OP and token.string in ")]}":
+                depth -= 1
+                if depth == 0:
+                    return starts[token.end[0] - 1] + token.end[1]
+    except (tokenize.TokenError, SyntaxError):  # an open string or bracket at the end: not closed yet
         return None
-    for end in (i + 1 for i, char in enumerate(text) if char == "]"):
-        calls = parse_calls(text[:end])
-        if calls:
-            return calls
     return None
+
+
+def first_calls(text: str) -> list[ToolCall] | None:
+    """The calls of the list a reply opens with, once it has closed (what follows it is dropped, as text after the
+    calls of the other formats is), or None."""
+    body = _body(text)
+    end = _list_end(body) if body.startswith("[") else None
+    return parse_calls(body[:end]) if end else None
 
 
 def salvaged_calls(text: str) -> list[ToolCall] | None:
@@ -119,6 +137,9 @@ class PythonicCallStream(ToolCallStream):
         super().__init__()
         self.buffer = ""
         self.mode = "undecided"  # then "content" or "calls"
+        # brackets opened minus closed so far, strings not told apart: the list is read (with strings told apart)
+        # only once this comes back to 0, not at every `]` (a long reply would be read again and again)
+        self.depth = 0
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         self.buffer += delta
@@ -130,7 +151,13 @@ class PythonicCallStream(ToolCallStream):
         if self.mode == "content":
             out, self.buffer = self.buffer, ""
             return out, []
-        if self.calls or "]" not in delta:
+        if self.calls:
+            return "", []
+        closed = False
+        for char in delta:  # (what an undecided reply held back is whitespace or the python tag: no brackets)
+            self.depth += (char in "([{") - (char in ")]}")
+            closed = closed or (self.depth <= 0 and char in ")]}")
+        if not closed:
             return "", []
         calls = first_calls(self.buffer) or []
         self.calls += calls
