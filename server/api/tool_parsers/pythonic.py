@@ -20,6 +20,7 @@ from server.engine.structured import lark_json
 
 _START, _END = "<|python_start|>", "<|python_end|>"
 _JSON_NAMES = {"true": True, "false": False, "null": None}
+_SALVAGE_TRIES = 4  # cut-off lists: how many of the last complete calls' ends are tried
 
 
 def _value(node: ast.expr):
@@ -65,40 +66,46 @@ def parse_calls(text: str) -> list[ToolCall] | None:
     return calls
 
 
-def _list_end(body: str) -> int | None:
-    """Where the Python list that opens `body` closes (the index after its `]`, brackets inside strings not
-    counted), or None while it is still open or cannot be read as Python."""
+def _closings(body: str) -> tuple[int | None, list[int]]:
+    """Where the Python list that opens `body` closes (the index after its `]`; None while it is open or cannot be
+    read as Python), and where each of its calls closed before that (after each `)` back at the list's level):
+    brackets inside strings are not counted."""
     starts = [0]  # each line's offset: tokenize gives (line, column) positions
     for line in body.splitlines(keepends=True):
         starts.append(starts[-1] + len(line))
-    depth = 0
+    depth, elements = 0, []
     try:
         for token in tokenize.generate_tokens(io.StringIO(body).readline):
             if token.type == tokenize.OP and token.string in "([{":
                 depth += 1
             elif token.type == tokenize.OP and token.string in ")]}":
                 depth -= 1
+                at = starts[token.end[0] - 1] + token.end[1]
                 if depth == 0:
-                    return starts[token.end[0] - 1] + token.end[1]
-    except (tokenize.TokenError, SyntaxError):  # an open string or bracket at the end: not closed yet
-        return None
-    return None
+                    return at, elements
+                if depth == 1 and token.string == ")":
+                    elements.append(at)
+    except (tokenize.TokenError, SyntaxError):  # an open string or bracket at the end: not closed
+        pass
+    return None, elements
 
 
 def first_calls(text: str) -> list[ToolCall] | None:
     """The calls of the list a reply opens with, once it has closed (what follows it is dropped, as text after the
     calls of the other formats is), or None."""
     body = _body(text)
-    end = _list_end(body) if body.startswith("[") else None
+    end = _closings(body)[0] if body.startswith("[") else None
     return parse_calls(body[:end]) if end else None
 
 
 def salvaged_calls(text: str) -> list[ToolCall] | None:
     """The complete calls of a list cut off before it closed (by max_tokens), or None."""
-    if not _body(text).startswith("["):
+    body = _body(text)
+    if not body.startswith("["):
         return None
-    for end in reversed([i + 1 for i, char in enumerate(text) if char == ")"]):
-        calls = parse_calls(text[:end] + "]")
+    # the longest run of whole calls first; a few tries (a run that does not read as calls stays unreadable shorter)
+    for end in reversed(_closings(body)[1][-_SALVAGE_TRIES:]):
+        calls = parse_calls(body[:end] + "]")
         if calls:
             return calls
     return None
