@@ -738,6 +738,10 @@ class ModelList(BaseModel):
 class TokenizeCompletionRequest(RequestPart):
     """POST /tokenize with a prompt (vLLM's shape), or llama-server's `content` and `add_special`."""
 
+    # the published schema requires one of the two, as the validator does: a chat body (messages, neither) must
+    # not match this variant of /tokenize's oneOf too
+    model_config = ConfigDict(**RequestPart.model_config,
+                              json_schema_extra={"anyOf": [{"required": ["prompt"]}, {"required": ["content"]}]})
     model: str | None = None
     prompt: str | None = None
     content: str | None = Field(None, description="llama-server's name for the prompt")
