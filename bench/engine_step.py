@@ -147,7 +147,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def _load_runner(model_dir: Path, cfg, args, compressed: str | None) -> TorchRunner:
     runner = TorchRunner(model_dir, args.context + args.steps + 6, cfg.model.dtype, cfg.device,
                          Path(compressed) if compressed else None, num_threads=args.num_threads,
-                         panel_gemm=not args.no_panel_gemm, kv_cache_dtype=cfg.engine.kv_cache_dtype)
+                         panel_gemm=not args.no_panel_gemm, kv_cache_dtype=cfg.engine.kv_cache_dtype,
+                         quantization=cfg.model.quantization)
     runner.load()
     runner.model.use_decoder_plan = not args.python_layers
     max_len = args.context + args.steps + 6
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compressed", help="a compressed artifact folder to apply (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-dtype", help="override the config's engine.kv_cache_dtype (e.g. fp8)")
+    p.add_argument("--quantization", choices=["int8"], help="override the config's model.quantization")
     p.add_argument("--no-panel-gemm", action="store_true", help="oneDNN's packed GEMM even where the panel GEMM applies")
     p.add_argument("--python-layers", action="store_true",
                    help="run the layers through the Python loop even where the C++ layer loop (csrc/decoder.cpp) applies")
@@ -219,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config)
     if args.kv_cache_dtype:
         cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"kv_cache_dtype": args.kv_cache_dtype})})
+    if args.quantization:
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"quantization": args.quantization})})
     model_dir = resolve_model_dir(cfg.model, Path(cfg.cache_dir).expanduser())
     compressed = args.compressed or cfg.model.compressed
     with startup_heap("engine step"):  # the server's engine core runs with its start-up heap frozen (server.gc_heap)

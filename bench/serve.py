@@ -161,9 +161,10 @@ STREAM_PREFIX = "neuronmm stream "  # a served system streaming a chunk per N to
 
 
 def neuronmm_systems(config: str, compressed: str | None, port: int, fp32: bool = False,
-                     kv_cache_dtype: str | None = None, stream_interval: int = 1) -> list[System]:
+                     kv_cache_dtype: str | None = None, stream_interval: int = 1, int8: bool = False) -> list[System]:
     """neuronmm dense greedy and sampled (level by level on one server), compressed greedy (when an artifact is
-    given), fp32, another KV cache dtype and a coarser stream (`--stream-interval` above 1) when asked."""
+    given), fp32, another KV cache dtype, a coarser stream (`--stream-interval` above 1) and int8 weights (with the
+    artifact's int8 factors beside when one is given) when asked."""
     serve = [*NEURONMM, "serve", "--config", config, "--port", str(port)]
     systems = [System("neuronmm", serve, also_sampled=True)]
     if compressed:
@@ -174,6 +175,11 @@ def neuronmm_systems(config: str, compressed: str | None, port: int, fp32: bool 
         systems.append(System(f"neuronmm kv {kv_cache_dtype}", [*serve, "--kv-cache-dtype", kv_cache_dtype]))
     if stream_interval > 1:
         systems.append(System(f"{STREAM_PREFIX}{stream_interval}", [*serve, "--stream-interval", str(stream_interval)]))
+    if int8:
+        systems.append(System("neuronmm int8", [*serve, "--quantization", "int8"]))
+        if compressed:
+            systems.append(System("neuronmm compressed int8",
+                                  [*serve, "--compressed", compressed, "--quantization", "int8"]))
     return systems
 
 
@@ -182,12 +188,15 @@ def tokens_per_chunk(system: str) -> int:
     return int(system.removeprefix(STREAM_PREFIX)) if system.startswith(STREAM_PREFIX) else 1
 
 
-def peer_systems(model_dir: Path, port: int, parallel: int, seq_len: int = 256, kv_q8: bool = False) -> list[System]:
+def peer_systems(model_dir: Path, port: int, parallel: int, seq_len: int = 256, kv_q8: bool = False,
+                 q8_weights: bool = False) -> list[System]:
     """llama-server at bf16 and f32, as a llama.cpp user runs it, each of `parallel` slots holding `seq_len` tokens
     (and a margin); with `kv_q8` also bf16 over its 8-bit cache (`-ctk q8_0 -ctv q8_0`, which needs flash attention),
-    the counterpart of our fp8 cache. Empty when the peer is not built."""
+    the counterpart of our fp8 cache; with `q8_weights` also its q8_0 weights, the counterpart of our int8 ones.
+    Empty when the peer is not built."""
     server = PEERS / "llama-server"
-    variants = [("bf16", []), ("f32", [])] + ([("bf16", ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"])] if kv_q8 else [])
+    variants = ([("bf16", []), ("f32", [])] + ([("bf16", ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"])] if kv_q8 else [])
+                + ([("q8_0", [])] if q8_weights else []))
     systems = []
     for dtype, extra in variants:
         gguf = PEERS / f"{model_dir.name}-{dtype}.gguf"
@@ -317,10 +326,15 @@ def measure_system(system: System, port: int, model: str, prompts: list[list[int
             proc.wait(timeout=60)
 
 
-def engine_steps(config: str, compressed: str | None, batch_sizes: list[int]) -> list[dict]:
-    """bench.engine_step in a child process for the dense and (when given) the compressed model."""
+def engine_steps(config: str, compressed: str | None, batch_sizes: list[int], int8: bool = False) -> list[dict]:
+    """bench.engine_step in a child process for the dense and (when given) the compressed model, and with `int8`
+    both again with int8 weights."""
     rows = []
-    for name, extra in (("neuronmm", []), ("neuronmm compressed", ["--compressed", compressed] if compressed else None)):
+    models = [("neuronmm", []), ("neuronmm compressed", ["--compressed", compressed] if compressed else None)]
+    if int8:
+        models += [(f"{name} int8", None if extra is None else [*extra, "--quantization", "int8"])
+                   for name, extra in models]
+    for name, extra in models:
         if extra is None:
             continue
         out = RESULTS / f"engine_step-{name.replace(' ', '-')}.json"
@@ -339,8 +353,10 @@ def workload_args(system: str, compressed: str | None) -> list[str] | None:
         return ["--kv-cache-dtype", system.removeprefix("neuronmm kv ")]
     if system.startswith(STREAM_PREFIX):
         return []  # the same engine as "neuronmm": only the HTTP side differs
+    int8 = ["--quantization", "int8"]
     return {"neuronmm": [], "neuronmm compressed": ["--compressed", compressed] if compressed else None,
-            "neuronmm fp32": ["--dtype", "float32"]}.get(system)
+            "neuronmm fp32": ["--dtype", "float32"], "neuronmm int8": int8,
+            "neuronmm compressed int8": ["--compressed", compressed, *int8] if compressed else None}.get(system)
 
 
 def engine_twin(system: str, extra: list[str], config: str, input_len: int, output_len: int) -> EngineTwin:
@@ -426,6 +442,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", choices=["float16", "bfloat16", "float32", "fp8"],
                    help="also serve the config's model with this KV cache dtype (float16 under fp32: llama.cpp's default; "
                         "fp8 adds llama-server bf16 over its q8_0 cache)")
+    p.add_argument("--quantization", choices=["int8"],
+                   help="int8: also serve int8 weights (and the artifact's, with --compressed), against llama-server "
+                        "q8_0")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="also serve the config's model streaming a chunk per this many tokens (server --stream-interval)")
     p.add_argument("--input-len", type=int, default=128)
@@ -450,10 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     vocab = prompt_id_bound(json.loads((model_dir / "config.json").read_text())["vocab_size"],
                             load_tokenizer(model_dir))
     port = free_port()
+    int8 = args.quantization == "int8"
     systems = (neuronmm_systems(args.config, args.compressed, port, args.fp32, args.kv_cache_dtype,
-                                args.stream_interval) if "neuronmm" in args.systems else [])
+                                args.stream_interval, int8) if "neuronmm" in args.systems else [])
     peers = (peer_systems(model_dir, port, max(args.concurrency), args.input_len + args.output_len,
-                          kv_q8=args.kv_cache_dtype == "fp8") if "llama-server" in args.systems else [])
+                          kv_q8=args.kv_cache_dtype == "fp8", q8_weights=int8) if "llama-server" in args.systems else [])
     peer_note = "" if peers or "llama-server" not in args.systems else (
         f"llama-server not found in {PEERS}: run ../shared/peers/llama-server.sh to compare (ours ran alone).")
     if "vllm-cpu" in args.systems:
@@ -479,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
                                               log, twin, rounds)
         report["engine_workload"] += twin.rows
     if systems:
-        report["engine_step"] = engine_steps(args.config, args.compressed, args.step_batch_sizes)
+        report["engine_step"] = engine_steps(args.config, args.compressed, args.step_batch_sizes, int8)
     return publish(Path(args.out), report, markdown(report))
 
 

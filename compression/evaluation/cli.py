@@ -21,6 +21,7 @@ from server.config import load_config
 from server.errors import ConfigError
 from server.fileio import write_json_atomic
 from server.models.artifact import read_manifest
+from server.models.int8_linear import quantize_linears_ref
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("eval", help="perplexity (WikiText-2, PTB, C4) and zero-shot accuracy (7 tasks)")
     p.add_argument("--config", help="YAML config (default: configs/smollm2-135m.yaml)")
     p.add_argument("--compressed", help="a compressed artifact directory (manifest.json + factors)")
+    p.add_argument("--quantization", choices=["int8"],
+                   help="int8: every linear as the served int8 panel GEMM computes it (int8 weights per output column, "
+                        "activations per 64 inputs), in plain torch")
     p.add_argument("--tasks", default="all",
                    help="comma list of arc_easy,arc_challenge,piqa,hellaswag,winogrande,boolq,openbookqa; "
                         "'all' or 'none' (default all)")
@@ -109,8 +113,10 @@ def run_eval(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     manifest = read_manifest(Path(args.compressed)).to_dict() if args.compressed else None
-    result = evaluate(cfg, args.compressed, tasks, ppl_limits, seqlen, task_limit, batch_size, threads)
-    result["label"] = args.label or (Path(args.compressed).name if args.compressed else "dense")
+    result = evaluate(cfg, args.compressed, tasks, ppl_limits, seqlen, task_limit, batch_size, threads,
+                      args.quantization)
+    label = Path(args.compressed).name if args.compressed else "dense"
+    result["label"] = args.label or (f"{label}, {args.quantization}" if args.quantization else label)
     result["manifest"] = manifest
     table = markdown_table([result]) + "\n\n" + table_legend([result]) + "\n"
     print(table)
@@ -122,12 +128,15 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def evaluate(cfg, compressed: str | None, tasks: list[str], ppl_limits: dict[str, int | None], seqlen: int,
-             task_limit: int | None, batch_size: int = 4, num_threads: int = 2) -> dict:
+             task_limit: int | None, batch_size: int = 4, num_threads: int = 2, quantization: str | None = None) -> dict:
     """The result dict of one evaluation (perplexities per corpus with its window limit, task accuracies)."""
     if ppl_limits and seqlen > (positions := max_positions(cfg)):
         raise ConfigError(f"--seqlen: {seqlen} exceeds the model's {positions} positions")
     model, tokenizer, model_dir = load_eval_model(cfg, compressed, num_threads)
+    if quantization:
+        log.info("int8 (reference) weights in %d linear layers", quantize_linears_ref(model))
     result = {"model": cfg.model.name, "model_dir": str(model_dir), "compressed": compressed,
+              "quantization": quantization,
               "num_parameters": count_parameters(model), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                   timespec="seconds"), "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
               "torch_threads": torch.get_num_threads(), "perplexity": {}, "zeroshot": {}, "seconds": {}}

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from server.backends.neuron import create_neuron_runner, require_neuron_sdk
-from server.backends.torch_runner import TorchRunner, resolve_kv_cache_dtype
+from server.backends.torch_runner import TorchRunner, check_quantization, resolve_kv_cache_dtype
 from server.config import Config, ConfigError
 from server.models.cpu_features import resolve_dtype
 
@@ -23,7 +23,7 @@ def create_runner(cfg: Config, model_dir: Path):
                            cfg.engine.num_threads, kv_cache_dtype=cfg.engine.kv_cache_dtype,
                            cuda_graphs=not cfg.engine.enforce_eager, max_num_seqs=cfg.engine.max_num_seqs,
                            lora_modules={name: Path(path) for name, path in cfg.engine.lora_modules.items()},
-                           max_lora_rank=cfg.engine.max_lora_rank)
+                           max_lora_rank=cfg.engine.max_lora_rank, quantization=cfg.model.quantization)
     if cfg.backend == "neuron":
         return create_neuron_runner(cfg, model_dir, compressed)
     raise ConfigError(f"backend: unknown backend {cfg.backend!r}")
@@ -36,10 +36,13 @@ def check_backend_available(cfg: Config) -> None:
             raise ConfigError("engine.kv_cache_dtype: the neuron backend keeps its cache in the model's dtype (auto)")
         if cfg.engine.lora_modules:
             raise ConfigError("engine.lora_modules: the neuron backend serves no LoRA adapters (the torch one does)")
+        if cfg.model.quantization:
+            raise ConfigError("model.quantization: the neuron backend serves the model's own dtype")
         require_neuron_sdk()
         return
     if cfg.device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ConfigError(f"device: {cfg.device!r} requested but torch sees no CUDA device")
+    check_quantization(cfg.model.quantization, torch.device(cfg.device))
     resolve_kv_cache_dtype(cfg.engine.kv_cache_dtype, resolve_dtype(cfg.model.dtype, torch.device(cfg.device),
                                                                     log_choice=False))

@@ -14,6 +14,7 @@ from server.errors import ConfigError
 from server.models.cpu_features import activation_dtype, resolve_dtype
 from server.models.fused_ops import kernels_for
 from server.models.hugepages import return_freed_heap
+from server.models.int8_linear import int8_available
 from server.models.llama import FlatBatch, KVCache, LlamaModel, PrefillChunk
 from server.models.loader import load_llama
 from server.models.lora import LoraAdapter, load_lora_adapter, lora_rows
@@ -41,6 +42,17 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return chosen
 
 
+def check_quantization(name: str | None, device: torch.device) -> str | None:
+    """`model.quantization` where this backend can take it: none, or int8 weights on a CPU."""
+    if name is None:
+        return None
+    if name != "int8":
+        raise ConfigError(f"model.quantization: {name!r} is not supported (int8, or none)")
+    if device.type != "cpu":
+        raise ConfigError(f"model.quantization: int8 weights run on the CPU panel GEMMs, not on {device.type}")
+    return name
+
+
 class TorchRunner:
     """Runs flat mixed prefill/decode batches through `LlamaModel` on one device.
 
@@ -57,13 +69,14 @@ class TorchRunner:
                  compressed: Path | None = None, num_threads: int | None = None, pack_weights: bool = True,
                  fused_kernels: bool = True, panel_gemm: bool = True, kv_cache_dtype: str = "auto",
                  cuda_graphs: bool = True, max_num_seqs: int | None = None,
-                 lora_modules: dict[str, Path] | None = None, max_lora_rank: int = 16):
+                 lora_modules: dict[str, Path] | None = None, max_lora_rank: int = 16, quantization: str | None = None):
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.device = torch.device(device)
         self.weight_dtype = resolve_dtype(dtype, self.device)
         self.dtype = activation_dtype(self.weight_dtype, self.device)  # the model's compute dtype
         self.cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
+        self.quantization = check_quantization(quantization, self.device)  # None, or "int8": int8 panel GEMMs
         self.compressed = compressed
         self.num_threads = num_threads
         self.pack_weights = pack_weights
@@ -83,6 +96,8 @@ class TorchRunner:
     def precision(self) -> str:
         """The model's dtype for reports: its compute dtype, and its weights' where they differ."""
         name = str(self.dtype).removeprefix("torch.")
+        if self.quantization:
+            return f"{name}, {self.quantization} weights"
         return name if self.weight_dtype == self.dtype else f"{name}, {str(self.weight_dtype).removeprefix('torch.')} weights"
 
     def load(self) -> None:
@@ -94,9 +109,13 @@ class TorchRunner:
                 for p in self.model.parameters():
                     p.copy_(p.to(self.weight_dtype))
         self.vocab_size = self.model.config.vocab_size
+        use_panels = self.panel_gemm and panels_available(self.device, self.dtype)
+        if self.quantization and not (self.pack_weights and use_panels and int8_available()):
+            raise ConfigError("model.quantization: int8 weights need the CPU panel GEMMs built with AVX512-VNNI, "
+                              "which this CPU (or $NEURONMM_CPU_ARCH) lacks")
         if self.pack_weights and packing_available(self.device, self.dtype):
-            pack_linears(self.model, use_panels=self.panel_gemm and panels_available(self.device, self.dtype),
-                         panel_dtype=self.weight_dtype)
+            pack_linears(self.model, use_panels=use_panels, panel_dtype=self.weight_dtype,
+                         int8=self.quantization == "int8")
         if self.fused_kernels:
             self.model.use_kernels(kernels_for(self.device, self.dtype))
         for name, path in self.lora_modules.items():

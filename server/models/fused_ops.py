@@ -28,8 +28,9 @@ from server.models.cpu_features import cpu_flags, target_arch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "fused_ops.cpp", CSRC / "small_gemm.cpp", CSRC / "decoder.cpp", CSRC / "work_split.cpp")
-HEADERS = (CSRC / "work_split.h",)
+SOURCES = (CSRC / "fused_ops.cpp", CSRC / "small_gemm.cpp", CSRC / "int8_gemm.cpp", CSRC / "decoder.cpp",
+           CSRC / "work_split.cpp")
+HEADERS = (CSRC / "work_split.h", CSRC / "panel_parts.h", CSRC / "step_ops.h")
 _loaded: bool | None = None
 
 

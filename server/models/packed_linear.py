@@ -21,6 +21,7 @@ from torch import nn
 from server.models import fused_ops
 from server.models.gemm_tuning import tune_bf16_kernels
 from server.models.hugepages import into_huge_pages
+from server.models.int8_linear import fits_int8, pack_int8_panels
 from server.models.llama import LlamaModel, StackedPair
 from server.models.lowrank import LowRankLinear
 
@@ -109,16 +110,22 @@ def panels_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PanelLinear(_PrepackedLinear):
-    """y = x Wᵀ with W [N, K] held as column panels for csrc/small_gemm.cpp: bf16 (K even) or fp32 (no bias).
+    """y = x Wᵀ with W [N, K] held as column panels for csrc/small_gemm.cpp: bf16 (K even) or fp32 (no bias), or
+    int8 for csrc/int8_gemm.cpp (K a multiple of 64).
 
     x comes in W's dtype; `panel_dtype` bf16 under an fp32 W stores the panels in bf16 (W rounded to it)."""
 
-    def __init__(self, weight: torch.Tensor, panel_dtype: torch.dtype | None = None):
+    def __init__(self, weight: torch.Tensor, panel_dtype: torch.dtype | None = None, int8: bool = False):
         super().__init__(weight)
         pack, gemm = _PANEL_OPS[weight.dtype]
         self.x_dtype = weight.dtype
-        self.panels = getattr(torch.ops.neuronmm, pack)(_panel_weight(weight, panel_dtype))
-        self.layout = _layout(weight.dtype, self.panels)
+        if int8:
+            self.panels = pack_int8_panels(weight)
+            self.layout = "int8 panels"
+            gemm = "panel_linear_int8"
+        else:
+            self.panels = getattr(torch.ops.neuronmm, pack)(_panel_weight(weight, panel_dtype))
+            self.layout = _layout(weight.dtype, self.panels)
         self._gemm = getattr(torch.ops.neuronmm, gemm).default  # the overload, resolved once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,17 +154,18 @@ class FactoredPanelLinear(nn.Module):
     """
 
     def __init__(self, first: torch.Tensor, splits: list[int], seconds: list[torch.Tensor | None],
-                 panel_dtype: torch.dtype | None = None):
+                 panel_dtype: torch.dtype | None = None, int8: bool = False):
         super().__init__()
-        pack = getattr(torch.ops.neuronmm, _PANEL_OPS[first.dtype][0])
+        op = getattr(torch.ops.neuronmm, _PANEL_OPS[first.dtype][0])
+        pack = pack_int8_panels if int8 else lambda w: op(_panel_weight(w, panel_dtype))
         self.x_dtype = first.dtype
         self.in_features = first.shape[1]
         self.splits = list(splits)
         self.outs = [s if b is None else b.shape[0] for s, b in zip(splits, seconds)]
         self.out_features = sum(self.outs)
-        self.first = pack(_panel_weight(first, panel_dtype))
-        self.seconds = [None if b is None else pack(_panel_weight(b, panel_dtype)) for b in seconds]
-        self.layout = f"factored {_layout(first.dtype, self.first)}"
+        self.first = pack(first)
+        self.seconds = [None if b is None else pack(b) for b in seconds]
+        self.layout = f"factored {'int8 panels' if int8 else _layout(first.dtype, self.first)}"
         self._op = torch.ops.neuronmm.factored_linear.default
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,8 +189,10 @@ class FactoredPanelLinear(nn.Module):
         return f"in={self.in_features}, splits={self.splits}, out={self.outs}, {self.layout}"
 
 
-def _factored(module: nn.Module, use_panels: bool, panel_dtype: torch.dtype | None) -> FactoredPanelLinear | None:
-    """A LowRankLinear or a StackedPair as one FactoredPanelLinear, where the panel GEMM takes its dtype."""
+def _factored(module: nn.Module, use_panels: bool, panel_dtype: torch.dtype | None,
+              int8: bool) -> FactoredPanelLinear | None:
+    """A LowRankLinear or a StackedPair as one FactoredPanelLinear, where the panel GEMM takes its dtype; int8 panels
+    where asked and every GEMM's K fits them."""
     if not use_panels or not hasattr(torch.ops.neuronmm, "factored_linear"):
         return None
     if isinstance(module, LowRankLinear) and module.bias is None:
@@ -195,49 +205,55 @@ def _factored(module: nn.Module, use_panels: bool, panel_dtype: torch.dtype | No
     even = all(n % 2 == 0 for n in [first.shape[1], *splits])  # bf16 panels pair the inner dimension
     if first.dtype not in _PANEL_OPS or (first.dtype == torch.bfloat16 and not even):
         return None
-    return FactoredPanelLinear(first, splits, seconds, panel_dtype)
+    ks = [first.shape[1]] + [s for s, b in zip(splits, seconds) if b is not None]  # each GEMM's inputs
+    return FactoredPanelLinear(first, splits, seconds, panel_dtype, int8=int8 and all(map(fits_int8, ks)))
 
 
-def _pack_weight(weight: torch.Tensor, use_panels: bool, panel_dtype: torch.dtype | None) -> nn.Module:
-    """One weight packed: panels where they apply (bf16 panels pair K, so K even), else oneDNN's layout."""
+def _pack_weight(weight: torch.Tensor, use_panels: bool, panel_dtype: torch.dtype | None, int8: bool) -> nn.Module:
+    """One weight packed: panels where they apply (bf16 panels pair K, so K even; int8 ones where asked and K fits
+    them), else oneDNN's layout."""
     if use_panels and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0):
-        return PanelLinear(weight, panel_dtype)
+        return PanelLinear(weight, panel_dtype, int8=int8 and fits_int8(weight.shape[1]))
     return PackedLinear(weight)
 
 
-def _packed(module: nn.Module, use_panels: bool, panel_dtype: torch.dtype | None) -> nn.Module | None:
+def _packed(module: nn.Module, use_panels: bool, panel_dtype: torch.dtype | None, int8: bool) -> nn.Module | None:
     """The packed replacement of one module, or None to leave it (and pack what is inside it)."""
-    factored = _factored(module, use_panels, panel_dtype)
+    factored = _factored(module, use_panels, panel_dtype, int8)
     if factored is not None:
         return factored
     if type(module) is nn.Linear and module.bias is None:
-        return _pack_weight(module.weight, use_panels, panel_dtype)
+        return _pack_weight(module.weight, use_panels, panel_dtype, int8)
     if isinstance(module, LowRankLinear) and module.bias is None:
-        return nn.Sequential(_pack_weight(module.A, use_panels, panel_dtype),
-                             _pack_weight(module.B, use_panels, panel_dtype))
+        return nn.Sequential(_pack_weight(module.A, use_panels, panel_dtype, int8),
+                             _pack_weight(module.B, use_panels, panel_dtype, int8))
     return None
 
 
-def _replace(parent: nn.Module, use_panels: bool, panel_dtype: torch.dtype | None) -> int:
+def _replace(parent: nn.Module, use_panels: bool, panel_dtype: torch.dtype | None, int8: bool) -> int:
     count = 0
     for name, child in list(parent.named_children()):
-        replacement = _packed(child, use_panels, panel_dtype)
+        replacement = _packed(child, use_panels, panel_dtype, int8)
         if replacement is not None:
             setattr(parent, name, replacement)
             count += 1
         else:
-            count += _replace(child, use_panels, panel_dtype)
+            count += _replace(child, use_panels, panel_dtype, int8)
     return count
 
 
-def pack_linears(model: nn.Module, use_panels: bool = False, panel_dtype: torch.dtype | None = None) -> int:
+def pack_linears(model: nn.Module, use_panels: bool = False, panel_dtype: torch.dtype | None = None,
+                 int8: bool = False) -> int:
     """Replace every bias-free Linear / LowRankLinear / StackedPair under `model` by its packed form; returns the count.
 
     use_panels: panels for our GEMMs (see panels_available; factored modules become one call), else oneDNN's layout.
     panel_dtype: bf16 under an fp32 model stores the panels' weights in bf16 (the model's weights must already
     hold bf16 values for that to lose nothing; see TorchRunner); None: the model's dtype.
+    int8: int8 panels (csrc/int8_gemm.cpp; the caller checks int8_available) for every panel GEMM whose K fits them.
     """
-    count = _replace(model, use_panels, panel_dtype)
+    if int8 and not use_panels:
+        raise ValueError("int8 weights need the panel GEMMs (use_panels)")
+    count = _replace(model, use_panels, panel_dtype, int8)
     for llama in (m for m in model.modules() if isinstance(m, LlamaModel)):
         llama.unbind()  # its bound layer calls name the modules just replaced
     panel_layers = [m for m in model.modules() if isinstance(m, (PanelLinear, FactoredPanelLinear))]
@@ -248,5 +264,9 @@ def pack_linears(model: nn.Module, use_panels: bool = False, panel_dtype: torch.
             layer.set_panel_tensors([next(placed) for _ in group])
         if any(layer.x_dtype == torch.bfloat16 for layer in panel_layers):  # the bf16 GEMM's paths, timed here
             tune_bf16_kernels()
+    if int8:
+        quantised = sum("int8" in layer.layout for layer in panel_layers)
+        log.info("int8 weights in %d of %d panel GEMM layers (the others' K is not a multiple of 64)", quantised,
+                 len(panel_layers))
     log.info("packed %d linear layers (%s)", count, "panels" if use_panels else "oneDNN")
     return count

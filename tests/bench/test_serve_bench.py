@@ -59,6 +59,22 @@ def test_peer_slots_hold_the_workload_and_an_fp8_run_adds_the_peers_8_bit_cache(
     assert serve.peer_systems(tmp_path / "absent", 8000, 16) == []
 
 
+def test_int8_adds_our_int8_systems_and_the_peers_q8_0_weights(tmp_path, monkeypatch):
+    systems = neuronmm_systems("c.yaml", "/a", 8000, int8=True)
+    assert [s.name for s in systems][-2:] == ["neuronmm int8", "neuronmm compressed int8"]
+    assert systems[-1].command[-4:] == ["--compressed", "/a", "--quantization", "int8"]
+    assert [s.name for s in neuronmm_systems("c.yaml", None, 8000, int8=True)][-1] == "neuronmm int8"
+    assert workload_args("neuronmm int8", None) == ["--quantization", "int8"]
+    assert workload_args("neuronmm compressed int8", "/a") == ["--compressed", "/a", "--quantization", "int8"]
+    assert workload_args("neuronmm compressed int8", None) is None
+    monkeypatch.setattr(serve, "PEERS", tmp_path)
+    for name in ("llama-server", "model-bf16.gguf", "model-f32.gguf", "model-q8_0.gguf"):
+        (tmp_path / name).write_text("")
+    peers = serve.peer_systems(tmp_path / "model", 8000, 16, q8_weights=True)
+    assert [s.name for s in peers] == ["llama-server bf16", "llama-server f32", "llama-server q8_0"]
+    assert peers[-1].command[peers[-1].command.index("-m") + 1] == str(tmp_path / "model-q8_0.gguf")
+
+
 def test_vllm_cpu_serves_the_same_model_on_every_core_when_installed(tmp_path, monkeypatch):
     monkeypatch.setattr(serve, "PEERS", tmp_path)
     assert serve.vllm_systems(tmp_path / "model", "smol", 8000) == []

@@ -37,6 +37,19 @@ def test_eval_small_slice_gives_finite_numbers(tiny_yaml, tmp_path, capsys):
     assert "| dense |" in table and table in capsys.readouterr().out
 
 
+def test_eval_int8_runs_the_served_quantisation(tiny_yaml, tmp_path):
+    """--quantization int8 evaluates every linear as the int8 panel GEMM computes it: another perplexity, labelled."""
+    runs = {}
+    for extra in ([], ["--quantization", "int8"]):
+        out = tmp_path / f"r{len(extra)}.json"
+        assert main(["eval", "--config", str(tiny_yaml), "--seqlen", "32", "--limit", "2", "--num-threads", "1",
+                     "--tasks", "none", "--ppl", "wikitext2", "--out", str(out), *extra]) == 0
+        runs[len(extra)] = json.loads(out.read_text())
+    assert runs[2]["label"] == "dense, int8" and runs[2]["quantization"] == "int8" and runs[0]["quantization"] is None
+    dense, int8 = (runs[n]["perplexity"]["wikitext2"]["perplexity"] for n in (0, 2))
+    assert int8 != dense and abs(int8 / dense - 1) < 0.05
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--tasks", "mmlu"], "--tasks: unknown name 'mmlu'"),
     (["--ppl", "wiki103"], "--ppl: unknown name 'wiki103'"),
