@@ -1,12 +1,15 @@
-"""What a narrower KV cache costs in quality: WikiText-2 perplexity and greedy agreement through the serving runner.
+"""What a narrower KV cache or int8 weights cost in quality: WikiText-2 perplexity and greedy agreement through the
+serving runner.
 
 `engine.kv_cache_dtype: float16` (or bfloat16) under a float32 model, or fp8 (e4m3) under a float32 or bfloat16 one,
-stores keys and values rounded and attention reads them widened. This scores the same evenly spaced WikiText-2 windows through `TorchRunner` (the fused
+stores keys and values rounded and attention reads them widened; `model.quantization: int8` multiplies int8 weights
+by activations quantised per 64 inputs (`--quantizations none int8`: every cache dtype with each). This scores the same evenly spaced WikiText-2 windows through `TorchRunner` (the fused
 attention reads every position back from the cache, so the rounding reaches every score) once per cache dtype,
 and decodes greedy continuations of prompts cut from other windows, counting where each leaves the
 full-precision cache's tokens.
 
     python -m bench.kv_cache_quality --out bench/results/kv_cache_quality.json
+    python -m bench.kv_cache_quality --dtype bfloat16 --kv-cache-dtypes auto --quantizations none int8
     python -m bench.cpu_caps avx2 python -m bench.kv_cache_quality    # the AVX2 build's kernels
 """
 
@@ -64,10 +67,11 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
 def markdown(report: dict) -> str:
     lines = [f"CPU flags {' '.join(report['cpu_flags'])}; caps {report['caps_in_force'] or 'none'}; model "
              f"{report['dtype']}", "",
-             "| KV cache | WikiText-2 ppl | × model-dtype cache | greedy identical | mean first difference |",
-             "|---|---:|---:|---:|---:|"]
+             "| KV cache | weights | WikiText-2 ppl | × the first row | greedy identical | mean first difference |",
+             "|---|---|---:|---:|---:|---:|"]
     for r in report["rows"]:
-        lines.append(f"| {r['kv_cache_dtype']} | {r['ppl']:.4f} | {r['ppl_ratio']:.5f} | {r['identical']:.0%} | "
+        lines.append(f"| {r['kv_cache_dtype']} | {r['quantization'] or report['dtype']} | {r['ppl']:.4f} | "
+                     f"{r['ppl_ratio']:.5f} | {r['identical']:.0%} | "
                      f"{r['mean_first_difference']:.1f} of {report['greedy_tokens']} |")
     lines += ["", f"{report['windows']} windows of {report['seqlen']} tokens (of {report['windows_total']}); "
                   f"{report['greedy_prompts']} prompts of {report['prompt_len']} tokens, {report['greedy_tokens']} "
@@ -82,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", help="the model's dtype")
     p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto", "float16", "bfloat16"],
                    help="the first is the reference (auto: the model's dtype)")
+    p.add_argument("--quantizations", nargs="+", choices=["none", "int8"], default=["none"],
+                   help="weights for each cache dtype: the model's (none) and / or int8")
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--windows", type=int, default=16, help="evenly spaced windows of the WikiText-2 test set")
     p.add_argument("--greedy-prompts", type=int, default=16)
@@ -98,14 +104,16 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [w[:args.prompt_len].tolist() for w in spread_windows(all_windows.flip(0), args.greedy_prompts)]
     max_len = max(args.seqlen, args.prompt_len + args.greedy_tokens)
     rows, reference = [], None
-    for kv in args.kv_cache_dtypes:
-        runner = TorchRunner(model_dir, max_len, args.dtype, cfg.device, kv_cache_dtype=kv)
+    for kv, quantization in ((kv, q) for kv in args.kv_cache_dtypes for q in args.quantizations):
+        quantization = None if quantization == "none" else quantization
+        runner = TorchRunner(model_dir, max_len, args.dtype, cfg.device, kv_cache_dtype=kv, quantization=quantization)
         runner.load()
         runner.allocate_kv_blocks(-(-max_len // cfg.engine.block_size), cfg.engine.block_size)
-        nll = window_nll(runner, windows, f"ppl, {kv} cache")
+        nll = window_nll(runner, windows, f"ppl, {kv} cache, {quantization or args.dtype} weights")
         continuations = [greedy(runner, prompt, args.greedy_tokens) for prompt in tqdm(prompts, desc="greedy")]
         reference = reference or (nll, continuations)
-        rows.append({"kv_cache_dtype": str(runner.cache_dtype).removeprefix("torch."), "ppl": math.exp(nll),
+        rows.append({"kv_cache_dtype": str(runner.cache_dtype).removeprefix("torch."), "quantization": quantization,
+                     "ppl": math.exp(nll),
                      "ppl_ratio": math.exp(nll - reference[0]), **agreement(reference[1], continuations)})
         del runner
     report = {**machine_facts(), "config": args.config,

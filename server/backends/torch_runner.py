@@ -111,8 +111,8 @@ class TorchRunner:
         self.vocab_size = self.model.config.vocab_size
         use_panels = self.panel_gemm and panels_available(self.device, self.dtype)
         if self.quantization and not (self.pack_weights and use_panels and int8_available()):
-            raise ConfigError("model.quantization: int8 weights need the CPU panel GEMMs built with AVX512-VNNI, "
-                              "which this CPU (or $NEURONMM_CPU_ARCH) lacks")
+            raise ConfigError("model.quantization: int8 weights need the CPU panel GEMMs (AVX512-VNNI, or AVX2), "
+                              "which this CPU or build lacks")
         if self.pack_weights and packing_available(self.device, self.dtype):
             pack_linears(self.model, use_panels=use_panels, panel_dtype=self.weight_dtype,
                          int8=self.quantization == "int8")

@@ -19,7 +19,7 @@ PANEL = 32  # output columns per panel
 
 
 def int8_available() -> bool:
-    """The int8 panel GEMM is in this CPU's fused-ops build (AVX512-VNNI)."""
+    """The int8 panel GEMM is in this CPU's fused-ops build (AVX512-VNNI, or AVX2 with fp32 activations)."""
     return hasattr(torch.ops.neuronmm, "panel_linear_int8")
 
 

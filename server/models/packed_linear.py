@@ -266,7 +266,7 @@ def pack_linears(model: nn.Module, use_panels: bool = False, panel_dtype: torch.
             tune_bf16_kernels()
     if int8:
         quantised = sum("int8" in layer.layout for layer in panel_layers)
-        log.info("int8 weights in %d of %d panel GEMM layers (the others' K is not a multiple of 64)", quantised,
-                 len(panel_layers))
+        log.info("int8 weights in %d of %d panel GEMM layers%s", quantised, len(panel_layers),
+                 "" if quantised == len(panel_layers) else " (the others' K is not a multiple of 64)")
     log.info("packed %d linear layers (%s)", count, "panels" if use_panels else "oneDNN")
     return count

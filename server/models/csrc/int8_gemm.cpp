@@ -11,6 +11,11 @@
 // 32 columns' 4 weights side by side as unsigned bytes q + 128, [K/4][32][4] (one 64-byte load: 16 columns x 4
 // inputs, VPDPBUSD's unsigned operand), then the 32 columns' fp32 scales: K·32 + 128 bytes a panel. The + 128 is
 // taken back per block from x's side: Σ r (q + 128) = Σ r q + 128 Σ r, and 128 Σ r is one number per row and block.
+//
+// On CPUs without AVX512-VNNI but with AVX2 (x86-64-v3: the AVX2 Xeons and EPYCs, Skylake-SP's AVX-512 without VNNI)
+// the same panels and sums go through VPMADDUBSW: unsigned |r| times the weight given r's sign (VPSIGNB, after the
+// + 128 is flipped off) in pairs, then VPMADDWD by ones into the 4-input sums; |r| and |q| <= 127, so no pair of
+// products reaches the int16 limit. Same exact block sums, 8 columns a vector, fp32 activations only.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -19,6 +24,12 @@
 #include "work_split.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define NEURONMM_INT8 512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define NEURONMM_INT8 256
+#endif
+
+#ifdef NEURONMM_INT8
 #include <immintrin.h>
 
 #include <memory>
@@ -31,7 +42,6 @@ using neuronmm::Part;
 
 constexpr int64_t kBlock = 64;        // inputs of x per scale
 constexpr int64_t kQuads = kBlock / 4;  // 4-input steps a block
-constexpr int64_t kTileRows = 6;      // rows of x per register tile: 2 x 6 int32 block sums, 2 x 6 fp32 sums
 constexpr int64_t kItemRows = 48;     // rows of x per work item (a panel stays in L1/L2 across its tiles)
 constexpr int64_t kAheadQuads = 16;   // 4-input steps prefetched ahead into L1 (16 x 128 B)
 constexpr int64_t kFarQuads = 64;     // and, by a tile that reads its panel in one pass, into L2 (8 KB)
@@ -58,6 +68,9 @@ struct QuantBuffer {
     return {r.data(), scale.data(), offset.data(), K};
   }
 };
+
+#if NEURONMM_INT8 == 512
+constexpr int64_t kTileRows = 6;  // rows of x per register tile: 2 x 6 int32 block sums, 2 x 6 fp32 sums
 
 // 16 values of x as fp32.
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
@@ -163,6 +176,111 @@ void panel_rows(const QuantRows& x, const uint8_t* panel, Y* y, int64_t ldy, int
   for (int64_t m = 0; m < rows; m += kTileRows)
     tile_of<kTileRows>(x.at(m), panel, y + m * ldy, ldy, valid, std::min(kTileRows, rows - m), single);
 }
+
+#else  // AVX2: 8 columns a vector
+constexpr int64_t kTileRows = 2;  // rows of x per register tile over half a panel: 2 x 2 int32 block sums, 2 x 2 fp32
+
+inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+// As the AVX-512 quantize_row, 8 values at a time (the same scales and codes: max and rounding are exact).
+void quantize_row(const float* x, const QuantRows& out) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < out.K / kBlock; ++b) {
+    __m256 v[8];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 8; ++i) {
+      v[i] = _mm256_loadu_ps(x + b * kBlock + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    const float peak = max8(amax);
+    const __m256 inv = _mm256_set1_ps(peak > 0.0f ? 127.0f / peak : 0.0f);
+    int32_t sum = 0;
+    for (int i = 0; i < 8; ++i) {
+      alignas(32) int32_t r[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(r), _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)));
+      for (int j = 0; j < 8; ++j) {
+        out.r[b * kBlock + 8 * i + j] = int8_t(r[j]);
+        sum += r[j];
+      }
+    }
+    out.scale[b] = peak / 127.0f;
+    out.offset[b] = 128 * sum;  // (the AVX2 tiles take the + 128 off the weights instead)
+  }
+}
+
+template <typename X>
+void quantize_rows(const X* x, int64_t ldx, int64_t M, const QuantRows& out) {
+  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * ldx, out.at(m));
+}
+
+inline void store8(float* y, __m256 v, int64_t valid) {
+  if (valid >= 8)
+    _mm256_storeu_ps(y, v);
+  else if (valid > 0)
+    _mm256_maskstore_ps(y, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(valid)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                        v);
+}
+
+// MT rows of quantised x against half a panel (columns 16 h .. 16 h + 15); writes the first `valid` of them.
+template <int MT>
+inline void tile(const QuantRows& x, const uint8_t* panel, int h, float* y, int64_t ldy, int64_t valid, bool single) {
+  const int64_t K = x.K, blocks = K / kBlock;
+  const __m256i flip = _mm256_set1_epi8(int8_t(0x80)), ones = _mm256_set1_epi16(1);
+  __m256 lo[MT], hi[MT];
+  for (int j = 0; j < MT; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
+  const int32_t* x4 = reinterpret_cast<const int32_t*>(x.r);
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i ilo[MT], ihi[MT];
+    for (int j = 0; j < MT; ++j) ilo[j] = ihi[j] = _mm256_setzero_si256();
+    for (int64_t kq = b * kQuads; kq < (b + 1) * kQuads; ++kq) {
+      const uint8_t* w = panel + kq * 128 + h * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(w + kAheadQuads * 128), _MM_HINT_T0);
+      if (single) _mm_prefetch(reinterpret_cast<const char*>(w + kFarQuads * 128), _MM_HINT_T1);
+      const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), flip);
+      const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32)), flip);
+      for (int j = 0; j < MT; ++j) {
+        const __m256i xv = _mm256_set1_epi32(x4[j * K / 4 + kq]), ax = _mm256_abs_epi8(xv);
+        ilo[j] = _mm256_add_epi32(ilo[j], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xv)), ones));
+        ihi[j] = _mm256_add_epi32(ihi[j], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xv)), ones));
+      }
+    }
+    for (int j = 0; j < MT; ++j) {
+      const __m256 scale = _mm256_set1_ps(x.scale[j * blocks + b]);
+      lo[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ilo[j]), scale, lo[j]);
+      hi[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ihi[j]), scale, hi[j]);
+    }
+  }
+  const float* column_scale = reinterpret_cast<const float*>(panel + K * 32) + 16 * h;
+  const __m256 slo = _mm256_loadu_ps(column_scale), shi = _mm256_loadu_ps(column_scale + 8);
+  for (int j = 0; j < MT; ++j) {
+    store8(y + j * ldy, _mm256_mul_ps(lo[j], slo), valid);
+    store8(y + j * ldy + 8, _mm256_mul_ps(hi[j], shi), valid - 8);
+  }
+}
+
+template <int MT>
+void tile_of(const QuantRows& x, const uint8_t* panel, int h, float* y, int64_t ldy, int64_t valid, int64_t rows,
+             bool single) {
+  if constexpr (MT > 0) {
+    if (rows == MT) return tile<MT>(x, panel, h, y, ldy, valid, single);
+    tile_of<MT - 1>(x, panel, h, y, ldy, valid, rows, single);
+  }
+}
+
+// `rows` rows of quantised x against one panel: each half panel against every register tile of rows in turn.
+template <typename Y>
+void panel_rows(const QuantRows& x, const uint8_t* panel, Y* y, int64_t ldy, int64_t valid, int64_t rows) {
+  const bool single = rows <= kTileRows;
+  for (int h = 0; h < (valid > 16 ? 2 : 1); ++h)
+    for (int64_t m = 0; m < rows; m += kTileRows)
+      tile_of<kTileRows>(x.at(m), panel, h, y + m * ldy + 16 * h, ldy, valid - 16 * h, std::min(kTileRows, rows - m),
+                         single);
+}
+#endif  // NEURONMM_INT8 == 512
 
 template <typename X>
 using Parts = std::vector<Part<X, uint8_t, X>>;
@@ -303,6 +421,6 @@ TORCH_LIBRARY_IMPL(neuronmm, CPU, m) {
 void neuronmm::factored_linear_int8(const at::Tensor&, const at::Tensor&, at::IntArrayRef,
                                     const c10::List<std::optional<at::Tensor>>&, at::IntArrayRef, at::Tensor&,
                                     const at::Tensor&) {
-  TORCH_CHECK(false, "factored_linear: int8 panels need AVX512-VNNI, which this build lacks");
+  TORCH_CHECK(false, "factored_linear: int8 panels need AVX512-VNNI or AVX2, which this build lacks");
 }
-#endif  // __AVX512VNNI__ && __AVX512BW__
+#endif  // NEURONMM_INT8
