@@ -27,6 +27,7 @@ from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
 from server.models.compressed import apply_artifact_to_hf
+from server.models.int8_linear import int8_available, quantize_linears_ref
 from server.models.lora import load_lora_adapter
 from server.models.packed_linear import panels_available
 from server.runtime import build_engine, eos_token_ids
@@ -43,12 +44,15 @@ def write_adapter(folder: Path, model_dir: Path, targets: tuple[str, ...], rank:
     return write_random_lora(folder, model_config, targets, rank, alpha, seed, layers, **config)
 
 
-def merged_logits(model_dir: Path, adapter: Path | None, ids: list[int], artifact: Path | None = None) -> torch.Tensor:
+def merged_logits(model_dir: Path, adapter: Path | None, ids: list[int], artifact: Path | None = None,
+                  int8: bool = False) -> torch.Tensor:
     """HF's logits over ids with the adapter applied as LoRA defines it (each target's output + alpha / r · x·Aᵀ·Bᵀ,
-    by forward hooks, so it holds over a compressed artifact's low-rank modules too), fp32."""
+    by forward hooks, so it holds over a compressed artifact's low-rank modules and int8 weights too), fp32."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if artifact is not None:
         apply_artifact_to_hf(hf, artifact, model_dir)
+    if int8:
+        quantize_linears_ref(hf, torch.float64)  # as the int8 panel GEMM computes each projection and the LM head
     if adapter is not None:
         config = json.loads((adapter / "adapter_config.json").read_text())
         tensors = load_file(adapter / "adapter_model.safetensors")
@@ -128,6 +132,19 @@ def test_an_adapter_over_a_compressed_model(tiny_model_dir, adapters, tmp_path):
     runner.allocate_kv(1)
     ours = runner.execute([SeqChunk(0, PROMPT, 0, all_logits=True, lora="every")])
     expected = merged_logits(tiny_model_dir, adapters["every"], PROMPT, artifact)
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(expected, merged_logits(tiny_model_dir, adapters["every"], PROMPT), atol=1e-3)
+
+
+@pytest.mark.skipif(not (panels_available(torch.device("cpu"), torch.float32) and int8_available()),
+                    reason="int8 weights need the int8 panel GEMM (AVX512-VNNI or AVX2)")
+def test_an_adapter_over_int8_weights(tiny_model_dir, adapters):
+    """The update runs on the unquantised x in the model's dtype and adds to the int8 projection's output."""
+    runner = TorchRunner(tiny_model_dir, 64, "float32", quantization="int8", lora_modules=adapters)
+    runner.load()
+    runner.allocate_kv(1)
+    ours = runner.execute([SeqChunk(0, PROMPT, 0, all_logits=True, lora="every")])
+    expected = merged_logits(tiny_model_dir, adapters["every"], PROMPT, int8=True)
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(expected, merged_logits(tiny_model_dir, adapters["every"], PROMPT), atol=1e-3)
 
