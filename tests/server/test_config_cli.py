@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 from server import cli
+from server.backends import check_backend_available
 from server.cli import main
 from server.config import DEFAULT_CONFIG, ConfigError, load_config
 
@@ -160,6 +161,22 @@ def test_dtype_flag(dtype, expected):
                                             ("fp8", "fp8"), ("fp8_e4m3", "fp8_e4m3")])
 def test_kv_cache_dtype_flag(flag, expected):
     assert _serve_config(["--kv-cache-dtype", flag] if flag else []).engine.kv_cache_dtype == expected
+
+
+def test_quantization_flag_and_its_environment_variable(monkeypatch):
+    assert _serve_config([]).model.quantization is None
+    assert _serve_config(["--quantization", "int8"]).model.quantization == "int8"
+    monkeypatch.setenv("NEURONMM_QUANTIZATION", "int8")
+    assert _serve_config([]).model.quantization == "int8"
+
+
+def test_int8_on_a_cuda_device_or_the_neuron_backend_stops_the_start():
+    cuda = load_config(None, {"model.quantization": "int8", "device": "cuda"})
+    with pytest.raises(ConfigError, match="quantization|CUDA"):
+        check_backend_available(cuda)
+    neuron = load_config(None, {"model.quantization": "int8", "backend": "neuron"})
+    with pytest.raises(ConfigError, match="model.quantization: the neuron backend"):
+        check_backend_available(neuron)
 
 
 @pytest.mark.parametrize("dtype, kv_cache_dtype, ok", [

@@ -16,7 +16,7 @@ from server.config import load_config
 from server.errors import ConfigError
 from server.models.int8_linear import (int8_available, int8_linear_ref, pack_int8_panels, quantize_linears_ref,
                                        quantize_rows_ref, quantize_weight)
-from server.models.packed_linear import FactoredPanelLinear, PanelLinear, panels_available
+from server.models.packed_linear import FactoredPanelLinear, PanelLinear, pack_linears, panels_available
 
 needs_int8 = pytest.mark.skipif(not (panels_available(torch.device("cpu"), torch.float32) and int8_available()),
                                 reason="the int8 panel GEMM is built only on CPUs with AVX512-VNNI")
@@ -126,9 +126,7 @@ def test_runner_int8_logits_are_the_reference_quantisations(tiny_model_dir):
 
 
 @needs_int8
-def test_layers_whose_inputs_do_not_fit_keep_their_dtype(tiny_model_dir):
-    from server.models.packed_linear import pack_linears
-
+def test_layers_whose_inputs_do_not_fit_keep_their_dtype():
     model = nn.Sequential(nn.Linear(128, 64, bias=False), nn.Linear(64, 96, bias=False), nn.Linear(96, 32, bias=False))
     pack_linears(model, use_panels=True, int8=True)
     assert [m.layout for m in model] == ["int8 panels", "int8 panels", "fp32 panels"]
