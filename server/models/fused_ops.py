@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "fused_ops.cpp", CSRC / "small_gemm.cpp", CSRC / "int8_gemm.cpp", CSRC / "decoder.cpp",
            CSRC / "work_split.cpp")
-HEADERS = (CSRC / "work_split.h", CSRC / "panel_parts.h", CSRC / "step_ops.h")
+HEADERS = (CSRC / "work_split.h", CSRC / "panel_parts.h", CSRC / "row_stores.h", CSRC / "step_ops.h")
 _loaded: bool | None = None
 
 

@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "panel_parts.h"
+#include "row_stores.h"
 #include "work_split.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -39,6 +40,11 @@ namespace {
 
 using neuronmm::PanelList;
 using neuronmm::Part;
+#if NEURONMM_INT8 == 512
+using neuronmm::store_row;
+#else
+using neuronmm::store8;
+#endif
 
 constexpr int64_t kBlock = 64;        // inputs of x per scale
 constexpr int64_t kQuads = kBlock / 4;  // 4-input steps a block
@@ -108,20 +114,6 @@ template <typename X>
 void quantize_rows(const X* x, int64_t ldx, int64_t M, const QuantRows& out) {
   for (int64_t m = 0; m < M; ++m) quantize_row(x + m * ldx, out.at(m));
 }
-
-inline __mmask16 first(int64_t n) { return n <= 0 ? __mmask16(0) : n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
-
-inline void store_row(float* y, __m512 lo, __m512 hi, int64_t valid) {
-  _mm512_mask_storeu_ps(y, first(valid), lo);
-  _mm512_mask_storeu_ps(y + 16, first(valid - 16), hi);
-}
-
-#if defined(__AVX512BF16__)
-inline void store_row(at::BFloat16* y, __m512 lo, __m512 hi, int64_t valid) {  // each sum rounded once to bf16
-  _mm256_mask_storeu_epi16(y, first(valid), (__m256i)_mm512_cvtneps_pbh(lo));
-  _mm256_mask_storeu_epi16(y + 16, first(valid - 16), (__m256i)_mm512_cvtneps_pbh(hi));
-}
-#endif
 
 // MT rows of quantised x against one panel; writes the first `valid` of its 32 columns of y (row stride ldy).
 // single_pass: the tile is the only one reading this panel, so it also prefetches the stream far ahead into L2.
@@ -215,14 +207,6 @@ void quantize_row(const float* x, const QuantRows& out) {
 template <typename X>
 void quantize_rows(const X* x, int64_t ldx, int64_t M, const QuantRows& out) {
   for (int64_t m = 0; m < M; ++m) quantize_row(x + m * ldx, out.at(m));
-}
-
-inline void store8(float* y, __m256 v, int64_t valid) {
-  if (valid >= 8)
-    _mm256_storeu_ps(y, v);
-  else if (valid > 0)
-    _mm256_maskstore_ps(y, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(valid)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
-                        v);
 }
 
 // MT rows of quantised x against half a panel (columns 16 h .. 16 h + 15); writes the first `valid` of them.

@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include "panel_parts.h"
+#include "row_stores.h"
 #include "step_ops.h"
 #include "work_split.h"
 
@@ -37,6 +38,12 @@ using neuronmm::Part;
 using neuronmm::Runner;
 using neuronmm::RunnerThen;
 using neuronmm::factored_impl;
+#if defined(__AVX512F__)
+using neuronmm::store_row;
+#endif
+#if defined(__AVX2__)
+using neuronmm::store8;
+#endif
 
 constexpr int64_t kMaxRows = 12;  // rows of x per register tile (both dtypes: 2 x 12 accumulators)
 constexpr int64_t kRowsPerItem = 4 * kMaxRows;  // rows of x per work item (a panel stays in L1/L2 across them)
@@ -205,18 +212,6 @@ at::Tensor pack_panels(const at::Tensor& weight) {
           dst[((p * (K / 2) + k / 2) * kPanel + c) * 2 + k % 2] = src[(p * kPanel + c) * K + k];
   });
   return out;
-}
-
-inline void store_row(at::BFloat16* y, __m512 lo, __m512 hi, int64_t valid) {
-  const __m256i a = (__m256i)_mm512_cvtneps_pbh(lo), b = (__m256i)_mm512_cvtneps_pbh(hi);
-  if (valid >= kPanel) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), a);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + 16), b);
-    return;
-  }
-  const auto mask = [](int64_t n) { return n <= 0 ? __mmask16(0) : n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); };
-  _mm256_mask_storeu_epi16(y, mask(valid), a);
-  _mm256_mask_storeu_epi16(y + 16, mask(valid - 16), b);
 }
 
 // A tile that reads its panel in a single pass also prefetches it 64 pairs (8 KB) ahead into L2, for the reason
@@ -741,11 +736,7 @@ inline void tile_f32(const float* x, int64_t ldx, const W* panel, float* y, int6
       hi[j] = _mm512_fmadd_ps(xv, w1, hi[j]);
     }
   }
-  const auto mask = [](int64_t n) { return n <= 0 ? __mmask16(0) : n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); };
-  for (int j = 0; j < MT; ++j) {
-    _mm512_mask_storeu_ps(y + j * ldy, mask(valid), lo[j]);
-    _mm512_mask_storeu_ps(y + j * ldy + 16, mask(valid - 16), hi[j]);
-  }
+  for (int j = 0; j < MT; ++j) store_row(y + j * ldy, lo[j], hi[j], valid);
 }
 
 #else
@@ -762,15 +753,6 @@ inline void load16(const at::BFloat16* w, __m256& lo, __m256& hi) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), zero = _mm256_setzero_si256();
   lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
   hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
-}
-
-// Stores 8 sums, or the first `valid` of them.
-inline void store8(float* dst, __m256 v, int64_t valid) {
-  if (valid >= 8)
-    _mm256_storeu_ps(dst, v);
-  else if (valid > 0)
-    _mm256_maskstore_ps(dst, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(valid)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
-                        v);
 }
 
 // The AVX2 tile: MT rows x NV * 8 columns of a panel (w: its first column at input 0; rows of the panel are
