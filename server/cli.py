@@ -135,7 +135,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
               "without them keeps bf16 weights and computes in fp32")
     flag("--quantization", choices=["int8"],
          help="int8: int8 weights per output column, activations quantised per 64 inputs at run time (CPUs with "
-              "AVX512-VNNI); half the bytes of bf16 a decode step streams")
+              "AVX512-VNNI or AVX2); half the bytes of bf16 a decode step streams")
     flag("--kv-cache-dtype", choices=sorted(_KV_DTYPES),
          help="auto: the model's dtype; float16 or bfloat16 under a float32 model halve the cache; fp8 (e4m3) halves "
               "it again under float32 or bfloat16")

@@ -33,8 +33,8 @@ class ModelConfig(_Strict):
     # them: bf16 weights (half the bytes a step streams) in fp32 arithmetic, where bf16 math would be emulated
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # int8: every linear's weights in int8 per output column, activations quantised per 64 inputs at run time
-    # (llama.cpp's q8_0 in spirit; CPUs with AVX512-VNNI). Half the bytes of bf16 a step streams, at a quality cost
-    # docs/BENCHMARKS.md measures; a compressed artifact's factors are quantised too.
+    # (llama.cpp's q8_0 in spirit; CPUs with AVX512-VNNI or AVX2). Half the bytes of bf16 a step streams, at a cost
+    # in quality docs/BENCHMARKS.md measures; a compressed artifact's factors are quantised too.
     quantization: Literal["int8"] | None = Field(None, description="int8: int8 weights on the CPU panel GEMMs")
     # A compressed artifact (manifest.json + factors) applied on top of the dense weights.
     compressed: str | None = None
