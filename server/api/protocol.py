@@ -61,22 +61,57 @@ class JsonSchemaFormat(RequestPart):
     strict: bool | None = None
 
 
-class ResponseFormat(RequestPart):
-    """OpenAI's response_format: free text, any JSON object, or JSON for a schema."""
+class StructuralTag(RequestPart):
+    """One structure of vLLM's structural_tag: once the text reaches `begin`, JSON for `schema`, then `end`."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    begin: str = Field(min_length=1)
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    end: str = ""
+
+
+class StructuralTags(RequestPart):
+    """vLLM's structural_tag (its original form): free text in which each structure begins only after one of the
+    `triggers` (the start of its `begin`), and is then held to its schema up to its `end`: tool calls in the
+    middle of a reply."""
+
+    structures: list[StructuralTag] = Field(min_length=1)
+    triggers: list[str] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if any(not trigger for trigger in self.triggers):
+            raise ValueError("structural_tag: an empty trigger")
+        for i, s in enumerate(self.structures):
+            if not any(s.begin.startswith(trigger) for trigger in self.triggers):
+                raise ValueError(f"structural_tag: structures[{i}].begin {s.begin!r} starts with none of the triggers")
+        return self
+
+    def spec(self) -> StructuredOutput:
+        return StructuredOutput("structural_tag", self.model_dump_json(by_alias=True, exclude_none=True))
+
+
+class ResponseFormat(RequestPart):
+    """OpenAI's response_format: free text, any JSON object, or JSON for a schema; vLLM's structural_tag."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    structures: list[StructuralTag] | None = None
+    triggers: list[str] | None = None
 
     @model_validator(mode="after")
     def _check(self):
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("type json_schema needs a json_schema object")
+        if self.type == "structural_tag":
+            StructuralTags(structures=self.structures or [], triggers=self.triggers or [])
         return self
 
     def spec(self) -> StructuredOutput | None:
         """The decoding constraint this asks for (None for text)."""
         if self.type == "json_schema":
             return StructuredOutput("json_schema", json.dumps(self.json_schema.schema_))
+        if self.type == "structural_tag":
+            return StructuralTags(structures=self.structures, triggers=self.triggers).spec()
         return StructuredOutput("json_object") if self.type == "json_object" else None
 
 
@@ -88,6 +123,7 @@ class StructuredOutputs(RequestPart):
     choice: list[str] | None = Field(None, min_length=1)
     grammar: str | None = Field(None, description="GBNF (llama.cpp's) or Lark")
     json_object: bool | None = None
+    structural_tag: StructuralTags | str | None = Field(None, description="{structures, triggers}, or it as JSON text")
     whitespace_pattern: str | None = Field(None, description="JSON kinds: the whitespace allowed (default none)")
     # vLLM's backend switches, accepted and without effect here (one backend, llguidance, and JSON is
     # already written without free whitespace)
@@ -96,16 +132,20 @@ class StructuredOutputs(RequestPart):
 
     @model_validator(mode="after")
     def _check(self):
-        if "structural_tag" in (self.model_extra or {}):
-            raise ValueError("structural_tag is not supported")
         if len(self._given()) != 1:
-            raise ValueError("give exactly one of json, regex, choice, grammar, json_object; got "
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object, structural_tag; got "
                              + (", ".join(self._given()) or "none"))
+        if isinstance(self.structural_tag, str):  # vLLM's own form: the object as JSON text
+            try:
+                tags = json.loads(self.structural_tag)
+            except ValueError as exc:
+                raise ValueError(f"structural_tag: not JSON: {exc}") from None
+            self.structural_tag = StructuralTags.model_validate(tags)
         return self
 
     def _given(self) -> list[str]:
         values = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
-                  "json_object": self.json_object or None}
+                  "json_object": self.json_object or None, "structural_tag": self.structural_tag}
         return [name for name, value in values.items() if value is not None]
 
     def spec(self) -> StructuredOutput:
@@ -118,6 +158,8 @@ class StructuredOutputs(RequestPart):
             return StructuredOutput("json_object", whitespace_pattern=ws)
         if kind == "choice":
             return StructuredOutput("choice", json.dumps(self.choice))
+        if kind == "structural_tag":
+            return self.structural_tag.spec()
         return StructuredOutput(kind, self.regex if kind == "regex" else self.grammar)
 
 

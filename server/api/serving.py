@@ -35,14 +35,14 @@ from server.config import Config, ConfigError
 from server.engine.async_engine import EngineDeadError, QueueFullError
 from server.engine.sampling_params import SamplingParams, StructuredOutput
 from server.engine.sequence import SeqOutput, TokenLogprob
-from server.engine.structured import grammar_error, token_bytes
+from server.engine.structured import grammar_error, structural_tag_grammar, token_bytes
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
 _DISCONNECT_POLL_S = 0.05
 _CONSTRAINT_NAMES = {"json_schema": "schema", "json_object": "schema", "regex": "regex", "choice": "choices",
-                     "grammar": "grammar", "lark": "tools' schemas"}
+                     "grammar": "grammar", "lark": "tools' schemas", "structural_tag": "structural tag"}
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
 
 
@@ -107,6 +107,8 @@ class OpenAIServing:
         self.sampling_defaults = self._checked_defaults(sampling_defaults or {})
         self.tokenizer = tokenizer
         self.fim = fim_tokens(tokenizer.get_vocab())  # the tokenizer's fill-in-the-middle tokens (None: it has none)
+        self.special_tokens = frozenset(tokenizer.all_special_tokens) | frozenset(
+            t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special)
         self.model_name = cfg.model.name
         self.model_names = [cfg.model.name, *cfg.server.model_aliases]
         self.adapters = LoraAdapters(engine, cfg)  # LoRA adapters, served under their own names
@@ -614,9 +616,15 @@ class OpenAIServing:
             spec, param = constraint
         else:
             return None
+        name = _CONSTRAINT_NAMES[spec.kind]
+        if spec.kind == "structural_tag":
+            try:
+                spec = replace(spec, kind="lark", value=structural_tag_grammar(spec.value, self.special_tokens))
+            except ValueError as exc:
+                raise APIError(400, f"{param}: {exc}", param=param) from None
         error = grammar_error(spec)
         if error:
-            raise APIError(400, f"{param}: cannot compile the {_CONSTRAINT_NAMES[spec.kind]}: {error}", param=param)
+            raise APIError(400, f"{param}: cannot compile the {name}: {error}", param=param)
         return spec
 
     async def chat(self, req: ChatCompletionRequest, raw: Request, as_chunks: bool = False):

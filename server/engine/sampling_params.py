@@ -21,11 +21,13 @@ class StructuredOutput:
     regex: output matches the regular expression (Rust regex syntax); choice: output is one of the strings
     of a JSON list; grammar: a GBNF (llama.cpp's) or Lark grammar from a client;
     lark: a Lark grammar in llguidance's dialect (may embed `%json {schema}`), used for tool calls.
+    structural_tag: vLLM's {structures, triggers} as JSON: free text, each structure held to its schema from its
+    trigger on (compiled to lark by structured.structural_tag_grammar, which needs the tokenizer's special tokens).
     whitespace_pattern: for the JSON kinds, a regex for the whitespace allowed between tokens (default none).
     after: the output's tokens up to and including these (a reasoning model's `</think>`) are left free.
     """
 
-    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar", "lark"]
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar", "lark", "structural_tag"]
     value: str = ""
     whitespace_pattern: str | None = None
     # the tokens the constrained part follows (a reasoning model's `</think>`): until the output holds them, the

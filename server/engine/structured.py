@@ -40,6 +40,25 @@ def lark_json(schema: dict) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
 
 
+def structural_tag_grammar(value: str, special_tokens: frozenset[str]) -> str:
+    """The Lark grammar of a structural_tag spec (its JSON {structures, triggers}): free text, in which text reaching
+    a trigger continues as one structure's begin, JSON for its schema (under the json_schema specs' options) and its
+    end. A trigger written as a special token (`<|python_tag|>`) is matched as that token where the tokenizer has it
+    (ValueError where triggers of that form are special in part only: llguidance takes one reading for all)."""
+    tags = json.loads(value)
+    triggers = tags["triggers"]
+    bracketed = [t for t in triggers if t.startswith("<") and t.endswith(">")]
+    special = [t in special_tokens for t in bracketed]
+    if any(special) and not all(special):
+        raise ValueError("structural_tag: triggers of the form <...> must all be special tokens or none")
+    structs = []
+    for s in tags["structures"]:
+        trigger = max((t for t in triggers if s["begin"].startswith(t)), key=len)
+        schema = {**s.get("schema", {"type": "object"}), "x-guidance": JSON_OPTIONS}
+        structs.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s.get("end", "")))
+    return llguidance.StructTag.to_grammar(structs, assume_special=any(special))
+
+
 def grammar_for(spec: StructuredOutput) -> str:
     """The llguidance grammar (serialised) for a spec (ValueError for a GBNF grammar it cannot read)."""
     if spec.kind in ("json_object", "json_schema"):

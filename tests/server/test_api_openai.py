@@ -506,7 +506,13 @@ def test_json_constraints_on_completions(server, fields):
     ({"guided_choice": ["a"], "guided_regex": "b"}, "exactly one"),
     ({"structured_outputs": {"choice": ["a"]}, "guided_regex": "b"}, "not both"),
     ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, "cannot be combined"),
-    ({"structured_outputs": {"structural_tag": "{}"}}, "structural_tag is not supported"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structures"),
+    ({"structured_outputs": {"structural_tag": "{not json"}}, "structural_tag: not JSON"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<f="],
+                          "structures": [{"begin": "<g=x>", "schema": {}}]}}, "starts with none of the triggers"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<f="]}}, "structures"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<f>", "<|im_start|>"],
+                          "structures": [{"begin": "<f>x", "schema": {}}]}}, "must all be special tokens"),
     ({"structured_outputs": {"regex": "[a-"}}, "cannot compile the regex"),
     ({"guided_grammar": "root ::= ("}, "cannot compile the grammar"),
     ({"structured_outputs": {"json": "{not json"}}, "cannot compile the schema"),
@@ -517,6 +523,22 @@ def test_bad_structured_outputs_are_400(server, fields, says):
         resp = httpx.post(f"{server.url}/v1/{endpoint}", json={"model": "tiny", **prompt, **fields}, timeout=60)
         assert resp.status_code == 400 and says in resp.json()["error"]["message"], resp.text
         assert not resp.json()["error"]["message"].startswith("Value error")
+
+
+@pytest.mark.parametrize("fields", [
+    {"response_format": {"type": "structural_tag", "triggers": ["<function="], "structures": [
+        {"begin": "<function=get_weather>", "schema": SCHEMA, "end": "</function>"}]}},
+    {"structured_outputs": {"structural_tag": json.dumps({"triggers": ["<function="], "structures": [
+        {"begin": "<function=get_weather>", "schema": SCHEMA, "end": "</function>"}]})}},
+])
+def test_a_structural_tag_is_served_on_both_endpoints(server, fields):
+    """vLLM's structural_tag (as response_format, and as structured_outputs' JSON text): text stays free until a
+    trigger (tests/server/test_structural_tag.py holds a reply to the schema past one)."""
+    for endpoint, prompt in (("completions", {"prompt": "x"}),
+                             ("chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        resp = httpx.post(f"{server.url}/v1/{endpoint}", json={"model": "tiny", "max_tokens": 8, **prompt, **fields},
+                          timeout=60)
+        assert resp.status_code == 200, resp.text
 
 
 def test_structured_outputs_and_a_forced_tool_call_are_400(server):
