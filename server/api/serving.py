@@ -9,9 +9,9 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,8 @@ from server.api.protocol import (ChatChoice, ChatCompletionRequest, ChatCompleti
                                  ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse,
                                  CompletionTokensDetails, DetokenizeRequest, DetokenizeResponse, Logprobs,
                                  NamedToolChoice, Prediction, PromptLogprob, PromptLogprobs, PromptTokensDetails,
-                                 StreamChunk, StreamOptions, TokenizeChatRequest, TokenizeCompletionRequest,
-                                 TokenizeResponse, ToolCallDelta, UsageInfo)
+                                 StreamChunk, StreamOptions, TextDeltaLines, TokenizeChatRequest,
+                                 TokenizeCompletionRequest, TokenizeResponse, ToolCallDelta, UsageInfo)
 from server.api.beam_search import Beam, beam_search
 from server.api.fim import fim_prompt, fim_tokens
 from server.api.reasoning import END, START, ReasoningParser, ReasoningStream, get_reasoning_parser
@@ -517,9 +517,14 @@ class OpenAIServing:
             state = {"echo": {i: echoes[i // req.n] for i in range(len(prompts) * req.n)},
                      "prompts": {i: prompts[i // req.n] for i in range(len(prompts) * req.n)},
                      "token_ids": req.return_token_ids, "as_ids": req.return_tokens_as_token_ids}
+            # after a choice's first chunk, an output with text alone (_completion_delta adds nothing else)
+            plain = _PlainDeltas(lambda out, index: (index not in state["prompts"] and _text_only(out)
+                                                     and not state["token_ids"]),
+                                 lambda index, text: CompletionChoice(index=index, text=text))
             stream = self._chunks if as_chunks else self._stream
             return stream(gens, req.n, num_prompt, req.stream_options, rid, "text_completion",
-                          lambda out, index: self._completion_delta(out, index, state), self.reply_model(req.model))
+                          lambda out, index: self._completion_delta(out, index, state), self.reply_model(req.model),
+                          plain=None if as_chunks else plain)
         choices = await self._collect(raw, gens, req.n)
         self._observe(prompts, req.n, [c.num_output_tokens for c in choices])
         usage = self._usage(num_prompt, sum(c.num_output_tokens for c in choices), self._cached(choices, req.n))
@@ -661,10 +666,16 @@ class OpenAIServing:
         if req.stream:
             state = {"tools": req.uses_tools, "calls_reason": calls_reason, "reasoning": reasoning,
                      "token_ids": req.return_token_ids, "as_ids": req.return_tokens_as_token_ids}
+            # after a choice's first chunk (its role), an output with text alone, which no reasoning or tool-call
+            # parser reads (_chat_delta then makes the text the delta's content and adds nothing else)
+            plain = _PlainDeltas(lambda out, index: (index in state.get("started", ()) and _text_only(out)
+                                                     and not (state["tools"] or state["reasoning"]
+                                                              or state["token_ids"])),
+                                 lambda index, text: ChatStreamChoice(index=index, delta=ChatDelta(content=text)))
             stream = self._chunks if as_chunks else self._stream
             return stream(gens, req.n, len(ids), req.stream_options, rid, "chat.completion.chunk",
                           lambda out, index: self._chat_delta(out, index, state), self.reply_model(req.model),
-                          prompt_ids=ids if req.return_token_ids else None)
+                          prompt_ids=ids if req.return_token_ids else None, plain=None if as_chunks else plain)
         choices = await self._collect(raw, gens, req.n)
         self._observe([ids], req.n, [c.num_output_tokens for c in choices])
         usage = self._usage(len(ids), sum(c.num_output_tokens for c in choices), self._cached(choices, req.n),
@@ -730,25 +741,34 @@ class OpenAIServing:
 
     # ---- streaming -------------------------------------------------------------------------
     async def _stream(self, gens, n: int, num_prompt_tokens: int, options: StreamOptions | None, rid: str, obj: str,
-                      make_choice, model: str, prompt_ids: list[int] | None = None) -> AsyncIterator[str]:
+                      make_choice, model: str, prompt_ids: list[int] | None = None,
+                      plain: _PlainDeltas | None = None) -> AsyncIterator[str]:
         """SSE lines of `_chunks`, then [DONE]."""
         include_usage = bool(options and options.include_usage)
         async with aclosing(self._chunks(gens, n, num_prompt_tokens, options, rid, obj, make_choice, model,
-                                         prompt_ids)) as chunks:
+                                         prompt_ids, plain)) as chunks:
             async for chunk in chunks:
-                yield chunk.sse(include_usage) if isinstance(chunk, StreamChunk) else f"data: {json.dumps(chunk)}\n\n"
+                if isinstance(chunk, StreamChunk):
+                    yield chunk.sse(include_usage)
+                else:  # a plain text delta's line, or an error body
+                    yield chunk if isinstance(chunk, str) else f"data: {json.dumps(chunk)}\n\n"
         yield "data: [DONE]\n\n"
 
     async def _chunks(self, gens, n: int, num_prompt_tokens: int, options: StreamOptions | None, rid: str, obj: str,
-                      make_choice, model: str,
-                      prompt_ids: list[int] | None = None) -> AsyncIterator[StreamChunk | dict]:
+                      make_choice, model: str, prompt_ids: list[int] | None = None,
+                      plain: _PlainDeltas | None = None) -> AsyncIterator[StreamChunk | dict | str]:
         """A chunk per output (with a stream interval above 1, a choice's first token, then a chunk per that many
         tokens and the last), or an error body (a dict) if the engine fails, which ends the stream; with
         include_usage a last chunk with the usage (and with continuous_usage_stats the usage so far in every one).
-        `prompt_ids` (a chat request's, under return_token_ids) go on the first chunk."""
+        `prompt_ids` (a chat request's, under return_token_ids) go on the first chunk. With `plain`, the chunk of a
+        plain text delta comes as its SSE line (TextDeltaLines)."""
         include_usage = bool(options and options.include_usage)
         continuous = include_usage and options.continuous_usage_stats
         created = int(time.time())
+        lines = None
+        if plain is not None and not continuous:
+            lines = TextDeltaLines(StreamChunk(id=rid, object=obj, created=created, model=model, choices=[]),
+                                   include_usage, plain.choice)
         completion_tokens, cached_tokens = {}, {}  # a choice's output tokens sent so far; a prompt's cached ones
         predicted = {}  # a choice's kept and refused drafted tokens of a predicted reply, so far
         held: dict[tuple[int, int], SeqOutput] = {}  # a choice's outputs not sent yet (stream interval > 1)
@@ -773,6 +793,9 @@ class OpenAIServing:
                 predicted[choice] = item.prediction_tokens
                 if item.finish_reason is not None:
                     self.metrics.observe_request(item.num_prompt_tokens, item.num_output_tokens)
+                if lines is not None and prompt_ids is None and plain.applies(item, offset + item.index):
+                    yield lines.line(offset + item.index, item.text)
+                    continue
                 chunk = StreamChunk(id=rid, object=obj, created=created, model=model,
                                     choices=[make_choice(item, offset + item.index)], prompt_token_ids=prompt_ids)
                 prompt_ids = None
@@ -823,6 +846,20 @@ async def chat_stream_parts(chunks: AsyncIterator[StreamChunk | dict]) -> AsyncI
                 yield "usage", chunk.usage
             else:
                 yield "choice", chunk.choices[0]
+
+
+@dataclass(frozen=True)
+class _PlainDeltas:
+    """A stream's plain text deltas: which outputs' chunks are one (applies(output, choice index)), and such a
+    chunk's choice as its model (choice(index, text)), for TextDeltaLines."""
+
+    applies: Callable[[SeqOutput, int], bool]
+    choice: Callable[[int, str], CompletionChoice | ChatStreamChoice]
+
+
+def _text_only(out: SeqOutput) -> bool:
+    """Whether an output adds only text to its choice (no logprobs, not its last)."""
+    return out.finish_reason is None and not out.logprobs
 
 
 async def _merged(gens: list, n: int) -> AsyncIterator[tuple[int, SeqOutput | Exception]]:

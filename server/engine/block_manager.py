@@ -21,22 +21,10 @@ sharing): the engine then schedules exactly as before paging.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
-
 import numpy as np
 
 from server.engine.sequence import Sequence
-
-
-@dataclass
-class KVStats:
-    """Counters since start, for /metrics (the engine ships them in each step's stats)."""
-
-    num_blocks: int
-    num_used_blocks: int = 0
-    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_hits: int = 0  # of those, tokens found cached
-    preemptions: int = 0
+from server.engine.step_stats import KVStats
 
 
 class PagedKV:

@@ -11,7 +11,7 @@ import signal
 from server.config import Config
 from server.engine.async_engine import run_engine_call
 from server.engine.engine_core import SHUTDOWN_SIGNALS, AddRequest, StepReport
-from server.engine.llm_engine import StepStats
+from server.engine.step_stats import StepStats
 from server.engine.sequence import SeqOutput
 from server.gc_heap import startup_heap
 from server.runtime import load_runtime
@@ -66,7 +66,7 @@ def _serve_requests(engine, conn, stats: list[StepStats]) -> None:
         if not engine.has_work():
             if _counts(engine) != last_counts or aborted:  # an abort emptied the batch: say so, no step will
                 last_counts = _counts(engine)
-                conn.send(("step", StepReport([], None, *last_counts, aborted)))
+                conn.send(("step", StepReport([], None, *last_counts, aborted).to_wire()))
                 aborted = 0
             continue
         try:
@@ -75,7 +75,7 @@ def _serve_requests(engine, conn, stats: list[StepStats]) -> None:
             log.exception("engine step failed")
             outputs = engine.fail_running("engine step failed")
         last_counts = _counts(engine)
-        conn.send(("step", StepReport(outputs, stats.pop() if stats else None, *last_counts, aborted)))
+        conn.send(("step", StepReport(outputs, stats.pop() if stats else None, *last_counts, aborted).to_wire()))
         aborted = 0
 
 
@@ -92,4 +92,4 @@ def _add(engine, conn, add: AddRequest) -> None:
         engine.abort(add.request_id)
         error = SeqOutput(add.request_id, 0, "", [], None, "error", len(add.prompt_ids), 0,
                           f"engine error: {exc.__class__.__name__}: {exc}")
-        conn.send(("step", StepReport([error], None, *_counts(engine))))
+        conn.send(("step", StepReport([error], None, *_counts(engine)).to_wire()))

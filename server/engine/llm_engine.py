@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from server.backends.base import ModelRunner, SeqChunk
 from server.config import SpeculativeConfig
-from server.engine.block_manager import KVStats, PagedKV, SlotKV
+from server.engine.block_manager import PagedKV, SlotKV
 from server.engine.detokenizer import IncrementalDetokenizer
 from server.engine.ngram import propose
 from server.engine.predicted import PREDICTION_DRAFT_TOKENS, PredictedOutput
@@ -19,35 +19,9 @@ from server.engine.sampler import check_draft, sample
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import ScheduledTokens, Scheduler
 from server.engine.sequence import Sequence, SeqOutput, SeqStatus, TokenLogprob
+from server.engine.step_stats import LoraStats, StepStats
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class StepStats:
-    """What one step did, for metrics (plain data: it crosses from the engine process to the API)."""
-
-    batch_size: int  # sequences in the forward
-    num_prompt_tokens: int  # prefill tokens computed
-    num_generation_tokens: int
-    ttfts: list[float] = field(default_factory=list)  # seconds, of sequences that got their first token
-    queue_times: list[float] = field(default_factory=list)  # arrival -> admitted, of those same sequences
-    itls: list[float] = field(default_factory=list)  # seconds between the two newest tokens, the others
-    finished: list[tuple[str, float]] = field(default_factory=list)  # (finish reason, e2e seconds)
-    num_draft_tokens: int = 0  # speculative draft tokens checked
-    num_accepted_tokens: int = 0  # of those, the ones the model agreed with
-    kv: KVStats | None = None  # the KV cache's totals after the step
-    padding: dict | None = None  # static-shape backends: {(phase, bucket): counts} totals (runner.padding)
-    lora: LoraStats | None = None  # with LoRA adapters enabled: which ones run and wait
-
-
-@dataclass
-class LoraStats:
-    """The LoRA adapters of the running batch and of the waiting queue after a step (vLLM's lora_requests_info)."""
-
-    running: tuple[str, ...]
-    waiting: tuple[str, ...]
-    max_loras: int
-
 
 StepObserver = Callable[[StepStats], None]
 

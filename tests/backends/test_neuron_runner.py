@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from server.api.metrics import ServerMetrics
-from server.engine.llm_engine import StepStats
+from server.engine.step_stats import StepStats
 from server.backends.base import SeqChunk
 from server.backends.neuron.layout import layer_keys
 from server.backends.neuron.runner import NeuronRunner

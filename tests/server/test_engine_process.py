@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import time
 from contextlib import contextmanager
@@ -15,8 +17,10 @@ import psutil
 import pytest
 
 from server.engine.core_process import core_main
-from server.engine.engine_core import AddRequest, EngineCoreClient
+from server.engine.engine_core import AddRequest, EngineCoreClient, StepReport
 from server.engine.sampling_params import SamplingParams
+from server.engine.sequence import SeqOutput, TokenLogprob
+from server.engine.step_stats import KVStats, LoraStats, StepStats
 from support import live_server, tiny_config
 
 
@@ -46,6 +50,28 @@ def _stream_text(url: str, **body) -> str:
             if line.startswith("data: ") and line != "data: [DONE]":
                 text.extend(c["text"] for c in json.loads(line[6:])["choices"])
     return "".join(text)
+
+
+def test_a_step_report_crosses_the_pipe_as_tuples_and_comes_back_whole():
+    """Every field of every record survives the wire form, and the wire holds no dataclass (unpickling one is the
+    class lookup the tuples avoid)."""
+    logprobs = [TokenLogprob(5, -0.25, [(5, -0.25), (7, -1.5)], rank=1)]
+    outputs = [SeqOutput("r-1", 1, " hi", [5], logprobs, "stop", 4, 2, None, 3, [None, logprobs[0]], (2, 1), None,
+                         "</s>"),
+               SeqOutput("r-2", 0, "", [], None, None, 9, 0, "engine error: x", embedding=[0.5, -1.0])]
+    stats = StepStats(2, 9, 1, [0.1], [0.01], [0.02], [("stop", 1.5)], 4, 3, KVStats(64, 10, 100, 40, 1),
+                      {("decode", 8): 3}, LoraStats(("a",), ("b", "c"), 2))
+    for report in (StepReport(outputs, stats, 1, 2, 3, 4), StepReport([], None, 0, 0, 0)):
+        wire = report.to_wire()
+        assert StepReport.from_wire(pickle.loads(pickle.dumps(wire))) == report
+
+        def records(value):
+            if dataclasses.is_dataclass(value):
+                yield value
+            elif isinstance(value, (list, tuple)):
+                for item in value:
+                    yield from records(item)
+        assert {type(r) for r in records(wire)} <= {TokenLogprob}  # (logprobs stay records: only when asked)
 
 
 def test_runs_in_another_process(server):
@@ -141,7 +167,7 @@ def test_the_core_leaves_shutdown_to_the_api(tiny_model_dir):
         tokens, finished = [], False
         while not finished:
             assert conn.poll(30), "no step report"
-            for out in conn.recv()[1].outputs:
+            for out in StepReport.from_wire(conn.recv()[1]).outputs:
                 if out.request_id == "r":
                     tokens += out.token_ids
                     finished = out.finish_reason is not None
