@@ -6,6 +6,7 @@ The API process talks to it through `server.engine.engine_core.EngineCoreClient`
 from __future__ import annotations
 
 import logging
+import select
 import signal
 
 from server.config import Config
@@ -49,10 +50,14 @@ def _serve_requests(engine, conn, stats: list[StepStats]) -> None:
     conn.send(("ready", None))
     last_counts = None
     aborted = 0  # sequences client aborts ended since the last report (the metrics count them from the report)
+    # what the API process sent, asked after every step: Connection.poll builds and drops a selector each time
+    # (~60 us a step, between forwards)
+    incoming = select.poll()
+    incoming.register(conn.fileno(), select.POLLIN)
     while True:
         if not engine.has_work():
-            conn.poll(0.5)
-        while conn.poll():
+            incoming.poll(500)
+        while incoming.poll(0):
             kind, payload = conn.recv()
             if kind == "stop":
                 return
