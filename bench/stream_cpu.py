@@ -4,23 +4,26 @@ On a 2-core machine both cores run the engine's threads, so every microsecond th
 on a token is taken from an engine thread, which its partner then waits for at the next barrier: this is what
 served TPOT pays over the engine-only step at c=1. One stream at a time (c=1), each process's run time summed over
 its threads from /proc/<pid>/task/*/schedstat (nanoseconds) around each stream, per token; the median of the rounds.
+With --concurrency N, N streams at once (a step then carries N tokens, and the figures are per token still).
 
     python -m bench.stream_cpu [--config CONFIG] [--quantization int8] [--route chat] [--tokens 400] [--rounds 5]
+                               [--concurrency 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
+import aiohttp
 import psutil
 
-from bench.harness import ServerProcess, machine_facts, publish, write_config
+from bench.harness import ServerProcess, machine_facts, publish, run_client, write_config
 from server.config import DEFAULT_CONFIG
 
 RESULTS = Path(__file__).parent / "results"
@@ -47,41 +50,47 @@ def engine_core_pid(api: int) -> int:
     raise RuntimeError(f"no engine core process under {api}")
 
 
-def stream_once(server: ServerProcess, route: str, tokens: int) -> int:
+async def stream_once(session: aiohttp.ClientSession, url: str, model: str, route: str, tokens: int) -> int:
     """Stream one request of `tokens` tokens (greedy, ignore_eos); the chunks that carried text or a finish."""
-    body = {"model": _served_model(server), "max_tokens": tokens, "ignore_eos": True, "stream": True,
-            "temperature": 0}
+    body = {"model": model, "max_tokens": tokens, "ignore_eos": True, "stream": True, "temperature": 0}
     if route == "chat":
         body["messages"] = [{"role": "user", "content": "Tell me a long story."}]
     else:
         body["prompt"] = "Once upon a time"
     path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
     chunks = 0
-    with httpx.Client(timeout=120) as client, client.stream("POST", server.url + path, json=body) as reply:
+    async with session.post(url + path, json=body) as reply:
         reply.raise_for_status()
-        for line in reply.iter_lines():
-            chunks += line.startswith("data: {")
+        async for line in reply.content:
+            chunks += line.startswith(b"data: {")
     return chunks
 
 
-def _served_model(server: ServerProcess) -> str:
-    return httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+async def stream_many(url: str, route: str, tokens: int, concurrency: int) -> int:
+    """`concurrency` streams at once (bench.serve's client: aiohttp, a fresh connection each); their chunks."""
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600.0)) as session:
+        async with session.get(f"{url}/v1/models") as reply:
+            model = (await reply.json())["data"][0]["id"]
+        counts = await asyncio.gather(*(stream_once(session, url, model, route, tokens) for _ in range(concurrency)))
+    return sum(counts)
 
 
-def measure(server: ServerProcess, route: str, tokens: int, rounds: int) -> list[dict]:
-    """One row per round: ms of CPU per streamed chunk of each process, and the wall time per chunk."""
+def measure(server: ServerProcess, route: str, tokens: int, rounds: int, concurrency: int = 1) -> list[dict]:
+    """One row per round: ms of CPU per streamed chunk of each process, and the wall time per chunk of a stream
+    (its TPOT, as the client saw it)."""
     api = server.proc.pid
     core = engine_core_pid(api)
     me = os.getpid()
-    stream_once(server, route, 8)  # the first request's one-off work (templates, caches) stays out of the rounds
+    run_client(stream_many(server.url, route, 8, 1))  # the first request's one-off work stays out of the rounds
     rows = []
     for _ in range(rounds):
         before = {"api": run_ns(api), "engine_core": run_ns(core), "client": run_ns(me)}
         start = time.perf_counter()
-        chunks = stream_once(server, route, tokens)
+        chunks = run_client(stream_many(server.url, route, tokens, concurrency))
         wall = time.perf_counter() - start
         after = {"api": run_ns(api), "engine_core": run_ns(core), "client": run_ns(me)}
-        rows.append({"chunks": chunks, "wall_ms": wall * 1e3 / chunks,
+        rows.append({"chunks": chunks, "wall_ms": wall * 1e3 * concurrency / chunks,
                      **{f"{p}_ms": (after[p] - before[p]) / 1e6 / chunks for p in PROCESSES}})
     return rows
 
@@ -96,7 +105,8 @@ def summary(rows: list[dict]) -> dict:
 def markdown(facts: dict, args: argparse.Namespace, stats: dict) -> str:
     lines = [f"# CPU a streamed token costs each process ({facts['date']}, {facts['cpus']} CPUs, "
              f"{' '.join(facts['cpu_flags'])})", "",
-             f"route {args.route}, {args.tokens} tokens a stream, {args.rounds} rounds, quantization "
+             f"route {args.route}, {args.concurrency} stream(s) at once, {args.tokens} tokens a stream, {args.rounds} "
+             f"rounds, quantization "
              f"{args.quantization or 'none'}", "",
              "| per token, ms | median | min | max |", "|---|---:|---:|---:|"]
     names = {"wall_ms": "wall (served TPOT)", "api_ms": "API process CPU", "engine_core_ms": "engine core CPU",
@@ -114,10 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--route", choices=["completions", "chat"], default="completions")
     p.add_argument("--tokens", type=int, default=400, help="tokens a stream")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--concurrency", type=int, default=1, help="streams at once")
     p.add_argument("--out", type=Path, default=RESULTS / "stream_cpu.json")
     args = p.parse_args(argv)
-    if args.tokens < 1 or args.rounds < 1:
-        p.error("--tokens and --rounds must be positive")
+    if min(args.tokens, args.rounds, args.concurrency) < 1:
+        p.error("--tokens, --rounds and --concurrency must be positive")
     if not args.config.is_file():
         p.error(f"--config: no file {args.config}")
     facts = machine_facts()
@@ -126,9 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         config = write_config(Path(tmp) / "config.yaml", None, base=args.config, model=model)
         with ServerProcess(config, Path(tmp) / "serve.log") as server:
             server.wait_ready()
-            rows = measure(server, args.route, args.tokens, args.rounds)
+            rows = measure(server, args.route, args.tokens, args.rounds, args.concurrency)
     stats = summary(rows)
-    report = {**facts, "route": args.route, "tokens": args.tokens, "quantization": args.quantization,
+    report = {**facts, "route": args.route, "tokens": args.tokens, "concurrency": args.concurrency,
+              "quantization": args.quantization,
               "config": str(args.config), "rounds": rows, "summary": stats}
     return publish(args.out, report, markdown(facts, args, stats))
 
