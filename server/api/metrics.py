@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from server.engine.step_stats import KVStats, LoraStats, StepStats
 
+
 class _PaddingCollector:
     """neuronmm_bucket_{real,padding}_slots{phase,bucket}: padding waste per compiled bucket (static-shape
     backends report their totals with each step, so this works with the engine in another process)."""

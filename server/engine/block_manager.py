@@ -21,6 +21,7 @@ sharing): the engine then schedules exactly as before paging.
 from __future__ import annotations
 
 from collections import OrderedDict
+
 import numpy as np
 
 from server.engine.sequence import Sequence

@@ -12,8 +12,8 @@ import signal
 from server.config import Config
 from server.engine.async_engine import run_engine_call
 from server.engine.engine_core import SHUTDOWN_SIGNALS, AddRequest, StepReport
-from server.engine.step_stats import StepStats
 from server.engine.sequence import SeqOutput
+from server.engine.step_stats import StepStats
 from server.gc_heap import startup_heap
 from server.runtime import load_runtime
 

@@ -69,7 +69,7 @@ class StepReport:
     def from_wire(cls, wire: tuple) -> StepReport:
         """The report `to_wire` gave."""
         outputs, stats, *counts = wire
-        return cls([SeqOutput(*fields) for fields in outputs], _stats_from_wire(stats), *counts)
+        return cls([SeqOutput(*values) for values in outputs], _stats_from_wire(stats), *counts)
 
 
 def _getter(record: type) -> attrgetter:

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from server.api.metrics import ServerMetrics
-from server.engine.step_stats import StepStats
 from server.backends.base import SeqChunk
 from server.backends.neuron.layout import layer_keys
 from server.backends.neuron.runner import NeuronRunner
 from server.config import ConfigError, load_config
+from server.engine.step_stats import StepStats
 from server.models.artifact import FORMAT_VERSION, Manifest, ModuleRecord, save_artifact
 
 VOCAB = 50
