@@ -23,12 +23,18 @@ placements that share an L3 or not, and the speed-up differs between them (docs/
 join) and how much of a step runs outside them (the Python of the step, the small ops).
 
     python -m bench.engine_step --batch-sizes 1 16 --region-times
+
+`--hold SECONDS` then keeps stepping the last batch size for that long at a fixed context (positions cycling over the
+next 64), printing the process id first, so a sampling profiler sees steady steps (`perf record -p PID`, py-spy):
+
+    python -m bench.engine_step --batch-sizes 16 --context 192 --hold 30 & sleep 15; perf record -p <PID> -- sleep 6
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -109,6 +115,23 @@ def region_times(runner, batch_size: int, context: int, steps: int, seed: int, b
     return per_step
 
 
+HOLD_CYCLE = 64  # positions a held run's steps cycle over past its context
+
+
+def held_step_times(runner, batch_size: int, context: int, seconds: float, seed: int, block_size: int,
+                    clock=time.monotonic) -> list[float]:
+    """Seconds per decode step of `batch_size` sequences, stepping for `seconds` at positions context .. context +
+    HOLD_CYCLE - 1 in turn (from the second round on, a step writes its K/V over what an earlier round wrote there),
+    so a long profile sees steps of about one context length rather than ones that grow."""
+    step, release = _filled(runner, batch_size, context, HOLD_CYCLE, seed, block_size)
+    times, end, i = [], clock() + seconds, 0
+    while clock() < end:
+        times.append(step(i % HOLD_CYCLE))
+        i += 1
+    release()
+    return times
+
+
 def paired_step_times(first, second, batch_size: int, context: int, steps: int, seed: int,
                       block_size: int) -> tuple[list[float], list[float]]:
     """step_times of two runners (the same prompts and tokens), one step of each in turn, ABBA by step: step i of
@@ -145,13 +168,13 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def _load_runner(model_dir: Path, cfg, args, compressed: str | None) -> TorchRunner:
-    runner = TorchRunner(model_dir, args.context + args.steps + 6, cfg.model.dtype, cfg.device,
+    max_len = args.context + max(args.steps, HOLD_CYCLE if getattr(args, "hold", 0) else 0) + 6
+    runner = TorchRunner(model_dir, max_len, cfg.model.dtype, cfg.device,
                          Path(compressed) if compressed else None, num_threads=args.num_threads,
                          panel_gemm=not args.no_panel_gemm, kv_cache_dtype=cfg.engine.kv_cache_dtype,
                          quantization=cfg.model.quantization)
     runner.load()
     runner.model.use_decoder_plan = not args.python_layers
-    max_len = args.context + args.steps + 6
     runner.allocate_kv_blocks(max(args.batch_sizes) * -(-max_len // cfg.engine.block_size), cfg.engine.block_size)
     return runner
 
@@ -207,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--region-times", action="store_true",
                    help="after the timed steps, as many again with the parallel regions' clocks on: per step, the "
                         "fork, tail and join of the GEMM and attention regions, and the time outside them")
+    p.add_argument("--hold", type=float, default=0.0, metavar="SECONDS",
+                   help="then keep stepping the last batch size this long at a fixed context, for a profiler to "
+                        "attach (the process id is printed first)")
     p.add_argument("--out", default=str(RESULTS / "engine_step.json"))
     args = p.parse_args(argv)
     if args.ab_rounds and not args.compressed:
@@ -215,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--ab-paired needs --ab-rounds (the number of rounds)")
     if args.region_times and args.ab_rounds:
         p.error("--region-times times one model's steps: leave out --ab-rounds")
+    if args.hold < 0:
+        p.error("--hold must be a number of seconds, 0 or more")
+    if args.hold and args.ab_rounds:
+        p.error("--hold steps one model: leave out --ab-rounds")
     if args.region_times and not fused_ops.load():
         p.error("--region-times needs the fused CPU ops (csrc/), which this machine cannot build")
 
@@ -239,11 +269,20 @@ def main(argv: list[str] | None = None) -> int:
                          "step_ms_min": 1000 * min(times), "tok_s": bs / median})
             if args.region_times:
                 rows[-1]["regions"] = region_times(runner, bs, args.context, args.steps + 5, args.seed, block_size)
+        if args.hold:
+            print(f"holding batch {rows[-1]['batch_size']} at {args.context} positions for {args.hold:g} s: "
+                  f"pid {os.getpid()}", flush=True)
+            held = held_step_times(runner, rows[-1]["batch_size"], args.context, args.hold, args.seed, block_size)
+            rows[-1]["held"] = {"seconds": args.hold, "steps": len(held),
+                                "step_ms_p50": 1000 * statistics.median(held) if held else None}
     result = {**_facts(args, runner, compressed, block_size), "weight_bytes": weight_bytes(runner.model),
               "rows": rows}
     print("| batch | step p50 ms | step min ms | decode tok/s |\n|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['batch_size']} | {r['step_ms_p50']:.1f} | {r['step_ms_min']:.1f} | {r['tok_s']:.1f} |")
+    if args.hold and rows[-1]["held"]["steps"]:
+        held = rows[-1]["held"]
+        print(f"\nheld: {held['steps']} steps of batch {rows[-1]['batch_size']}, p50 {held['step_ms_p50']:.1f} ms")
     if args.region_times:
         print("\n| batch | regions a step | fork ms | tail ms | join ms | in regions ms | outside ms | step ms |\n"
               "|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -131,3 +131,30 @@ def test_region_times_count_the_timed_steps_regions_only():
 def test_region_times_refuse_an_ab_run(tmp_path):
     with pytest.raises(SystemExit):
         engine_step.main(["--region-times", "--compressed", str(tmp_path), "--ab-rounds", "2"])
+
+
+def test_held_steps_cycle_over_positions_past_the_context():
+    calls, ticks = [], iter(range(1000))
+    times = engine_step.held_step_times(_Recorder("model", calls), 2, context=8, seconds=70, seed=0, block_size=16,
+                                        clock=lambda: next(ticks))  # one tick a clock read: 69 steps in 70 "seconds"
+    steps = calls[2:]  # after the two prompts
+    assert len(times) == len(steps) == 69
+    assert [s[1] for s in steps] == [[8 + i % engine_step.HOLD_CYCLE] * 2 for i in range(69)]  # wraps after 64
+
+
+def test_hold_runs_the_last_batch_size_and_records_its_steps(tiny_model_dir, tmp_path, capsys):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(tiny_model_dir).model_dump(mode="json")))
+    out = tmp_path / "step.json"
+    assert engine_step.main(["--config", str(config), "--batch-sizes", "1", "2", "--context", "8", "--steps", "2",
+                             "--hold", "0.3", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert "held" not in rows[0] and rows[1]["held"]["steps"] > 0 and rows[1]["held"]["step_ms_p50"] > 0
+    assert "pid " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags", [["--hold", "-1"], ["--hold", "5", "--compressed", "x", "--ab-rounds", "2"]])
+def test_hold_refuses_a_negative_time_or_an_ab_run(flags, capsys):
+    with pytest.raises(SystemExit):
+        engine_step.main(flags)
+    assert "--hold" in capsys.readouterr().err
