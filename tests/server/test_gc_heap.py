@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
+import signal
 
 import pytest
 from fastapi.testclient import TestClient
@@ -11,6 +12,7 @@ from fastapi.testclient import TestClient
 from server.api import app as app_module
 from server.api.app import create_app
 from server.engine.core_process import core_main
+from server.engine.engine_core import SHUTDOWN_SIGNALS
 from server.gc_heap import collections_held, freeze_heap, startup_heap
 from server.runtime import load_runtime
 from support import tiny_config, wait_for
@@ -72,7 +74,14 @@ def test_a_failed_load_still_freezes_and_turns_the_collector_back_on(tiny_model_
 def test_engine_core_freezes_its_start_up_heap_before_it_serves(tiny_model_dir):
     parent, child = mp.Pipe()
     parent.send(("stop", None))  # read once the core is loaded: it answers "ready" first, then returns
-    core_main(tiny_config(tiny_model_dir), child)
+    # core_main ignores SIGINT and SIGTERM, as an engine core does; here it runs in pytest, whose later children
+    # (stand-in servers, bench subprocesses) would inherit the ignored signals and outlive their terminate()
+    saved = {sig: signal.getsignal(sig) for sig in SHUTDOWN_SIGNALS}
+    try:
+        core_main(tiny_config(tiny_model_dir), child)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
     assert parent.recv() == ("ready", None)
     assert gc.isenabled() and gc.get_freeze_count() > 0
 
