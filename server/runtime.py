@@ -82,6 +82,30 @@ def kv_pool_blocks(e: EngineConfig, bytes_per_token: int) -> int:
     return int(e.kv_cache_gib * 2**30 // (bytes_per_token * e.block_size))
 
 
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def memory_available() -> int | None:
+    """Bytes this process can still commit: the kernel's MemAvailable, within the cgroup's limit where one is set
+    (a container's); None where neither can be read."""
+    found = []
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        found.append(int(next(x for x in meminfo.splitlines() if x.startswith("MemAvailable:")).split()[1]) * 1024)
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
+    for limit, usage in (("memory.max", "memory.current"),  # cgroup v2, then v1
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            cap = (CGROUP_ROOT / limit).read_text().strip()
+            if cap != "max" and int(cap) < 2**60:  # v1 writes "no limit" as a huge number
+                found.append(int(cap) - int((CGROUP_ROOT / usage).read_text()))
+            break
+        except (OSError, ValueError):
+            continue
+    return min(found) if found else None
+
+
 def allocate_kv(cfg: Config, runner) -> PagedKV | SlotKV:
     """The KV memory the engine schedules against: a block pool on paged backends, else a slot per sequence."""
     e = cfg.engine
@@ -93,6 +117,14 @@ def allocate_kv(cfg: Config, runner) -> PagedKV | SlotKV:
     if num_blocks < per_seq:
         raise ConfigError(f"engine.kv_cache_gib: {num_blocks} blocks of {e.block_size} tokens cannot hold one "
                           f"sequence of max_model_len {e.max_model_len}")
+    # A CPU pool is backed in the background after start-up (KVCache): one that cannot fit must fail here, not
+    # under load.
+    pool = num_blocks * e.block_size * runner.kv_bytes_per_token()
+    available = memory_available() if getattr(runner, "device", torch.device("cpu")).type == "cpu" else None
+    if available is not None and pool > available:
+        raise ConfigError(f"engine.kv_cache_gib: the KV pool ({pool / 2**30:.2f} GiB: {num_blocks} blocks of "
+                          f"{e.block_size} tokens) does not fit the {max(available, 0) / 2**30:.2f} GiB of memory "
+                          "available; set engine.kv_cache_gib, or lower max_num_seqs or max_model_len")
     runner.allocate_kv_blocks(num_blocks, e.block_size)
     return PagedKV(num_blocks, e.block_size, e.enable_prefix_caching)
 

@@ -172,9 +172,10 @@ class TorchRunner:
                                     max_blocks=-(-self.max_model_len // block_size)) if graphs else None)
         if self.graphs is not None and self.max_num_seqs:
             self.graphs.capture_up_to(self.max_num_seqs)
-        log.info("KV cache: %d blocks x %d tokens in %s, %.0f MiB allocated in %.2f s",
+        log.info("KV cache: %d blocks x %d tokens in %s, %.0f MiB allocated in %.2f s%s",
                  num_blocks, block_size, str(self.cache_dtype).removeprefix("torch."), self.cache.nbytes() / 2**20,
-                 time.perf_counter() - start)
+                 time.perf_counter() - start,
+                 " (its first blocks backed, the rest in the background)" if self.cache.committing else "")
 
     def kv_bytes_per_token(self) -> int:
         cfg = self.model.config

@@ -9,6 +9,7 @@ Weights, config and rotary tables still come from transformers, so outputs match
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -19,7 +20,7 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from server.models.fused_ops import REFERENCE_KERNELS, Kernels
-from server.models.hugepages import empty_in_huge_pages
+from server.models.hugepages import commit_in_rows, empty_in_huge_pages
 from server.models.lora import LoraRows, with_lora
 from server.models.lowrank import LowRankLinear
 from server.models.module_init import linear_around
@@ -60,17 +61,20 @@ class KVCache:
 
     Attention reads only positions already written, so no value needs initialising. On CPU all layers
     share one mapping on huge pages (a batch's blocks lie scattered over the pool: 2 MiB pages spare a
-    TLB miss on most of them), committed when it is made, as vLLM and llama.cpp hold their caches: a
-    first write to a fresh page costs the kernel (and a VM's host) ~1.5-3 ms, and a prefill step whose
-    blocks crossed into fresh pages of all 60 layer tensors stalled 170-360 ms; a pool that does not fit
-    the memory now fails at start-up rather than under load.
+    TLB miss on most of them), committed as vLLM and llama.cpp hold their caches: a first write to a fresh
+    page costs the kernel (and a VM's host) ~1.5-3 ms, and a prefill step whose blocks crossed into fresh
+    pages of all 60 layer tensors stalled 170-360 ms. The first blocks of every layer are backed when the
+    cache is made and the rest by a background thread in block order (`committing`, hugepages.commit_in_rows);
+    the engine checks that the pool fits the memory before it makes it (server.runtime.allocate_kv).
     """
 
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        self.committing: threading.Thread | None = None  # the thread still backing the pool's later blocks
         if torch.device(device).type == "cpu":
-            tensors = empty_in_huge_pages([shape] * (2 * num_layers), dtype, commit=True)
+            tensors = empty_in_huge_pages([shape] * (2 * num_layers), dtype)
+            self.committing = commit_in_rows(tensors)
         else:
             tensors = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2 * num_layers)]
         self.k, self.v = tensors[:num_layers], tensors[num_layers:]
