@@ -71,7 +71,7 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
-        self.committing: threading.Thread | None = None  # the thread still backing the pool's later blocks
+        self.committing: threading.Thread | None = None  # the thread backing the later blocks (None: none was needed)
         if torch.device(device).type == "cpu":
             tensors = empty_in_huge_pages([shape] * (2 * num_layers), dtype)
             self.committing = commit_in_rows(tensors)
