@@ -168,7 +168,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def _load_runner(model_dir: Path, cfg, args, compressed: str | None) -> TorchRunner:
-    max_len = args.context + max(args.steps, HOLD_CYCLE if getattr(args, "hold", 0) else 0) + 6
+    max_len = args.context + max(args.steps, HOLD_CYCLE if args.hold else 0) + 6
     runner = TorchRunner(model_dir, max_len, cfg.model.dtype, cfg.device,
                          Path(compressed) if compressed else None, num_threads=args.num_threads,
                          panel_gemm=not args.no_panel_gemm, kv_cache_dtype=cfg.engine.kv_cache_dtype,
