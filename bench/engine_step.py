@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from bench.core_latency import core_round_trip_ns
 from bench.harness import machine_facts
+from server.backends import gguf_source
 from server.backends.base import SeqChunk
 from server.backends.torch_runner import TorchRunner
 from server.config import load_config
@@ -172,7 +173,7 @@ def _load_runner(model_dir: Path, cfg, args, compressed: str | None) -> TorchRun
     runner = TorchRunner(model_dir, max_len, cfg.model.dtype, cfg.device,
                          Path(compressed) if compressed else None, num_threads=args.num_threads,
                          panel_gemm=not args.no_panel_gemm, kv_cache_dtype=cfg.engine.kv_cache_dtype,
-                         quantization=cfg.model.quantization)
+                         quantization=cfg.model.quantization, gguf_source=gguf_source(cfg.model))
     runner.load()
     runner.model.use_decoder_plan = not args.python_layers
     runner.allocate_kv_blocks(max(args.batch_sizes) * -(-max_len // cfg.engine.block_size), cfg.engine.block_size)
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compressed", help="a compressed artifact folder to apply (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-dtype", help="override the config's engine.kv_cache_dtype (e.g. fp8)")
-    p.add_argument("--quantization", choices=["int8"], help="override the config's model.quantization")
+    p.add_argument("--quantization", choices=["int8", "gguf"], help="override the config's model.quantization")
     p.add_argument("--no-panel-gemm", action="store_true", help="oneDNN's packed GEMM even where the panel GEMM applies")
     p.add_argument("--python-layers", action="store_true",
                    help="run the layers through the Python loop even where the C++ layer loop (csrc/decoder.cpp) applies")

@@ -30,7 +30,7 @@ from compression.evaluation.perplexity import token_windows
 from server.backends.base import SeqChunk
 from server.backends.torch_runner import TorchRunner
 from server.config import load_config
-from server.models.source import resolve_model_dir
+from server.models.source import gguf_path, resolve_model_dir
 from server.runtime import load_tokenizer
 
 RESULTS = Path(__file__).parent / "results"
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", help="the model's dtype")
     p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto", "float16", "bfloat16"],
                    help="the first is the reference (auto: the model's dtype)")
-    p.add_argument("--quantizations", nargs="+", choices=["none", "int8"], default=["none"],
+    p.add_argument("--quantizations", nargs="+", choices=["none", "int8", "gguf"], default=["none"],
                    help="weights for each cache dtype: the model's (none) and / or int8")
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--windows", type=int, default=16, help="evenly spaced windows of the WikiText-2 test set")
@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, reference = [], None
     for kv, quantization in ((kv, q) for kv in args.kv_cache_dtypes for q in args.quantizations):
         quantization = None if quantization == "none" else quantization
-        runner = TorchRunner(model_dir, max_len, args.dtype, cfg.device, kv_cache_dtype=kv, quantization=quantization)
+        runner = TorchRunner(model_dir, max_len, args.dtype, cfg.device, kv_cache_dtype=kv, quantization=quantization,
+                             gguf_source=gguf_path(cfg.model) if quantization == "gguf" else None)
         runner.load()
         runner.allocate_kv_blocks(-(-max_len // cfg.engine.block_size), cfg.engine.block_size)
         nll = window_nll(runner, windows, f"ppl, {kv} cache, {quantization or args.dtype} weights")

@@ -442,7 +442,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", choices=["float16", "bfloat16", "float32", "fp8"],
                    help="also serve the config's model with this KV cache dtype (float16 under fp32: llama.cpp's default; "
                         "fp8 adds llama-server bf16 over its q8_0 cache)")
-    p.add_argument("--quantization", choices=["int8"],
+    p.add_argument("--quantization", choices=["int8", "gguf"],
                    help="int8: also serve int8 weights (and the artifact's, with --compressed), against llama-server "
                         "q8_0")
     p.add_argument("--stream-interval", type=int, default=1,

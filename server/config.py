@@ -35,7 +35,10 @@ class ModelConfig(_Strict):
     # int8: every linear's weights in int8 per output column, activations quantised per 64 inputs at run time
     # (llama.cpp's q8_0 in spirit; CPUs with AVX512-VNNI or AVX2). Half the bytes of bf16 a step streams, at a cost
     # in quality docs/BENCHMARKS.md measures; a compressed artifact's factors are quantised too.
-    quantization: Literal["int8"] | None = Field(None, description="int8: int8 weights on the CPU panel GEMMs")
+    # gguf (vLLM's name): the GGUF's own Q4_1 / Q8_0 blocks, decoded inside the fp32 GEMM: the fp32 model's weights bit
+    # for bit from ~a third of the bytes (source gguf; fp32 activations; weights the file holds otherwise stay fp32).
+    quantization: Literal["int8", "gguf"] | None = Field(
+        None, description="int8: int8 weights on the CPU panel GEMMs; gguf: the GGUF's own blocks, exactly")
     # A compressed artifact (manifest.json + factors) applied on top of the dense weights.
     compressed: str | None = None
     # vLLM's --generation-config: requests that leave temperature, top_p, top_k, min_p, repetition_penalty or
@@ -51,6 +54,8 @@ class ModelConfig(_Strict):
             raise ValueError("source safetensors needs `path` (a folder with config.json)")
         if self.source == "hf" and not self.hf_id:
             raise ValueError("source hf needs `hf_id`")
+        if self.quantization == "gguf" and self.source != "gguf":
+            raise ValueError("quantization gguf runs a GGUF's own blocks: it needs source gguf")
         return self
 
 

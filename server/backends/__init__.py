@@ -7,9 +7,14 @@ from pathlib import Path
 import torch
 
 from server.backends.neuron import create_neuron_runner, require_neuron_sdk
-from server.backends.torch_runner import TorchRunner, check_quantization, resolve_kv_cache_dtype
-from server.config import Config, ConfigError
-from server.models.cpu_features import resolve_dtype
+from server.backends.torch_runner import TorchRunner, check_quantization, resolve_kv_cache_dtype, weight_dtype
+from server.config import Config, ConfigError, ModelConfig
+from server.models.source import gguf_path
+
+
+def gguf_source(model: ModelConfig) -> Path | None:
+    """The GGUF whose blocks `quantization: gguf` runs (None under any other quantization)."""
+    return gguf_path(model) if model.quantization == "gguf" else None
 
 
 def create_runner(cfg: Config, model_dir: Path):
@@ -23,7 +28,8 @@ def create_runner(cfg: Config, model_dir: Path):
                            cfg.engine.num_threads, kv_cache_dtype=cfg.engine.kv_cache_dtype,
                            cuda_graphs=not cfg.engine.enforce_eager, max_num_seqs=cfg.engine.max_num_seqs,
                            lora_modules={name: Path(path) for name, path in cfg.engine.lora_modules.items()},
-                           max_lora_rank=cfg.engine.max_lora_rank, quantization=cfg.model.quantization)
+                           max_lora_rank=cfg.engine.max_lora_rank, quantization=cfg.model.quantization,
+                           gguf_source=gguf_source(cfg.model))
     if cfg.backend == "neuron":
         return create_neuron_runner(cfg, model_dir, compressed)
     raise ConfigError(f"backend: unknown backend {cfg.backend!r}")
@@ -43,6 +49,7 @@ def check_backend_available(cfg: Config) -> None:
     if cfg.device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise ConfigError(f"device: {cfg.device!r} requested but torch sees no CUDA device")
-    check_quantization(cfg.model.quantization, torch.device(cfg.device))
-    resolve_kv_cache_dtype(cfg.engine.kv_cache_dtype, resolve_dtype(cfg.model.dtype, torch.device(cfg.device),
-                                                                    log_choice=False))
+    device = torch.device(cfg.device)
+    check_quantization(cfg.model.quantization, device, gguf_source(cfg.model))
+    resolve_kv_cache_dtype(cfg.engine.kv_cache_dtype, weight_dtype(cfg.model.dtype, device, cfg.model.quantization,
+                                                                   log_choice=False))

@@ -14,6 +14,7 @@ from server.errors import ConfigError
 from server.models.cpu_features import activation_dtype, resolve_dtype
 from server.models.fused_ops import kernels_for
 from server.models.hugepages import return_freed_heap
+from server.models.gguf_blocks import GgufBlocks
 from server.models.int8_linear import int8_available
 from server.models.llama import FlatBatch, KVCache, LlamaModel, PrefillChunk
 from server.models.loader import load_llama
@@ -42,15 +43,30 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return chosen
 
 
-def check_quantization(name: str | None, device: torch.device) -> str | None:
-    """`model.quantization` where this backend can take it: none, or int8 weights on a CPU."""
+def check_quantization(name: str | None, device: torch.device, gguf_source: Path | None = None) -> str | None:
+    """`model.quantization` where this backend can take it: none, or int8 weights or a GGUF's blocks on a CPU (the
+    latter from `gguf_source`)."""
     if name is None:
         return None
-    if name != "int8":
-        raise ConfigError(f"model.quantization: {name!r} is not supported (int8, or none)")
+    if name not in ("int8", "gguf"):
+        raise ConfigError(f"model.quantization: {name!r} is not supported (int8, gguf, or none)")
     if device.type != "cpu":
-        raise ConfigError(f"model.quantization: int8 weights run on the CPU panel GEMMs, not on {device.type}")
+        raise ConfigError(f"model.quantization: {name} weights run on the CPU panel GEMMs, not on {device.type}")
+    if name == "gguf" and gguf_source is None:
+        raise ConfigError("model.quantization: gguf runs a GGUF's own blocks: it needs model.source gguf")
     return name
+
+
+def weight_dtype(dtype: str, device: torch.device, quantization: str | None, log_choice: bool = True) -> torch.dtype:
+    """The model's weight dtype for `model.dtype`: resolve_dtype's, but fp32 under `quantization: gguf` (the dtype
+    its blocks decode to; auto picks it, and nothing else is allowed)."""
+    if quantization != "gguf":
+        return resolve_dtype(dtype, device, log_choice=log_choice)
+    if dtype not in ("auto", "float32"):
+        raise ConfigError(f"model.dtype: {dtype} under quantization gguf (its blocks decode to fp32: auto or float32)")
+    if log_choice:
+        log.info("dtype float32: the GGUF's blocks decode to fp32 weights")
+    return torch.float32
 
 
 class TorchRunner:
@@ -69,14 +85,16 @@ class TorchRunner:
                  compressed: Path | None = None, num_threads: int | None = None, pack_weights: bool = True,
                  fused_kernels: bool = True, panel_gemm: bool = True, kv_cache_dtype: str = "auto",
                  cuda_graphs: bool = True, max_num_seqs: int | None = None,
-                 lora_modules: dict[str, Path] | None = None, max_lora_rank: int = 16, quantization: str | None = None):
+                 lora_modules: dict[str, Path] | None = None, max_lora_rank: int = 16, quantization: str | None = None,
+                 gguf_source: Path | None = None):
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.device = torch.device(device)
-        self.weight_dtype = resolve_dtype(dtype, self.device)
+        self.quantization = check_quantization(quantization, self.device, gguf_source)  # None, "int8" or "gguf"
+        self.gguf_source = gguf_source  # the GGUF whose blocks `quantization: gguf` runs
+        self.weight_dtype = weight_dtype(dtype, self.device, self.quantization)
         self.dtype = activation_dtype(self.weight_dtype, self.device)  # the model's compute dtype
         self.cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
-        self.quantization = check_quantization(quantization, self.device)  # None, or "int8": int8 panel GEMMs
         self.compressed = compressed
         self.num_threads = num_threads
         self.pack_weights = pack_weights
@@ -110,12 +128,16 @@ class TorchRunner:
                     p.copy_(p.to(self.weight_dtype))
         self.vocab_size = self.model.config.vocab_size
         use_panels = self.panel_gemm and panels_available(self.device, self.dtype)
-        if self.quantization and not (self.pack_weights and use_panels and int8_available()):
+        if self.quantization == "int8" and not (self.pack_weights and use_panels and int8_available()):
             raise ConfigError("model.quantization: int8 weights need the CPU panel GEMMs (AVX512-VNNI, or AVX2), "
                               "which this CPU or build lacks")
+        if self.quantization == "gguf" and not (self.pack_weights and use_panels):
+            raise ConfigError("model.quantization: a GGUF's blocks need the CPU panel GEMMs (AVX-512 or AVX2), "
+                              "which this CPU or build lacks")
         if self.pack_weights and packing_available(self.device, self.dtype):
+            blocks = GgufBlocks.read(self.gguf_source) if self.quantization == "gguf" else None
             pack_linears(self.model, use_panels=use_panels, panel_dtype=self.weight_dtype,
-                         int8=self.quantization == "int8")
+                         int8=self.quantization == "int8", blocks=blocks)
         if self.fused_kernels:
             self.model.use_kernels(kernels_for(self.device, self.dtype))
         for name, path in self.lora_modules.items():

@@ -20,6 +20,7 @@ from torch import nn
 
 from server.models import fused_ops
 from server.models.gemm_tuning import tune_bf16_kernels
+from server.models.gguf_blocks import GgufBlocks, pack_block_panels
 from server.models.hugepages import into_huge_pages
 from server.models.int8_linear import fits_int8, pack_int8_panels
 from server.models.llama import LlamaModel, StackedPair
@@ -111,11 +112,13 @@ def panels_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 class PanelLinear(_PrepackedLinear):
     """y = x Wᵀ with W [N, K] held as column panels for csrc/small_gemm.cpp: bf16 (K even) or fp32 (no bias), or
-    int8 for csrc/int8_gemm.cpp (K a multiple of 64).
+    int8 for csrc/int8_gemm.cpp (K a multiple of 64), or an fp32 W as the GGUF blocks it decodes from.
 
-    x comes in W's dtype; `panel_dtype` bf16 under an fp32 W stores the panels in bf16 (W rounded to it)."""
+    x comes in W's dtype; `panel_dtype` bf16 under an fp32 W stores the panels in bf16 (W rounded to it); `blocks`
+    (codes, scales, offsets; gguf_blocks.GgufBlocks.find) stores an fp32 W as GGUF block panels."""
 
-    def __init__(self, weight: torch.Tensor, panel_dtype: torch.dtype | None = None, int8: bool = False):
+    def __init__(self, weight: torch.Tensor, panel_dtype: torch.dtype | None = None, int8: bool = False,
+                 blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         super().__init__(weight)
         pack, gemm = _PANEL_OPS[weight.dtype]
         self.x_dtype = weight.dtype
@@ -123,6 +126,9 @@ class PanelLinear(_PrepackedLinear):
             self.panels = pack_int8_panels(weight)
             self.layout = "int8 panels"
             gemm = "panel_linear_int8"
+        elif blocks is not None:
+            self.panels = pack_block_panels(*blocks)
+            self.layout = "GGUF block panels"
         else:
             self.panels = getattr(torch.ops.neuronmm, pack)(_panel_weight(weight, panel_dtype))
             self.layout = _layout(weight.dtype, self.panels)
@@ -209,51 +215,57 @@ def _factored(module: nn.Module, use_panels: bool, panel_dtype: torch.dtype | No
     return FactoredPanelLinear(first, splits, seconds, panel_dtype, int8=int8 and all(map(fits_int8, ks)))
 
 
-def _pack_weight(weight: torch.Tensor, use_panels: bool, panel_dtype: torch.dtype | None, int8: bool) -> nn.Module:
+def _pack_weight(weight: torch.Tensor, use_panels: bool, panel_dtype: torch.dtype | None, int8: bool,
+                 blocks: GgufBlocks | None) -> nn.Module:
     """One weight packed: panels where they apply (bf16 panels pair K, so K even; int8 ones where asked and K fits
-    them), else oneDNN's layout."""
+    them; GGUF block panels where asked and the GGUF holds the weight exactly), else oneDNN's layout."""
     if use_panels and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0):
-        return PanelLinear(weight, panel_dtype, int8=int8 and fits_int8(weight.shape[1]))
+        found = blocks.find(weight) if blocks is not None else None
+        return PanelLinear(weight, panel_dtype, int8=int8 and fits_int8(weight.shape[1]), blocks=found)
     return PackedLinear(weight)
 
 
-def _packed(module: nn.Module, use_panels: bool, panel_dtype: torch.dtype | None, int8: bool) -> nn.Module | None:
+def _packed(module: nn.Module, use_panels: bool, panel_dtype: torch.dtype | None, int8: bool,
+            blocks: GgufBlocks | None) -> nn.Module | None:
     """The packed replacement of one module, or None to leave it (and pack what is inside it)."""
     factored = _factored(module, use_panels, panel_dtype, int8)
     if factored is not None:
         return factored
     if type(module) is nn.Linear and module.bias is None:
-        return _pack_weight(module.weight, use_panels, panel_dtype, int8)
+        return _pack_weight(module.weight, use_panels, panel_dtype, int8, blocks)
     if isinstance(module, LowRankLinear) and module.bias is None:
-        return nn.Sequential(_pack_weight(module.A, use_panels, panel_dtype, int8),
-                             _pack_weight(module.B, use_panels, panel_dtype, int8))
+        return nn.Sequential(_pack_weight(module.A, use_panels, panel_dtype, int8, blocks),
+                             _pack_weight(module.B, use_panels, panel_dtype, int8, blocks))
     return None
 
 
-def _replace(parent: nn.Module, use_panels: bool, panel_dtype: torch.dtype | None, int8: bool) -> int:
+def _replace(parent: nn.Module, use_panels: bool, panel_dtype: torch.dtype | None, int8: bool,
+             blocks: GgufBlocks | None) -> int:
     count = 0
     for name, child in list(parent.named_children()):
-        replacement = _packed(child, use_panels, panel_dtype, int8)
+        replacement = _packed(child, use_panels, panel_dtype, int8, blocks)
         if replacement is not None:
             setattr(parent, name, replacement)
             count += 1
         else:
-            count += _replace(child, use_panels, panel_dtype, int8)
+            count += _replace(child, use_panels, panel_dtype, int8, blocks)
     return count
 
 
 def pack_linears(model: nn.Module, use_panels: bool = False, panel_dtype: torch.dtype | None = None,
-                 int8: bool = False) -> int:
+                 int8: bool = False, blocks: GgufBlocks | None = None) -> int:
     """Replace every bias-free Linear / LowRankLinear / StackedPair under `model` by its packed form; returns the count.
 
     use_panels: panels for our GEMMs (see panels_available; factored modules become one call), else oneDNN's layout.
     panel_dtype: bf16 under an fp32 model stores the panels' weights in bf16 (the model's weights must already
     hold bf16 values for that to lose nothing; see TorchRunner); None: the model's dtype.
     int8: int8 panels (csrc/int8_gemm.cpp; the caller checks int8_available) for every panel GEMM whose K fits them.
+    blocks: a GGUF's quantised rows; every fp32 weight they hold exactly becomes GGUF block panels (factored
+    modules' factors, which no GGUF holds, stay fp32).
     """
-    if int8 and not use_panels:
-        raise ValueError("int8 weights need the panel GEMMs (use_panels)")
-    count = _replace(model, use_panels, panel_dtype, int8)
+    if (int8 or blocks is not None) and not use_panels:
+        raise ValueError("int8 weights and GGUF blocks need the panel GEMMs (use_panels)")
+    count = _replace(model, use_panels, panel_dtype, int8, blocks)
     for llama in (m for m in model.modules() if isinstance(m, LlamaModel)):
         llama.unbind()  # its bound layer calls name the modules just replaced
     panel_layers = [m for m in model.modules() if isinstance(m, (PanelLinear, FactoredPanelLinear))]
@@ -268,5 +280,9 @@ def pack_linears(model: nn.Module, use_panels: bool = False, panel_dtype: torch.
         quantised = sum("int8" in layer.layout for layer in panel_layers)
         log.info("int8 weights in %d of %d panel GEMM layers%s", quantised, len(panel_layers),
                  "" if quantised == len(panel_layers) else " (the others' K is not a multiple of 64)")
+    if blocks is not None:
+        exact = sum(layer.layout == "GGUF block panels" for layer in panel_layers)
+        log.info("GGUF blocks in %d of %d panel GEMM layers%s", exact, len(panel_layers),
+                 "" if exact == len(panel_layers) else " (the GGUF does not hold the others' weights exactly)")
     log.info("packed %d linear layers (%s)", count, "panels" if use_panels else "oneDNN")
     return count

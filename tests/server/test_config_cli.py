@@ -166,6 +166,7 @@ def test_kv_cache_dtype_flag(flag, expected):
 def test_quantization_flag_and_its_environment_variable(monkeypatch):
     assert _serve_config([]).model.quantization is None
     assert _serve_config(["--quantization", "int8"]).model.quantization == "int8"
+    assert _serve_config(["--quantization", "gguf"]).model.quantization == "gguf"
     monkeypatch.setenv("NEURONMM_QUANTIZATION", "int8")
     assert _serve_config([]).model.quantization == "int8"
 

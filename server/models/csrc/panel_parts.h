@@ -17,10 +17,13 @@
 namespace neuronmm {
 
 // Elements of one panel of K inputs: 32 columns of K weights each; int8 panels (uint8_t) hold the 32 columns' fp32
-// scales after them (128 bytes).
+// scales after them (128 bytes); GGUF block panels (int8_t, csrc/small_gemm.cpp) hold per block of 32 inputs the
+// columns' fp32 scales and offsets (256 bytes) and 32 x 32 codes: 40 bytes an input.
 template <typename W>
 constexpr int64_t panel_elems(int64_t K) {
-  return std::is_same_v<W, uint8_t> ? K * 32 + 128 : K * 32;
+  if constexpr (std::is_same_v<W, uint8_t>) return K * 32 + 128;
+  if constexpr (std::is_same_v<W, int8_t>) return K * 40;
+  return K * 32;
 }
 
 // One GEMM of a call: y[M, :N] (row stride ldy) = x[M, :K] (row stride ldx) · Wᵀ, W as panels of 32 columns

@@ -841,17 +841,210 @@ void f32_rows(const float* x, int64_t ldx, const W* panel, float* y, int64_t ldy
 }
 #endif
 
+// ---- GGUF blocks ----
+// The fp32 GEMM over a GGUF's own quantised blocks (`--quantization gguf`): llama.cpp's Q4_1 and Q8_0 store each
+// row's weights per 32 inputs as codes q with an f16 scale d (and, Q4_1, an f16 offset m), and decode them to
+// w = d·q + m in fp32. d·q is exact (an f16 scale's 11 significant bits times a code's 8 at most), so one fused
+// multiply-add gives that fp32 weight bit for bit, and the tiles below multiply the same values in the same order as
+// the fp32 panels holding the decoded weights: the same sums, bit for bit, from ~a quarter of the bytes.
+// Why: at decode sizes the fp32 GEMM streams 4 bytes a weight; a block panel streams 1.25 (codes as bytes, scales and
+// offsets in fp32). On a CPU without native bf16 a batch-16 step is where both limits meet (the FMA peak and the
+// stream), and there the stream costs what the cache-resident tile does not.
+// Layout (server/models/gguf_blocks.py packs it): per panel of 32 columns, per block of 32 inputs, the 32 columns' fp32
+// scales, then their fp32 offsets (-0.0 for Q8_0, so d·q keeps its sign), then the 32 inputs' 32 int8 codes each,
+// columns in order: 1280 bytes a block, 40 an input. A register tile's first pass over a panel decodes the weights it
+// reads and, where more passes follow, writes them to a per-thread fp32 copy of the panel, which the others read as
+// fp32 panels (from L1/L2: the decoding is paid once per weight, the stream once per panel).
+constexpr int64_t kQBlock = 32;                       // inputs a block
+constexpr int64_t kQScales = 2 * kPanelF * 4;         // bytes of a block's scales and offsets
+constexpr int64_t kQBlockBytes = kQScales + kQBlock * kPanelF;
+constexpr int64_t kQAheadBytes = kAheadF * 40;        // what the L1 prefetch runs ahead, as kAheadF fp32 inputs do
+constexpr int64_t kQFarBytes = kFarF * 40;            // and the single pass's L2 prefetch
+
+// A thread's fp32 copy of the panel it works on ([K][32], as fp32 panels).
+inline float* decoded_panel(int64_t K) {
+  thread_local std::vector<float> panel;
+  if (int64_t(panel.size()) < K * kPanelF) panel.resize(K * kPanelF);
+  return panel.data();
+}
+
+template <bool SinglePass>
+__attribute__((always_inline)) inline void prefetch_blocks(const int8_t* panel, int64_t k) {
+  _mm_prefetch(reinterpret_cast<const char*>(panel + k * 40 + kQAheadBytes), _MM_HINT_T0);
+  if constexpr (SinglePass) _mm_prefetch(reinterpret_cast<const char*>(panel + k * 40 + kQFarBytes), _MM_HINT_T1);
+}
+
+#if defined(__AVX512F__)
+// Columns c .. c + 15 of a block's input: w = d·q + m.
+inline __m512 decode16(const int8_t* codes, const float* d, const float* m) {
+  const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
+  return _mm512_fmadd_ps(q, _mm512_loadu_ps(d), _mm512_loadu_ps(m));
+}
+
+// tile_f32's tile over a block panel, decoding as it goes; Keep: also write the decoded panel to `decoded`.
+template <int MT, bool Ahead, bool Keep>
+inline void tile_blocks(const float* x, int64_t ldx, const int8_t* panel, float* decoded, float* y, int64_t ldy,
+                        int64_t valid, int64_t K, const PassShare& next) {
+  __m512 lo[MT], hi[MT];
+  for (int j = 0; j < MT; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
+  L2Ahead<Ahead> ahead(next);
+  for (int64_t b = 0; b < K / kQBlock; ++b) {
+    const int8_t* block = panel + b * kQBlockBytes;
+    const float* d = reinterpret_cast<const float*>(block);
+    const float* m = d + kPanelF;
+    for (int64_t i = 0; i < kQBlock; ++i) {
+      const int64_t k = b * kQBlock + i;
+      prefetch_blocks<!Ahead && !Keep>(panel, k);
+      ahead.step(k);
+      const int8_t* codes = block + kQScales + i * kPanelF;
+      const __m512 w0 = decode16(codes, d, m), w1 = decode16(codes + 16, d + 16, m + 16);
+      if constexpr (Keep) {
+        _mm512_storeu_ps(decoded + k * kPanelF, w0);
+        _mm512_storeu_ps(decoded + k * kPanelF + 16, w1);
+      }
+      for (int j = 0; j < MT; ++j) {
+        const __m512 xv = _mm512_set1_ps(x[j * ldx + k]);
+        lo[j] = _mm512_fmadd_ps(xv, w0, lo[j]);
+        hi[j] = _mm512_fmadd_ps(xv, w1, hi[j]);
+      }
+    }
+  }
+  for (int j = 0; j < MT; ++j) store_row(y + j * ldy, lo[j], hi[j], valid);
+}
+
+template <int MT, bool Ahead, bool Keep>
+void rows_of_blocks(const float* x, int64_t ldx, const int8_t* panel, float* decoded, float* y, int64_t ldy,
+                    int64_t valid, int64_t K, int64_t rows, const PassShare& next) {
+  if constexpr (MT > 0) {
+    if (rows == MT) return tile_blocks<MT, Ahead, Keep>(x, ldx, panel, decoded, y, ldy, valid, K, next);
+    rows_of_blocks<MT - 1, Ahead, Keep>(x, ldx, panel, decoded, y, ldy, valid, K, rows, next);
+  }
+}
+
+// A row block against one block panel: the first register tile decodes (and keeps the panel if more tiles follow),
+// the others read the decoded panel as f32_rows does.
+void block_rows(const float* x, int64_t ldx, const int8_t* panel, float* y, int64_t ldy, int64_t valid, int64_t K,
+                int64_t rows) {
+  if (rows <= kMaxRowsF)
+    return rows_of_blocks<kMaxRowsF, false, false>(x, ldx, panel, nullptr, y, ldy, valid, K, rows, PassShare{});
+  float* decoded = decoded_panel(K);
+  const NextPanel next(valid > kPanelF ? panel + neuronmm::panel_elems<int8_t>(K) : nullptr, K * 40 / 64,
+                       (rows + kMaxRowsF - 1) / kMaxRowsF, K);
+  rows_of_blocks<kMaxRowsF, true, true>(x, ldx, panel, decoded, y, ldy, valid, K, kMaxRowsF, next.pass(0));
+  for (int64_t m = kMaxRowsF, i = 1; m < rows; m += kMaxRowsF, ++i)
+    rows_of_f32<kMaxRowsF, true>(x + m * ldx, ldx, decoded, y + m * ldy, ldy, valid, K, std::min(kMaxRowsF, rows - m),
+                                 next.pass(i));
+}
+
+#else
+// Columns c .. c + 7 of a block's input: w = d·q + m.
+inline __m256 decode8(const int8_t* codes, const float* d, const float* m) {
+  const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))));
+  return _mm256_fmadd_ps(q, _mm256_loadu_ps(d), _mm256_loadu_ps(m));
+}
+
+// The AVX2 tile_f32 (MT rows x NV * 8 columns from column c0) over a block panel, decoding as it goes; Keep: also
+// write the decoded columns to `decoded` (the panel's fp32 copy).
+template <int MT, int NV, bool Ahead, bool Keep>
+inline void tile_blocks(const float* x, int64_t ldx, const int8_t* panel, int64_t c0, float* decoded, float* y,
+                        int64_t ldy, int64_t valid, int64_t K, const PassShare& next) {
+  __m256 acc[MT][NV];
+#pragma GCC unroll 8
+  for (int j = 0; j < MT; ++j)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) acc[j][c] = _mm256_setzero_ps();
+  L2Ahead<Ahead> ahead(next);
+  for (int64_t b = 0; b < K / kQBlock; ++b) {
+    const int8_t* block = panel + b * kQBlockBytes;
+    const float* d = reinterpret_cast<const float*>(block) + c0;
+    const float* m = d + kPanelF;
+    for (int64_t i = 0; i < kQBlock; ++i) {
+      const int64_t k = b * kQBlock + i;
+      prefetch_blocks<!Ahead && !Keep>(panel, k);
+      ahead.step(k);
+      const int8_t* codes = block + kQScales + i * kPanelF + c0;
+      __m256 wv[NV];
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) wv[c] = decode8(codes + 8 * c, d + 8 * c, m + 8 * c);
+      if constexpr (Keep) {
+#pragma GCC unroll 4
+        for (int c = 0; c < NV; ++c) _mm256_storeu_ps(decoded + k * kPanelF + c0 + 8 * c, wv[c]);
+      }
+#pragma GCC unroll 8
+      for (int j = 0; j < MT; ++j) {
+        const __m256 xv = _mm256_broadcast_ss(x + j * ldx + k);
+#pragma GCC unroll 4
+        for (int c = 0; c < NV; ++c) acc[j][c] = _mm256_fmadd_ps(xv, wv[c], acc[j][c]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < MT; ++j)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) store8(y + j * ldy + 8 * c, acc[j][c], valid - 8 * c);
+}
+
+template <int MT, int NV, bool Ahead, bool Keep>
+void rows_of_blocks(const float* x, int64_t ldx, const int8_t* panel, int64_t c0, float* decoded, float* y,
+                    int64_t ldy, int64_t valid, int64_t K, int64_t rows, const PassShare& next) {
+  if constexpr (MT > 0) {
+    if (rows == MT) return tile_blocks<MT, NV, Ahead, Keep>(x, ldx, panel, c0, decoded, y, ldy, valid, K, next);
+    rows_of_blocks<MT - 1, NV, Ahead, Keep>(x, ldx, panel, c0, decoded, y, ldy, valid, K, rows, next);
+  }
+}
+
+// A row block against one block panel, as f32_rows: a few rows in one pass over the whole panel; more, each half
+// panel's first row tile decoding it (and keeping it, if more tiles follow), the others reading the decoded half.
+void block_rows(const float* x, int64_t ldx, const int8_t* panel, float* y, int64_t ldy, int64_t valid, int64_t K,
+                int64_t rows) {
+  if (rows <= kWholePanelRows)
+    return rows_of_blocks<kWholePanelRows, 4, false, false>(x, ldx, panel, 0, nullptr, y, ldy, valid, K, rows,
+                                                           PassShare{});
+  float* decoded = decoded_panel(K);
+  const int64_t halves = valid > 16 ? 2 : 1, tiles = (rows + kMaxRowsF - 1) / kMaxRowsF;
+  const NextPanel next(valid > kPanelF ? panel + neuronmm::panel_elems<int8_t>(K) : nullptr, K * 40 / 64, halves * tiles, K);
+  for (int64_t h = 0, i = 0; h < halves; ++h)
+    for (int64_t m = 0; m < rows; m += kMaxRowsF, ++i) {
+      const int64_t n = std::min(kMaxRowsF, rows - m);
+      if (m > 0)
+        rows_of_f32<kMaxRowsF, 2, true>(x + m * ldx, ldx, decoded + 16 * h, y + m * ldy + 16 * h, ldy,
+                                        valid - 16 * h, K, n, next.pass(i));
+      else if (tiles > 1)
+        rows_of_blocks<kMaxRowsF, 2, true, true>(x, ldx, panel, 16 * h, decoded, y + 16 * h, ldy, valid - 16 * h, K,
+                                                 n, next.pass(i));
+      else
+        rows_of_blocks<kMaxRowsF, 2, true, false>(x, ldx, panel, 16 * h, nullptr, y + 16 * h, ldy, valid - 16 * h, K,
+                                                  n, next.pass(i));
+    }
+}
+#endif
+
 // The AVX-512 and the AVX2 tile alike at every row count: at 512 rows the AVX2 tile runs at 89 % of the FMA peak,
 // above torch's (MKL's) AVX2 sgemm on the same panels, which an earlier AVX2 build used from a few rows on.
+// (int8_t panels: GGUF block panels.)
 template <typename W>
 void run_f32(const std::vector<Part<float, W, float>>& parts, int64_t M) {
-  gemm_parts<kRowsPerItem, kRowsPerItem>(parts, M, f32_rows<W>);  // f32_rows tiles a row block itself
+  if constexpr (std::is_same_v<W, int8_t>)
+    gemm_parts<kRowsPerItem, kRowsPerItem>(parts, M, block_rows);
+  else
+    gemm_parts<kRowsPerItem, kRowsPerItem>(parts, M, f32_rows<W>);  // f32_rows tiles a row block itself
 }
 
 template <typename W>
 void run_f32_then(const std::vector<Part<float, W, float>>& first, const std::vector<Part<float, W, float>>& second,
                   int64_t M) {
-  gemm_parts_then<kRowsPerItem, kRowsPerItem>(first, second, M, f32_rows<W>);
+  if constexpr (std::is_same_v<W, int8_t>)
+    gemm_parts_then<kRowsPerItem, kRowsPerItem>(first, second, M, block_rows);
+  else
+    gemm_parts_then<kRowsPerItem, kRowsPerItem>(first, second, M, f32_rows<W>);
+}
+
+// GGUF block panels [ceil(N/32), K/32, 1280] int8 (server/models/gguf_blocks.py).
+void check_block_panels(const at::Tensor& panels, int64_t K, int64_t N, const char* op) {
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kChar && K % kQBlock == 0 &&
+                  panels.size(1) * kQBlock == K && panels.size(2) == kQBlockBytes && panels.size(0) * kPanelF >= N &&
+                  panels.is_contiguous(),
+              op, ": GGUF block panels [ceil(N/32), K/32, 1280] int8 expected (K a multiple of 32)");
 }
 
 template <typename W>
@@ -864,6 +1057,10 @@ void check_panels_f32(const at::Tensor& panels, int64_t K, int64_t N, const char
 
 at::Tensor panel_linear_f32(const at::Tensor& x, const at::Tensor& panels, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "panel_linear_f32: fp32 x [M, K] expected");
+  if (panels.scalar_type() == at::kChar) {
+    check_block_panels(panels, x.size(1), N, "panel_linear_f32");
+    return linear_of<float, int8_t>(x, panels, N, run_f32<int8_t>);
+  }
   if (panels.scalar_type() == at::kBFloat16) {
     check_panels_f32<at::BFloat16>(panels, x.size(1), N, "panel_linear_f32");
     return linear_of<float, at::BFloat16>(x, panels, N, run_f32<at::BFloat16>);
@@ -890,6 +1087,9 @@ void neuronmm::factored_linear_into(const at::Tensor& x, const at::Tensor& first
                                     at::Tensor& y, const at::Tensor& scratch) {
   TORCH_CHECK(x.dim() == 2, "factored_linear: x [M, K] expected");
   if (first.scalar_type() == at::kByte) return factored_linear_int8(x, first, splits, seconds, outs, y, scratch);
+  if (x.scalar_type() == at::kFloat && first.scalar_type() == at::kChar)  // GGUF block panels, fp32 activations
+    return factored_impl<float, int8_t>(x, first, splits, seconds, outs, y, scratch, run_f32<int8_t>,
+                                        run_f32_then<int8_t>, check_block_panels);
   if (x.scalar_type() == at::kFloat && first.scalar_type() == at::kBFloat16)  // bf16 weights, fp32 activations
     return factored_impl<float, at::BFloat16>(x, first, splits, seconds, outs, y, scratch, run_f32<at::BFloat16>,
                                               run_f32_then<at::BFloat16>, check_panels_f32<at::BFloat16>);
