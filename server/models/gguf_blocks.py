@@ -33,11 +33,12 @@ class BlockRows:
     d: np.ndarray
     m: np.ndarray
 
-    def decoded(self) -> np.ndarray:
-        """The rows as fp32 weights, as gguf-py (and so the converted model) decodes them: d·q exact, + m rounded."""
-        R, K = self.codes.shape
-        q = self.codes.reshape(R, K // BLOCK, BLOCK).astype(np.float32)
-        return (self.d[..., None] * q + self.m[..., None]).reshape(R, K)
+    def decoded(self, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
+        """Rows as fp32 weights, as gguf-py (and so the converted model) decodes them: d·q exact, + m rounded."""
+        codes, d, m = self.codes[rows], self.d[rows], self.m[rows]
+        R, K = codes.shape
+        q = codes.reshape(R, K // BLOCK, BLOCK).astype(np.float32)
+        return (d[..., None] * q + m[..., None]).reshape(R, K)
 
 
 def parse_blocks(kind: GGMLQuantizationType, raw: np.ndarray, K: int) -> BlockRows:
@@ -79,7 +80,7 @@ class GgufBlocks:
 
     def __init__(self, rows_by_width: dict[int, BlockRows], seed: int = 0):
         self._rows = rows_by_width
-        self._index: dict[int, tuple[np.ndarray, ...]] = {}  # K -> sorted keys, their rows, decoded rows, salt
+        self._index: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # K -> salt, sorted keys, their rows
         self._seed = seed
 
     @classmethod
@@ -87,14 +88,16 @@ class GgufBlocks:
         """The quantised rows of the GGUF at `path`."""
         return cls(read_blocks(path))
 
-    def _indexed(self, K: int):
+    def _indexed(self, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(salt, sorted keys, the rows they belong to) of the rows of width K, made on first use."""
         if K not in self._index:
             rows = self._rows[K]
-            decoded = rows.decoded()
             salt = np.random.default_rng(self._seed).integers(1, 2**63, size=K, dtype=np.uint64) | 1
-            keys = _row_keys(decoded, salt)
+            step = 4096  # rows decoded at a time: the index keeps keys, not a decoded copy of the file
+            keys = np.concatenate([_row_keys(rows.decoded(slice(i, i + step)), salt)
+                                   for i in range(0, len(rows.codes), step)])
             order = np.argsort(keys, kind="stable")
-            self._index[K] = (keys[order], order, decoded, salt)
+            self._index[K] = (salt, keys[order], order)
         return self._index[K]
 
     def find(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -102,14 +105,14 @@ class GgufBlocks:
         None where a row has no exact match."""
         if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] not in self._rows:
             return None
-        keys, order, decoded, salt = self._indexed(weight.shape[1])
+        salt, keys, order = self._indexed(weight.shape[1])
+        source = self._rows[weight.shape[1]]
         w = weight.detach().contiguous().numpy()
         wanted = _row_keys(w, salt)
         at = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
         rows = order[at]
-        if not (keys[at] == wanted).all() or not (decoded[rows].view(np.uint32) == w.view(np.uint32)).all():
+        if not (keys[at] == wanted).all() or not (source.decoded(rows).view(np.uint32) == w.view(np.uint32)).all():
             return None
-        source = self._rows[weight.shape[1]]
         return tuple(torch.from_numpy(np.ascontiguousarray(a[rows])) for a in (source.codes, source.d, source.m))
 
 
