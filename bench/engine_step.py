@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compressed", help="a compressed artifact folder to apply (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-dtype", help="override the config's engine.kv_cache_dtype (e.g. fp8)")
-    p.add_argument("--quantization", choices=["int8", "gguf"], help="override the config's model.quantization")
+    p.add_argument("--quantization", choices=["int8", "gguf", "none"], help="override the config's model.quantization")
     p.add_argument("--no-panel-gemm", action="store_true", help="oneDNN's packed GEMM even where the panel GEMM applies")
     p.add_argument("--python-layers", action="store_true",
                    help="run the layers through the Python loop even where the C++ layer loop (csrc/decoder.cpp) applies")

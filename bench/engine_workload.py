@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compressed", help="a compressed artifact folder to apply (default: the config's)")
     p.add_argument("--dtype", help="override the config's model dtype (e.g. float32)")
     p.add_argument("--kv-cache-dtype", help="override the config's engine.kv_cache_dtype (e.g. float16)")
-    p.add_argument("--quantization", choices=["int8", "gguf"], help="override the config's model.quantization")
+    p.add_argument("--quantization", choices=["int8", "gguf", "none"], help="override the config's model.quantization")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])

@@ -356,7 +356,7 @@ def workload_args(system: str, compressed: str | None) -> list[str] | None:
         return ["--kv-cache-dtype", system.removeprefix("neuronmm kv ")]
     if system.startswith(STREAM_PREFIX):
         return []  # the same engine as "neuronmm": only the HTTP side differs
-    for quantization in ("int8", "gguf"):
+    for quantization in ("int8", "gguf", "none"):
         flag = ["--quantization", quantization]
         if system == f"neuronmm {quantization}":
             return flag
@@ -449,9 +449,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", choices=["float16", "bfloat16", "float32", "fp8"],
                    help="also serve the config's model with this KV cache dtype (float16 under fp32: llama.cpp's default; "
                         "fp8 adds llama-server bf16 over its q8_0 cache)")
-    p.add_argument("--quantization", choices=["int8", "gguf"],
+    p.add_argument("--quantization", choices=["int8", "gguf", "none"],
                    help="int8: also serve int8 weights (and the artifact's, with --compressed), against llama-server "
-                        "q8_0; gguf: also serve the GGUF's own blocks, against llama-server on that file as it is")
+                        "q8_0; gguf: also serve the GGUF's own blocks, against llama-server on that file as it is; "
+                        "none: also serve with neither (fp32 panels where unset runs the GGUF's blocks)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="also serve the config's model streaming a chunk per this many tokens (server --stream-interval)")
     p.add_argument("--input-len", type=int, default=128)

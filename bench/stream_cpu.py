@@ -120,7 +120,7 @@ def markdown(facts: dict, args: argparse.Namespace, stats: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    p.add_argument("--quantization", choices=["int8", "gguf"], help="override the config's model.quantization")
+    p.add_argument("--quantization", choices=["int8", "gguf", "none"], help="override the config's model.quantization")
     p.add_argument("--route", choices=["completions", "chat"], default="completions")
     p.add_argument("--tokens", type=int, default=400, help="tokens a stream")
     p.add_argument("--rounds", type=int, default=5)

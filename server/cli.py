@@ -133,10 +133,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     flag("--dtype", choices=sorted(_DTYPES),
          help="auto: bf16 where the CPU has native bf16 dot products (or CUDA), else fp32; bfloat16 on a CPU "
               "without them keeps bf16 weights and computes in fp32")
-    flag("--quantization", choices=["int8", "gguf"],
+    flag("--quantization", choices=["int8", "gguf", "none"],
          help="int8: int8 weights per output column, activations quantised per 64 inputs at run time (CPUs with "
               "AVX512-VNNI or AVX2); half the bytes of bf16 a decode step streams. gguf: the GGUF's own Q4_1 / Q8_0 "
-              "blocks decoded in the fp32 GEMM, the fp32 weights exactly from a third of their bytes")
+              "blocks decoded in the fp32 GEMM, the fp32 weights exactly from a third of their bytes (unset: so "
+              "wherever a GGUF's model runs in fp32 on a CPU). none: neither")
     flag("--kv-cache-dtype", choices=sorted(_KV_DTYPES),
          help="auto: the model's dtype; float16 or bfloat16 under a float32 model halve the cache; fp8 (e4m3) halves "
               "it again under float32 or bfloat16")

@@ -37,8 +37,10 @@ class ModelConfig(_Strict):
     # in quality docs/BENCHMARKS.md measures; a compressed artifact's factors are quantised too.
     # gguf (vLLM's name): the GGUF's own Q4_1 / Q8_0 blocks, decoded inside the fp32 GEMM: the fp32 model's weights bit
     # for bit from ~a third of the bytes (source gguf; fp32 activations; weights the file holds otherwise stay fp32).
-    quantization: Literal["int8", "gguf"] | None = Field(
-        None, description="int8: int8 weights on the CPU panel GEMMs; gguf: the GGUF's own blocks, exactly")
+    # Unset: gguf wherever the weights are fp32 on a CPU and the model comes from a GGUF with such blocks (the same
+    # sums, so nothing to choose), else none; `none`: never.
+    quantization: Literal["int8", "gguf", "none"] | None = Field(
+        None, description="int8: int8 weights on the CPU panel GEMMs; gguf: the GGUF's own blocks, exactly; none")
     # A compressed artifact (manifest.json + factors) applied on top of the dense weights.
     compressed: str | None = None
     # vLLM's --generation-config: requests that leave temperature, top_p, top_k, min_p, repetition_penalty or

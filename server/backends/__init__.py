@@ -13,8 +13,9 @@ from server.models.source import gguf_path
 
 
 def gguf_source(model: ModelConfig) -> Path | None:
-    """The GGUF whose blocks `quantization: gguf` runs (None under any other quantization)."""
-    return gguf_path(model) if model.quantization == "gguf" else None
+    """The GGUF whose blocks `quantization: gguf` (or, unset, an fp32 CPU model) runs: None under int8 or `none`, or
+    for a model from another source."""
+    return gguf_path(model) if model.source == "gguf" and model.quantization in (None, "gguf") else None
 
 
 def create_runner(cfg: Config, model_dir: Path):
@@ -42,7 +43,7 @@ def check_backend_available(cfg: Config) -> None:
             raise ConfigError("engine.kv_cache_dtype: the neuron backend keeps its cache in the model's dtype (auto)")
         if cfg.engine.lora_modules:
             raise ConfigError("engine.lora_modules: the neuron backend serves no LoRA adapters (the torch one does)")
-        if cfg.model.quantization:
+        if cfg.model.quantization not in (None, "none"):
             raise ConfigError("model.quantization: the neuron backend serves the model's own dtype")
         require_neuron_sdk()
         return

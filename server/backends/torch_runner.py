@@ -44,12 +44,12 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def check_quantization(name: str | None, device: torch.device, gguf_source: Path | None = None) -> str | None:
-    """`model.quantization` where this backend can take it: none, or int8 weights or a GGUF's blocks on a CPU (the
-    latter from `gguf_source`)."""
-    if name is None:
+    """`model.quantization` where this backend can take it: int8 weights or a GGUF's blocks on a CPU (the latter from
+    `gguf_source`), or None (unset, or `none`; TorchRunner decides what unset runs)."""
+    if name is None or name == "none":
         return None
     if name not in ("int8", "gguf"):
-        raise ConfigError(f"model.quantization: {name!r} is not supported (int8, gguf, or none)")
+        raise ConfigError(f"model.quantization: {name!r} is not supported (int8, gguf, none, or unset)")
     if device.type != "cpu":
         raise ConfigError(f"model.quantization: {name} weights run on the CPU panel GEMMs, not on {device.type}")
     if name == "gguf" and gguf_source is None:
@@ -93,6 +93,12 @@ class TorchRunner:
         self.quantization = check_quantization(quantization, self.device, gguf_source)  # None, "int8" or "gguf"
         self.gguf_source = gguf_source  # the GGUF whose blocks `quantization: gguf` runs
         self.weight_dtype = weight_dtype(dtype, self.device, self.quantization)
+        # Unset: fp32 weights on a CPU from a GGUF are held as its blocks where it has them (the same sums, bit for
+        # bit, from a third of the bytes); `none` keeps fp32 panels.
+        self.blocks_by_default = (quantization is None and gguf_source is not None and self.device.type == "cpu"
+                                  and self.weight_dtype == torch.float32)
+        if self.blocks_by_default:
+            self.quantization = "gguf"
         self.dtype = activation_dtype(self.weight_dtype, self.device)  # the model's compute dtype
         self.cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         self.compressed = compressed
@@ -131,11 +137,8 @@ class TorchRunner:
         if self.quantization == "int8" and not (self.pack_weights and use_panels and int8_available()):
             raise ConfigError("model.quantization: int8 weights need the CPU panel GEMMs (AVX512-VNNI, or AVX2), "
                               "which this CPU or build lacks")
-        if self.quantization == "gguf" and not (self.pack_weights and use_panels):
-            raise ConfigError("model.quantization: a GGUF's blocks need the CPU panel GEMMs (AVX-512 or AVX2), "
-                              "which this CPU or build lacks")
+        blocks = self._gguf_blocks(use_panels) if self.quantization == "gguf" else None
         if self.pack_weights and packing_available(self.device, self.dtype):
-            blocks = GgufBlocks.read(self.gguf_source) if self.quantization == "gguf" else None
             pack_linears(self.model, use_panels=use_panels, panel_dtype=self.weight_dtype,
                          int8=self.quantization == "int8", blocks=blocks)
         if self.fused_kernels:
@@ -144,6 +147,21 @@ class TorchRunner:
             self.add_lora(name, path)
         if self.device.type == "cpu":
             return_freed_heap()
+
+    def _gguf_blocks(self, use_panels: bool) -> GgufBlocks | None:
+        """The GGUF's quantised rows for `quantization: gguf`; where they were not asked for and cannot run (no panel
+        GEMMs, or a GGUF without Q4_1 / Q8_0 tensors) None, and the weights stay fp32 panels."""
+        why = None if self.pack_weights and use_panels else "need the CPU panel GEMMs (AVX-512 or AVX2), which this "\
+            "CPU or build lacks"
+        blocks = GgufBlocks.read(self.gguf_source) if why is None else None
+        if blocks is not None and blocks.empty:
+            why = f"are not in {self.gguf_source.name} (it holds no Q4_1 or Q8_0 tensors)"
+        if why is None:
+            return blocks
+        if not self.blocks_by_default:
+            raise ConfigError(f"model.quantization: a GGUF's blocks {why}")
+        self.quantization = None
+        return None
 
     def add_lora(self, name: str, path: str | Path) -> None:
         """Load one more adapter (ConfigError: the folder does not fit the model)."""

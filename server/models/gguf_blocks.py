@@ -88,6 +88,11 @@ class GgufBlocks:
         """The quantised rows of the GGUF at `path`."""
         return cls(read_blocks(path))
 
+    @property
+    def empty(self) -> bool:
+        """Whether the GGUF holds no Q4_1 / Q8_0 rows at all."""
+        return not self._rows
+
     def _indexed(self, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(salt, sorted keys, the rows they belong to) of the rows of width K, made on first use."""
         if K not in self._index:

@@ -90,8 +90,8 @@ def test_ab_needs_an_artifact(capsys):
 
 @pytest.mark.parametrize("python_layers", [False, True])
 def test_python_layers_turns_the_cpp_layer_loop_off(tiny_model_dir, python_layers):
-    cfg = argparse.Namespace(model=argparse.Namespace(dtype="float32", quantization=None), device="cpu",
-                             engine=argparse.Namespace(block_size=16, kv_cache_dtype="auto"))
+    model = argparse.Namespace(dtype="float32", quantization=None, source="safetensors")
+    cfg = argparse.Namespace(model=model, device="cpu", engine=argparse.Namespace(block_size=16, kv_cache_dtype="auto"))
     args = argparse.Namespace(context=8, steps=4, hold=0, num_threads=None, no_panel_gemm=False, batch_sizes=[1],
                               python_layers=python_layers)
     runner = engine_step._load_runner(tiny_model_dir, cfg, args, None)

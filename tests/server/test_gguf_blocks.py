@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from server.backends import check_backend_available
+from server.backends import check_backend_available, gguf_source
 from server.backends.base import SeqChunk
 from server.backends.torch_runner import TorchRunner
 from server.config import ConfigError, load_config
@@ -162,12 +162,47 @@ def test_served_model_on_gguf_blocks_gives_the_fp32_logits(default_config, smol_
         runner.allocate_kv(2)
         prompt = runner.execute([SeqChunk(slot=0, token_ids=list(range(100, 140)), start_pos=0),
                                  SeqChunk(slot=1, token_ids=[7, 2, 9], start_pos=0)])
-        step = runner.execute([SeqChunk(slot=0, token_ids=[4], start_pos=40), SeqChunk(slot=1, token_ids=[8], start_pos=3)])
+        step = runner.execute([SeqChunk(slot=0, token_ids=[4], start_pos=40),
+                               SeqChunk(slot=1, token_ids=[8], start_pos=3)])
         logits.append((prompt, step))
     layouts = {m.layout for m in exact.model.modules() if hasattr(m, "layout")}
     assert layouts == {"GGUF block panels"} and exact.precision == "float32, gguf weights"
     for a, b in zip(*logits):
         assert torch.equal(a, b)
+
+
+@needs_ops
+def test_an_fp32_model_from_a_gguf_takes_its_blocks_unless_told_none(default_config, smol_dir):
+    """Unset, fp32 weights on a CPU from a quantised GGUF are held as its blocks (the same sums); `none` keeps fp32
+    panels, and so does a GGUF without Q4_1 / Q8_0 tensors, or a bf16 model."""
+    source = gguf_path(default_config.model)
+    unset = TorchRunner(smol_dir, 64, "float32", "cpu", gguf_source=source)
+    assert unset.quantization == "gguf" and unset.blocks_by_default
+    assert TorchRunner(smol_dir, 64, "float32", "cpu", quantization="none", gguf_source=source).quantization is None
+    assert TorchRunner(smol_dir, 64, "bfloat16", "cpu", gguf_source=source).quantization is None
+    assert TorchRunner(smol_dir, 64, "float32", "cpu").quantization is None  # a model from another source
+    config = load_config(None, {"model.dtype": "float32"})
+    assert gguf_source(config.model) == source
+    assert gguf_source(load_config(None, {"model.quantization": "none"}).model) is None
+    assert gguf_source(load_config(None, {"model.quantization": "int8"}).model) is None
+
+
+@needs_ops
+def test_a_gguf_without_blocks_keeps_fp32_unless_gguf_was_asked(tmp_path, smol_dir):
+    from gguf import GGUFWriter  # a GGUF of plain f32 tensors
+    writer = GGUFWriter(tmp_path / "plain.gguf", "llama")
+    writer.add_tensor("w", np.ones((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert GgufBlocks.read(tmp_path / "plain.gguf").empty
+    unset = TorchRunner(smol_dir, 64, "float32", "cpu", num_threads=2, gguf_source=tmp_path / "plain.gguf")
+    unset.load()
+    assert unset.quantization is None and unset.precision == "float32"
+    asked = TorchRunner(smol_dir, 64, "float32", "cpu", quantization="gguf", gguf_source=tmp_path / "plain.gguf")
+    with pytest.raises(ConfigError, match="holds no Q4_1 or Q8_0 tensors"):
+        asked.load()
 
 
 def test_gguf_quantization_needs_a_gguf_source_fp32_and_a_cpu(smol_dir, default_config):

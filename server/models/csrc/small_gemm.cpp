@@ -1002,7 +1002,8 @@ void block_rows(const float* x, int64_t ldx, const int8_t* panel, float* y, int6
                                                            PassShare{});
   float* decoded = decoded_panel(K);
   const int64_t halves = valid > 16 ? 2 : 1, tiles = (rows + kMaxRowsF - 1) / kMaxRowsF;
-  const NextPanel next(valid > kPanelF ? panel + neuronmm::panel_elems<int8_t>(K) : nullptr, K * 40 / 64, halves * tiles, K);
+  const NextPanel next(valid > kPanelF ? panel + neuronmm::panel_elems<int8_t>(K) : nullptr, K * 40 / 64,
+                       halves * tiles, K);
   for (int64_t h = 0, i = 0; h < halves; ++h)
     for (int64_t m = 0; m < rows; m += kMaxRowsF, ++i) {
       const int64_t n = std::min(kMaxRowsF, rows - m);
