@@ -11,12 +11,15 @@ exactly; the others stay fp32.
 from __future__ import annotations
 
 import logging
+import mmap
+import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +59,79 @@ def parse_blocks(kind: GGMLQuantizationType, raw: np.ndarray, K: int) -> BlockRo
     return BlockRows(codes.reshape(raw.shape[0], K), d, m)
 
 
+# GGUF metadata value types: fixed sizes by type id (8 = string, 9 = array)
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+class _Cursor:
+    """Little-endian reads through a GGUF's header."""
+
+    def __init__(self, buf: mmap.mmap):
+        self.buf, self.at = buf, 0
+
+    def take(self, fmt: str):
+        values = struct.unpack_from("<" + fmt, self.buf, self.at)
+        self.at += struct.calcsize("<" + fmt)
+        return values if len(values) > 1 else values[0]
+
+    def string(self) -> bytes:
+        n = self.take("Q")
+        self.at += n
+        return bytes(self.buf[self.at - n:self.at])
+
+    def skip_value(self, kind: int) -> None:
+        if kind == 8:
+            n = self.take("Q")  # (not `self.at += self.take(...)`: that adds to the position before the read)
+            self.at += n
+        elif kind == 9:
+            item, count = self.take("IQ")
+            if item in _SCALAR_BYTES:
+                self.at += count * _SCALAR_BYTES[item]
+            else:
+                for _ in range(count):
+                    self.skip_value(item)
+        else:
+            self.at += _SCALAR_BYTES[kind]
+
+
+def _tensors(buf: mmap.mmap) -> Iterator[tuple[GGMLQuantizationType, tuple[int, ...], int]]:
+    """(type, shape as GGUF states it, data offset) of each tensor. gguf-py's reader also parses every metadata
+    field (the vocabulary's ~100,000 strings: seconds); this walks past them."""
+    cur = _Cursor(buf)
+    magic, version, n_tensors, n_fields = cur.take("4sIQQ")
+    if magic != b"GGUF" or version < 2:
+        raise ValueError("not a GGUF (version 2 or later) file")
+    alignment = 32
+    for _ in range(n_fields):
+        key, kind = cur.string(), cur.take("I")
+        if key == b"general.alignment" and kind == 4:
+            alignment = cur.take("I")
+        else:
+            cur.skip_value(kind)
+    infos = []
+    for _ in range(n_tensors):
+        cur.string()
+        dims = cur.take("I")
+        shape = tuple(cur.take("Q") for _ in range(dims))
+        kind, offset = cur.take("IQ")
+        infos.append((kind, shape, offset))
+    start = -(-cur.at // alignment) * alignment
+    for kind, shape, offset in infos:
+        yield GGMLQuantizationType(kind), shape, start + offset
+
+
 def read_blocks(path: Path) -> dict[int, BlockRows]:
     """Every Q4_1 / Q8_0 row of a GGUF, grouped by width K."""
     groups: dict[int, list[BlockRows]] = {}
-    for tensor in GGUFReader(path).tensors:
-        if tensor.tensor_type not in _BLOCK_BYTES:
-            continue
-        K = int(tensor.shape[0])
-        raw = np.asarray(tensor.data).reshape(-1, K // BLOCK * _BLOCK_BYTES[tensor.tensor_type])
-        groups.setdefault(K, []).append(parse_blocks(tensor.tensor_type, raw, K))
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        for kind, shape, offset in _tensors(buf):
+            if kind not in _BLOCK_BYTES:
+                continue
+            K, rows = shape[0], int(np.prod(shape[1:]))
+            block_size, block_bytes = GGML_QUANT_SIZES[kind]
+            raw = np.frombuffer(buf, np.uint8, rows * K // block_size * block_bytes, offset).reshape(rows, -1)
+            groups.setdefault(K, []).append(parse_blocks(kind, raw, K))
+            del raw  # (no view of the map may outlive it)
     return {K: BlockRows(*(np.concatenate([getattr(r, f) for r in rows]) for f in ("codes", "d", "m")))
             for K, rows in groups.items()}
 
