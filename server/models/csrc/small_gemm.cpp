@@ -676,10 +676,10 @@ at::Tensor pack_panels_f32(const at::Tensor& weight) {
   return weight.scalar_type() == at::kFloat ? pack_column_panels<float>(weight) : pack_column_panels<at::BFloat16>(weight);
 }
 
-// A panel's 64-byte lines: K rows of 32 weights.
+// A panel's 64-byte lines (every layout's: fp32, bf16, GGUF blocks).
 template <typename W>
 constexpr int64_t panel_lines(int64_t K) {
-  return K * kPanelF * int64_t(sizeof(W)) / 64;
+  return neuronmm::panel_elems<W>(K) * int64_t(sizeof(W)) / 64;
 }
 
 // Prefetches input position k + Ahead of a panel (one line of bf16 weights, two of fp32) into L1 (_MM_HINT_T0)
@@ -704,6 +704,57 @@ __attribute__((always_inline)) inline void prefetch_single_pass(const W* panel, 
   if constexpr (!Ahead) prefetch_row<kFarF, _MM_HINT_T1>(panel, k);
 }
 
+// ---- GGUF blocks ----
+// The fp32 GEMM over a GGUF's own quantised blocks (`--quantization gguf`): llama.cpp's Q4_1 and Q8_0 store each
+// row's weights per 32 inputs as codes q with an f16 scale d (and, Q4_1, an f16 offset m), and decode them to
+// w = d·q + m in fp32. d·q is exact (an f16 scale's 11 significant bits times a code's 8 at most), so one fused
+// multiply-add gives that fp32 weight bit for bit, and the tiles below multiply the same values in the same order as
+// the fp32 panels holding the decoded weights: the same sums, bit for bit, from ~a third of the bytes.
+// Why: at decode sizes the fp32 GEMM streams 4 bytes a weight; a block panel streams 1.25 (codes as bytes, scales and
+// offsets in fp32): a batch-1 step 2.4 x faster under the AVX2 caps. At batch 16 the step is compute-bound and the
+// decoding FMA costs about what the smaller stream saves (docs/BENCHMARKS.md).
+// Layout (server/models/gguf_blocks.py packs it): per panel of 32 columns, per block of 32 inputs, the 32 columns' fp32
+// scales, then their fp32 offsets (-0.0 for Q8_0, so d·q keeps its sign), then the 32 inputs' 32 int8 codes each,
+// columns in order: 1280 bytes a block, 40 an input. A panel's first register tile decodes the weights it reads and,
+// where more tiles follow, writes them to a per-thread fp32 copy of the panel, which the others read as fp32 panels
+// (from L1/L2: the decoding is paid once per weight, the stream once per panel).
+constexpr int64_t kQBlock = 32;                       // inputs a block
+constexpr int64_t kQScales = 2 * kPanelF * 4;         // bytes of a block's scales and offsets
+constexpr int64_t kQBlockBytes = kQScales + kQBlock * kPanelF;
+constexpr int64_t kQAheadBytes = kAheadF * 40;        // what the L1 prefetch runs ahead, as kAheadF fp32 inputs do
+constexpr int64_t kQFarBytes = kFarF * 40;            // and the single pass's L2 prefetch
+
+// A thread's fp32 copy of the panel it works on ([K][32], as fp32 panels).
+inline float* decoded_panel(int64_t K) {
+  thread_local std::vector<float> panel;
+  if (int64_t(panel.size()) < K * kPanelF) panel.resize(K * kPanelF);
+  return panel.data();
+}
+
+// Where a register tile's weights come from, one input position k at a time: prefetch<NV, Ahead>(k) asks for what
+// is due, load(k, ...) gives the tile's columns as fp32 vectors.
+// Panels (fp32, or bf16 widened exactly), from the tile's first column.
+template <typename W>
+struct PanelWeights {
+  const W* w;
+};
+
+// Block panels, from column c0: decoded in registers; Keep also writes them to `decoded` (the panel's fp32 copy).
+template <bool Keep>
+struct BlockWeights {
+  const int8_t* panel;
+  int64_t c0;
+  float* decoded;
+
+  __attribute__((always_inline)) const int8_t* block(int64_t k) const { return panel + k / kQBlock * kQBlockBytes; }
+  __attribute__((always_inline)) const int8_t* codes(int64_t k) const {
+    return block(k) + kQScales + k % kQBlock * kPanelF + c0;
+  }
+  __attribute__((always_inline)) const float* scales(int64_t k) const {
+    return reinterpret_cast<const float*>(block(k)) + c0;
+  }
+};
+
 #if defined(__AVX512F__)
 constexpr int64_t kMaxRowsF = kMaxRows;  // rows of x per register tile
 
@@ -718,18 +769,49 @@ inline void load_row(const at::BFloat16* w, __m512& lo, __m512& hi) {
   hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v));
 }
 
-template <int MT, bool Ahead, typename W>
-inline void tile_f32(const float* x, int64_t ldx, const W* panel, float* y, int64_t ldy, int64_t valid, int64_t K,
+// Columns c .. c + 15 of a block's input: w = d·q + m.
+inline __m512 decode16(const int8_t* codes, const float* d, const float* m) {
+  const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
+  return _mm512_fmadd_ps(q, _mm512_loadu_ps(d), _mm512_loadu_ps(m));
+}
+
+template <bool Ahead, typename W>
+__attribute__((always_inline)) inline void prefetch(const PanelWeights<W>& src, int64_t k) {
+  prefetch_row(src.w, k);
+  prefetch_single_pass<Ahead>(src.w, k);
+}
+template <typename W>
+__attribute__((always_inline)) inline void load(const PanelWeights<W>& src, int64_t k, __m512& lo, __m512& hi) {
+  load_row(src.w + k * kPanelF, lo, hi);
+}
+template <bool Ahead, bool Keep>
+__attribute__((always_inline)) inline void prefetch(const BlockWeights<Keep>& src, int64_t k) {
+  _mm_prefetch(reinterpret_cast<const char*>(src.panel + k * 40 + kQAheadBytes), _MM_HINT_T0);
+  if constexpr (!Ahead && !Keep) _mm_prefetch(reinterpret_cast<const char*>(src.panel + k * 40 + kQFarBytes), _MM_HINT_T1);
+}
+template <bool Keep>
+__attribute__((always_inline)) inline void load(const BlockWeights<Keep>& src, int64_t k, __m512& lo, __m512& hi) {
+  const int8_t* codes = src.codes(k);
+  const float* d = src.scales(k);
+  lo = decode16(codes, d, d + kPanelF);
+  hi = decode16(codes + 16, d + 16, d + kPanelF + 16);
+  if constexpr (Keep) {
+    _mm512_storeu_ps(src.decoded + k * kPanelF, lo);
+    _mm512_storeu_ps(src.decoded + k * kPanelF + 16, hi);
+  }
+}
+
+template <int MT, bool Ahead, typename Src>
+inline void tile_f32(const float* x, int64_t ldx, const Src& src, float* y, int64_t ldy, int64_t valid, int64_t K,
                      const PassShare& next) {
   __m512 lo[MT], hi[MT];
   for (int j = 0; j < MT; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
   L2Ahead<Ahead> ahead(next);
   for (int64_t k = 0; k < K; ++k) {
-    prefetch_row(panel, k);
-    prefetch_single_pass<Ahead>(panel, k);
+    prefetch<Ahead>(src, k);
     ahead.step(k);
     __m512 w0, w1;
-    load_row(panel + k * kPanelF, w0, w1);
+    load(src, k, w0, w1);
     for (int j = 0; j < MT; ++j) {
       const __m512 xv = _mm512_set1_ps(x[j * ldx + k]);
       lo[j] = _mm512_fmadd_ps(xv, w0, lo[j]);
@@ -755,15 +837,51 @@ inline void load16(const at::BFloat16* w, __m256& lo, __m256& hi) {
   hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
 }
 
-// The AVX2 tile: MT rows x NV * 8 columns of a panel (w: its first column at input 0; rows of the panel are
-// kPanelF apart). Each sum is the same chain of FMAs over k as in the AVX-512 tile, so the same bits.
+// Columns c .. c + 7 of a block's input: w = d·q + m.
+inline __m256 decode8(const int8_t* codes, const float* d, const float* m) {
+  const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))));
+  return _mm256_fmadd_ps(q, _mm256_loadu_ps(d), _mm256_loadu_ps(m));
+}
+
+template <int NV, bool Ahead, typename W>
+__attribute__((always_inline)) inline void prefetch(const PanelWeights<W>& src, int64_t k) {
+  prefetch_single_pass<Ahead>(src.w, k);
+  if constexpr (NV == 4)
+    prefetch_row(src.w, k);
+  else  // half a panel: its 16 columns are one line of fp32 weights, half of one of bf16
+    _mm_prefetch(reinterpret_cast<const char*>(src.w + (k + kAheadF) * kPanelF), _MM_HINT_T0);
+}
+template <int NV, typename W>
+__attribute__((always_inline)) inline void load(const PanelWeights<W>& src, int64_t k, __m256 (&wv)[NV]) {
+#pragma GCC unroll 2
+  for (int c = 0; c < NV / 2; ++c) load16(src.w + k * kPanelF + 16 * c, wv[2 * c], wv[2 * c + 1]);
+}
+template <int NV, bool Ahead, bool Keep>
+__attribute__((always_inline)) inline void prefetch(const BlockWeights<Keep>& src, int64_t k) {
+  _mm_prefetch(reinterpret_cast<const char*>(src.panel + k * 40 + kQAheadBytes), _MM_HINT_T0);
+  if constexpr (!Ahead && !Keep) _mm_prefetch(reinterpret_cast<const char*>(src.panel + k * 40 + kQFarBytes), _MM_HINT_T1);
+}
+template <int NV, bool Keep>
+__attribute__((always_inline)) inline void load(const BlockWeights<Keep>& src, int64_t k, __m256 (&wv)[NV]) {
+  const int8_t* codes = src.codes(k);
+  const float* d = src.scales(k);
+#pragma GCC unroll 4
+  for (int c = 0; c < NV; ++c) wv[c] = decode8(codes + 8 * c, d + 8 * c, d + kPanelF + 8 * c);
+  if constexpr (Keep) {
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(src.decoded + k * kPanelF + src.c0 + 8 * c, wv[c]);
+  }
+}
+
+// The AVX2 tile: MT rows x NV * 8 columns of a panel (src: its first column; rows of the panel are kPanelF apart).
+// Each sum is the same chain of FMAs over k as in the AVX-512 tile, so the same bits.
 //   NV = 4, MT <= 3: the whole panel in one pass, for the memory-bound few-row calls (a panel read once).
 //   NV = 2, MT <= 6: half a panel, for more rows: two loads of W per 12 FMAs instead of four per 12, and a half
 //   panel (K x 64 B: 36 KB at K = 576) stays in L1 across a call's row tiles.
 // The epilogue's loops are unrolled on purpose: with a loop index into acc left in them, GCC keeps acc in memory
 // too and stores every sum to the stack on every k, which halved the FMA rate.
-template <int MT, int NV, bool Ahead, typename W>
-inline void tile_f32(const float* x, int64_t ldx, const W* w, float* y, int64_t ldy, int64_t valid, int64_t K,
+template <int MT, int NV, bool Ahead, typename Src>
+inline void tile_f32(const float* x, int64_t ldx, const Src& src, float* y, int64_t ldy, int64_t valid, int64_t K,
                      const PassShare& next) {
   __m256 acc[MT][NV];
 #pragma GCC unroll 8
@@ -772,15 +890,10 @@ inline void tile_f32(const float* x, int64_t ldx, const W* w, float* y, int64_t 
     for (int c = 0; c < NV; ++c) acc[j][c] = _mm256_setzero_ps();
   L2Ahead<Ahead> ahead(next);
   for (int64_t k = 0; k < K; ++k) {
-    prefetch_single_pass<Ahead>(w, k);
-    if constexpr (NV == 4)
-      prefetch_row(w, k);
-    else  // half a panel: its 16 columns are one line of fp32 weights, half of one of bf16
-      _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAheadF) * kPanelF), _MM_HINT_T0);
+    prefetch<NV, Ahead>(src, k);
     ahead.step(k);
     __m256 wv[NV];
-#pragma GCC unroll 2
-    for (int c = 0; c < NV / 2; ++c) load16(w + k * kPanelF + 16 * c, wv[2 * c], wv[2 * c + 1]);
+    load<NV>(src, k, wv);
 #pragma GCC unroll 8
     for (int j = 0; j < MT; ++j) {
       const __m256 xv = _mm256_broadcast_ss(x + j * ldx + k);
@@ -794,250 +907,99 @@ inline void tile_f32(const float* x, int64_t ldx, const W* w, float* y, int64_t 
     for (int c = 0; c < NV; ++c) store8(y + j * ldy + 8 * c, acc[j][c], valid - 8 * c);
 }
 
-template <int MT, int NV, bool Ahead, typename W>
-void rows_of_f32(const float* x, int64_t ldx, const W* w, float* y, int64_t ldy, int64_t valid, int64_t K,
+template <int MT, int NV, bool Ahead, typename Src>
+void rows_of_f32(const float* x, int64_t ldx, const Src& src, float* y, int64_t ldy, int64_t valid, int64_t K,
                  int64_t rows, const PassShare& next) {
   if constexpr (MT > 0) {
-    if (rows == MT) return tile_f32<MT, NV, Ahead>(x, ldx, w, y, ldy, valid, K, next);
-    rows_of_f32<MT - 1, NV, Ahead>(x, ldx, w, y, ldy, valid, K, rows, next);
+    if (rows == MT) return tile_f32<MT, NV, Ahead>(x, ldx, src, y, ldy, valid, K, next);
+    rows_of_f32<MT - 1, NV, Ahead>(x, ldx, src, y, ldy, valid, K, rows, next);
   }
 }
 
 // A row block against one panel: a few rows in one pass over the panel (memory-bound: the stream is the work);
-// more, each half panel in turn against every row tile of the block.
+// more, each half panel in turn against every row tile of the block. Block panels: each half panel's first row tile
+// decodes it (and keeps it if more tiles follow), the others read the decoded half as fp32 panels.
 template <typename W>
 void f32_rows(const float* x, int64_t ldx, const W* panel, float* y, int64_t ldy, int64_t valid, int64_t K,
               int64_t rows) {
-  if (rows <= kWholePanelRows)
-    return rows_of_f32<kWholePanelRows, 4, false>(x, ldx, panel, y, ldy, valid, K, rows, PassShare{});
+  constexpr bool blocks = std::is_same_v<W, int8_t>;
+  if (rows <= kWholePanelRows) {
+    if constexpr (blocks)
+      return rows_of_f32<kWholePanelRows, 4, false>(x, ldx, BlockWeights<false>{panel, 0, nullptr}, y, ldy, valid, K,
+                                                    rows, PassShare{});
+    else
+      return rows_of_f32<kWholePanelRows, 4, false>(x, ldx, PanelWeights<W>{panel}, y, ldy, valid, K, rows,
+                                                    PassShare{});
+  }
   const int64_t halves = valid > 16 ? 2 : 1, tiles = (rows + kMaxRowsF - 1) / kMaxRowsF;
-  const NextPanel next(valid > kPanelF ? panel + K * kPanelF : nullptr, panel_lines<W>(K), halves * tiles, K);
-  for (int64_t h = 0, i = 0; h < halves; ++h)
-    for (int64_t m = 0; m < rows; m += kMaxRowsF, ++i)
-      rows_of_f32<kMaxRowsF, 2, true>(x + m * ldx, ldx, panel + 16 * h, y + m * ldy + 16 * h, ldy, valid - 16 * h, K,
-                                      std::min(kMaxRowsF, rows - m), next.pass(i));
-}
-#endif
-
-#if defined(__AVX512F__)
-template <int MT, bool Ahead, typename W>
-void rows_of_f32(const float* x, int64_t ldx, const W* panel, float* y, int64_t ldy, int64_t valid, int64_t K,
-                 int64_t rows, const PassShare& next) {
-  if constexpr (MT > 0) {
-    if (rows == MT) return tile_f32<MT, Ahead>(x, ldx, panel, y, ldy, valid, K, next);
-    rows_of_f32<MT - 1, Ahead>(x, ldx, panel, y, ldy, valid, K, rows, next);
-  }
-}
-
-// A row block against one panel, a register tile of up to kMaxRowsF rows at a time.
-template <typename W>
-void f32_rows(const float* x, int64_t ldx, const W* panel, float* y, int64_t ldy, int64_t valid, int64_t K,
-              int64_t rows) {
-  const NextPanel next(valid > kPanelF ? panel + K * kPanelF : nullptr, panel_lines<W>(K),
-                       (rows + kMaxRowsF - 1) / kMaxRowsF, K);
-  tile_row_block<kMaxRowsF>(rows, next, [&](int64_t m, int64_t n, const PassShare& share, auto ahead) {
-    rows_of_f32<kMaxRowsF, decltype(ahead)::value>(x + m * ldx, ldx, panel, y + m * ldy, ldy, valid, K, n, share);
-  });
-}
-#endif
-
-// ---- GGUF blocks ----
-// The fp32 GEMM over a GGUF's own quantised blocks (`--quantization gguf`): llama.cpp's Q4_1 and Q8_0 store each
-// row's weights per 32 inputs as codes q with an f16 scale d (and, Q4_1, an f16 offset m), and decode them to
-// w = d·q + m in fp32. d·q is exact (an f16 scale's 11 significant bits times a code's 8 at most), so one fused
-// multiply-add gives that fp32 weight bit for bit, and the tiles below multiply the same values in the same order as
-// the fp32 panels holding the decoded weights: the same sums, bit for bit, from ~a quarter of the bytes.
-// Why: at decode sizes the fp32 GEMM streams 4 bytes a weight; a block panel streams 1.25 (codes as bytes, scales and
-// offsets in fp32). On a CPU without native bf16 a batch-16 step is where both limits meet (the FMA peak and the
-// stream), and there the stream costs what the cache-resident tile does not.
-// Layout (server/models/gguf_blocks.py packs it): per panel of 32 columns, per block of 32 inputs, the 32 columns' fp32
-// scales, then their fp32 offsets (-0.0 for Q8_0, so d·q keeps its sign), then the 32 inputs' 32 int8 codes each,
-// columns in order: 1280 bytes a block, 40 an input. A register tile's first pass over a panel decodes the weights it
-// reads and, where more passes follow, writes them to a per-thread fp32 copy of the panel, which the others read as
-// fp32 panels (from L1/L2: the decoding is paid once per weight, the stream once per panel).
-constexpr int64_t kQBlock = 32;                       // inputs a block
-constexpr int64_t kQScales = 2 * kPanelF * 4;         // bytes of a block's scales and offsets
-constexpr int64_t kQBlockBytes = kQScales + kQBlock * kPanelF;
-constexpr int64_t kQAheadBytes = kAheadF * 40;        // what the L1 prefetch runs ahead, as kAheadF fp32 inputs do
-constexpr int64_t kQFarBytes = kFarF * 40;            // and the single pass's L2 prefetch
-
-// A thread's fp32 copy of the panel it works on ([K][32], as fp32 panels).
-inline float* decoded_panel(int64_t K) {
-  thread_local std::vector<float> panel;
-  if (int64_t(panel.size()) < K * kPanelF) panel.resize(K * kPanelF);
-  return panel.data();
-}
-
-template <bool SinglePass>
-__attribute__((always_inline)) inline void prefetch_blocks(const int8_t* panel, int64_t k) {
-  _mm_prefetch(reinterpret_cast<const char*>(panel + k * 40 + kQAheadBytes), _MM_HINT_T0);
-  if constexpr (SinglePass) _mm_prefetch(reinterpret_cast<const char*>(panel + k * 40 + kQFarBytes), _MM_HINT_T1);
-}
-
-#if defined(__AVX512F__)
-// Columns c .. c + 15 of a block's input: w = d·q + m.
-inline __m512 decode16(const int8_t* codes, const float* d, const float* m) {
-  const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
-  return _mm512_fmadd_ps(q, _mm512_loadu_ps(d), _mm512_loadu_ps(m));
-}
-
-// tile_f32's tile over a block panel, decoding as it goes; Keep: also write the decoded panel to `decoded`.
-template <int MT, bool Ahead, bool Keep>
-inline void tile_blocks(const float* x, int64_t ldx, const int8_t* panel, float* decoded, float* y, int64_t ldy,
-                        int64_t valid, int64_t K, const PassShare& next) {
-  __m512 lo[MT], hi[MT];
-  for (int j = 0; j < MT; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
-  L2Ahead<Ahead> ahead(next);
-  for (int64_t b = 0; b < K / kQBlock; ++b) {
-    const int8_t* block = panel + b * kQBlockBytes;
-    const float* d = reinterpret_cast<const float*>(block);
-    const float* m = d + kPanelF;
-    for (int64_t i = 0; i < kQBlock; ++i) {
-      const int64_t k = b * kQBlock + i;
-      prefetch_blocks<!Ahead && !Keep>(panel, k);
-      ahead.step(k);
-      const int8_t* codes = block + kQScales + i * kPanelF;
-      const __m512 w0 = decode16(codes, d, m), w1 = decode16(codes + 16, d + 16, m + 16);
-      if constexpr (Keep) {
-        _mm512_storeu_ps(decoded + k * kPanelF, w0);
-        _mm512_storeu_ps(decoded + k * kPanelF + 16, w1);
-      }
-      for (int j = 0; j < MT; ++j) {
-        const __m512 xv = _mm512_set1_ps(x[j * ldx + k]);
-        lo[j] = _mm512_fmadd_ps(xv, w0, lo[j]);
-        hi[j] = _mm512_fmadd_ps(xv, w1, hi[j]);
-      }
-    }
-  }
-  for (int j = 0; j < MT; ++j) store_row(y + j * ldy, lo[j], hi[j], valid);
-}
-
-template <int MT, bool Ahead, bool Keep>
-void rows_of_blocks(const float* x, int64_t ldx, const int8_t* panel, float* decoded, float* y, int64_t ldy,
-                    int64_t valid, int64_t K, int64_t rows, const PassShare& next) {
-  if constexpr (MT > 0) {
-    if (rows == MT) return tile_blocks<MT, Ahead, Keep>(x, ldx, panel, decoded, y, ldy, valid, K, next);
-    rows_of_blocks<MT - 1, Ahead, Keep>(x, ldx, panel, decoded, y, ldy, valid, K, rows, next);
-  }
-}
-
-// A row block against one block panel: the first register tile decodes (and keeps the panel if more tiles follow),
-// the others read the decoded panel as f32_rows does.
-void block_rows(const float* x, int64_t ldx, const int8_t* panel, float* y, int64_t ldy, int64_t valid, int64_t K,
-                int64_t rows) {
-  if (rows <= kMaxRowsF)
-    return rows_of_blocks<kMaxRowsF, false, false>(x, ldx, panel, nullptr, y, ldy, valid, K, rows, PassShare{});
-  float* decoded = decoded_panel(K);
-  const NextPanel next(valid > kPanelF ? panel + neuronmm::panel_elems<int8_t>(K) : nullptr, K * 40 / 64,
-                       (rows + kMaxRowsF - 1) / kMaxRowsF, K);
-  rows_of_blocks<kMaxRowsF, true, true>(x, ldx, panel, decoded, y, ldy, valid, K, kMaxRowsF, next.pass(0));
-  for (int64_t m = kMaxRowsF, i = 1; m < rows; m += kMaxRowsF, ++i)
-    rows_of_f32<kMaxRowsF, true>(x + m * ldx, ldx, decoded, y + m * ldy, ldy, valid, K, std::min(kMaxRowsF, rows - m),
-                                 next.pass(i));
-}
-
-#else
-// Columns c .. c + 7 of a block's input: w = d·q + m.
-inline __m256 decode8(const int8_t* codes, const float* d, const float* m) {
-  const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))));
-  return _mm256_fmadd_ps(q, _mm256_loadu_ps(d), _mm256_loadu_ps(m));
-}
-
-// The AVX2 tile_f32 (MT rows x NV * 8 columns from column c0) over a block panel, decoding as it goes; Keep: also
-// write the decoded columns to `decoded` (the panel's fp32 copy).
-template <int MT, int NV, bool Ahead, bool Keep>
-inline void tile_blocks(const float* x, int64_t ldx, const int8_t* panel, int64_t c0, float* decoded, float* y,
-                        int64_t ldy, int64_t valid, int64_t K, const PassShare& next) {
-  __m256 acc[MT][NV];
-#pragma GCC unroll 8
-  for (int j = 0; j < MT; ++j)
-#pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) acc[j][c] = _mm256_setzero_ps();
-  L2Ahead<Ahead> ahead(next);
-  for (int64_t b = 0; b < K / kQBlock; ++b) {
-    const int8_t* block = panel + b * kQBlockBytes;
-    const float* d = reinterpret_cast<const float*>(block) + c0;
-    const float* m = d + kPanelF;
-    for (int64_t i = 0; i < kQBlock; ++i) {
-      const int64_t k = b * kQBlock + i;
-      prefetch_blocks<!Ahead && !Keep>(panel, k);
-      ahead.step(k);
-      const int8_t* codes = block + kQScales + i * kPanelF + c0;
-      __m256 wv[NV];
-#pragma GCC unroll 4
-      for (int c = 0; c < NV; ++c) wv[c] = decode8(codes + 8 * c, d + 8 * c, m + 8 * c);
-      if constexpr (Keep) {
-#pragma GCC unroll 4
-        for (int c = 0; c < NV; ++c) _mm256_storeu_ps(decoded + k * kPanelF + c0 + 8 * c, wv[c]);
-      }
-#pragma GCC unroll 8
-      for (int j = 0; j < MT; ++j) {
-        const __m256 xv = _mm256_broadcast_ss(x + j * ldx + k);
-#pragma GCC unroll 4
-        for (int c = 0; c < NV; ++c) acc[j][c] = _mm256_fmadd_ps(xv, wv[c], acc[j][c]);
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int j = 0; j < MT; ++j)
-#pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) store8(y + j * ldy + 8 * c, acc[j][c], valid - 8 * c);
-}
-
-template <int MT, int NV, bool Ahead, bool Keep>
-void rows_of_blocks(const float* x, int64_t ldx, const int8_t* panel, int64_t c0, float* decoded, float* y,
-                    int64_t ldy, int64_t valid, int64_t K, int64_t rows, const PassShare& next) {
-  if constexpr (MT > 0) {
-    if (rows == MT) return tile_blocks<MT, NV, Ahead, Keep>(x, ldx, panel, c0, decoded, y, ldy, valid, K, next);
-    rows_of_blocks<MT - 1, NV, Ahead, Keep>(x, ldx, panel, c0, decoded, y, ldy, valid, K, rows, next);
-  }
-}
-
-// A row block against one block panel, as f32_rows: a few rows in one pass over the whole panel; more, each half
-// panel's first row tile decoding it (and keeping it, if more tiles follow), the others reading the decoded half.
-void block_rows(const float* x, int64_t ldx, const int8_t* panel, float* y, int64_t ldy, int64_t valid, int64_t K,
-                int64_t rows) {
-  if (rows <= kWholePanelRows)
-    return rows_of_blocks<kWholePanelRows, 4, false, false>(x, ldx, panel, 0, nullptr, y, ldy, valid, K, rows,
-                                                           PassShare{});
-  float* decoded = decoded_panel(K);
-  const int64_t halves = valid > 16 ? 2 : 1, tiles = (rows + kMaxRowsF - 1) / kMaxRowsF;
-  const NextPanel next(valid > kPanelF ? panel + neuronmm::panel_elems<int8_t>(K) : nullptr, K * 40 / 64,
+  const NextPanel next(valid > kPanelF ? panel + neuronmm::panel_elems<W>(K) : nullptr, panel_lines<W>(K),
                        halves * tiles, K);
+  float* const decoded = blocks ? decoded_panel(K) : nullptr;
   for (int64_t h = 0, i = 0; h < halves; ++h)
     for (int64_t m = 0; m < rows; m += kMaxRowsF, ++i) {
-      const int64_t n = std::min(kMaxRowsF, rows - m);
-      if (m > 0)
-        rows_of_f32<kMaxRowsF, 2, true>(x + m * ldx, ldx, decoded + 16 * h, y + m * ldy + 16 * h, ldy,
-                                        valid - 16 * h, K, n, next.pass(i));
+      const auto run = [&](const auto& src) {
+        rows_of_f32<kMaxRowsF, 2, true>(x + m * ldx, ldx, src, y + m * ldy + 16 * h, ldy, valid - 16 * h, K,
+                                        std::min(kMaxRowsF, rows - m), next.pass(i));
+      };
+      if constexpr (!blocks)
+        run(PanelWeights<W>{panel + 16 * h});
+      else if (m > 0)  // a block panel's later tiles read its decoded copy
+        run(PanelWeights<float>{decoded + 16 * h});
       else if (tiles > 1)
-        rows_of_blocks<kMaxRowsF, 2, true, true>(x, ldx, panel, 16 * h, decoded, y + 16 * h, ldy, valid - 16 * h, K,
-                                                 n, next.pass(i));
+        run(BlockWeights<true>{panel, 16 * h, decoded});
       else
-        rows_of_blocks<kMaxRowsF, 2, true, false>(x, ldx, panel, 16 * h, nullptr, y + 16 * h, ldy, valid - 16 * h, K,
-                                                  n, next.pass(i));
+        run(BlockWeights<false>{panel, 16 * h, nullptr});
     }
+}
+#endif
+
+#if defined(__AVX512F__)
+template <int MT, bool Ahead, typename Src>
+void rows_of_f32(const float* x, int64_t ldx, const Src& src, float* y, int64_t ldy, int64_t valid, int64_t K,
+                 int64_t rows, const PassShare& next) {
+  if constexpr (MT > 0) {
+    if (rows == MT) return tile_f32<MT, Ahead>(x, ldx, src, y, ldy, valid, K, next);
+    rows_of_f32<MT - 1, Ahead>(x, ldx, src, y, ldy, valid, K, rows, next);
+  }
+}
+
+// A row block against one panel, a register tile of up to kMaxRowsF rows at a time. Block panels: the first tile
+// decodes (and keeps the panel if more tiles follow), the others read the decoded copy as fp32 panels.
+template <typename W>
+void f32_rows(const float* x, int64_t ldx, const W* panel, float* y, int64_t ldy, int64_t valid, int64_t K,
+              int64_t rows) {
+  constexpr bool blocks = std::is_same_v<W, int8_t>;
+  const NextPanel next(valid > kPanelF ? panel + neuronmm::panel_elems<W>(K) : nullptr, panel_lines<W>(K),
+                       (rows + kMaxRowsF - 1) / kMaxRowsF, K);
+  float* const decoded = blocks && rows > kMaxRowsF ? decoded_panel(K) : nullptr;
+  tile_row_block<kMaxRowsF>(rows, next, [&](int64_t m, int64_t n, const PassShare& share, auto ahead) {
+    const auto run = [&](const auto& src) {
+      rows_of_f32<kMaxRowsF, decltype(ahead)::value>(x + m * ldx, ldx, src, y + m * ldy, ldy, valid, K, n, share);
+    };
+    if constexpr (!blocks)
+      run(PanelWeights<W>{panel});
+    else if (m > 0)
+      run(PanelWeights<float>{decoded});
+    else if (decoded)
+      run(BlockWeights<true>{panel, 0, decoded});
+    else
+      run(BlockWeights<false>{panel, 0, nullptr});
+  });
 }
 #endif
 
 // The AVX-512 and the AVX2 tile alike at every row count: at 512 rows the AVX2 tile runs at 89 % of the FMA peak,
 // above torch's (MKL's) AVX2 sgemm on the same panels, which an earlier AVX2 build used from a few rows on.
-// (int8_t panels: GGUF block panels.)
+// (W: fp32, bf16 or GGUF block panels.)
 template <typename W>
 void run_f32(const std::vector<Part<float, W, float>>& parts, int64_t M) {
-  if constexpr (std::is_same_v<W, int8_t>)
-    gemm_parts<kRowsPerItem, kRowsPerItem>(parts, M, block_rows);
-  else
-    gemm_parts<kRowsPerItem, kRowsPerItem>(parts, M, f32_rows<W>);  // f32_rows tiles a row block itself
+  gemm_parts<kRowsPerItem, kRowsPerItem>(parts, M, f32_rows<W>);  // f32_rows tiles a row block itself
 }
 
 template <typename W>
 void run_f32_then(const std::vector<Part<float, W, float>>& first, const std::vector<Part<float, W, float>>& second,
                   int64_t M) {
-  if constexpr (std::is_same_v<W, int8_t>)
-    gemm_parts_then<kRowsPerItem, kRowsPerItem>(first, second, M, block_rows);
-  else
-    gemm_parts_then<kRowsPerItem, kRowsPerItem>(first, second, M, f32_rows<W>);
+  gemm_parts_then<kRowsPerItem, kRowsPerItem>(first, second, M, f32_rows<W>);
 }
 
 // GGUF block panels [ceil(N/32), K/32, 1280] int8 (server/models/gguf_blocks.py).
