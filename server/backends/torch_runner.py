@@ -13,8 +13,8 @@ from server.backends.decode_graphs import BATCH_SIZES, DecodeGraphs
 from server.errors import ConfigError
 from server.models.cpu_features import activation_dtype, resolve_dtype
 from server.models.fused_ops import kernels_for
-from server.models.hugepages import return_freed_heap
 from server.models.gguf_blocks import GgufBlocks
+from server.models.hugepages import return_freed_heap
 from server.models.int8_linear import int8_available
 from server.models.llama import FlatBatch, KVCache, LlamaModel, PrefillChunk
 from server.models.loader import load_llama
@@ -151,13 +151,16 @@ class TorchRunner:
     def _gguf_blocks(self, use_panels: bool) -> GgufBlocks | None:
         """The GGUF's quantised rows for `quantization: gguf`; where they were not asked for and cannot run (no panel
         GEMMs, or a GGUF without Q4_1 / Q8_0 tensors) None, and the weights stay fp32 panels."""
-        why = None if self.pack_weights and use_panels else "need the CPU panel GEMMs (AVX-512 or AVX2), which this "\
-            "CPU or build lacks"
-        blocks = GgufBlocks.read(self.gguf_source) if why is None else None
-        if blocks is not None and blocks.empty:
+        if not (self.pack_weights and use_panels):
+            why = "need the CPU panel GEMMs (AVX-512 or AVX2), which this CPU or build lacks"
+        else:
+            try:
+                blocks = GgufBlocks.read(self.gguf_source)
+            except ValueError as exc:
+                raise ConfigError(f"model.quantization: {exc}") from None
+            if not blocks.empty:
+                return blocks
             why = f"are not in {self.gguf_source.name} (it holds no Q4_1 or Q8_0 tensors)"
-        if why is None:
-            return blocks
         if not self.blocks_by_default:
             raise ConfigError(f"model.quantization: a GGUF's blocks {why}")
         self.quantization = None

@@ -10,7 +10,6 @@ exactly; the others stay fp32.
 
 from __future__ import annotations
 
-import logging
 import mmap
 import struct
 from collections.abc import Iterator
@@ -21,11 +20,9 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-log = logging.getLogger(__name__)
-
 BLOCK = 32  # inputs a block (both formats)
 PANEL = 32  # output columns a panel
-_BLOCK_BYTES = {GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}
+KINDS = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)  # the block formats read
 
 
 @dataclass
@@ -46,7 +43,7 @@ class BlockRows:
 
 def parse_blocks(kind: GGMLQuantizationType, raw: np.ndarray, K: int) -> BlockRows:
     """A tensor's raw rows [R, K / 32 · block bytes] (uint8) as codes, scales and offsets."""
-    blocks = raw.reshape(raw.shape[0], K // BLOCK, _BLOCK_BYTES[kind])
+    blocks = raw.reshape(raw.shape[0], K // BLOCK, GGML_QUANT_SIZES[kind][1])
     d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
     if kind == GGMLQuantizationType.Q4_1:
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -121,11 +118,18 @@ def _tensors(buf: mmap.mmap) -> Iterator[tuple[GGMLQuantizationType, tuple[int, 
 
 
 def read_blocks(path: Path) -> dict[int, BlockRows]:
-    """Every Q4_1 / Q8_0 row of a GGUF, grouped by width K."""
+    """Every Q4_1 / Q8_0 row of a GGUF, grouped by width K (ValueError: a file that is not a whole GGUF)."""
+    try:
+        return _read_blocks(path)
+    except (struct.error, ValueError) as exc:
+        raise ValueError(f"{path.name} is not a readable GGUF ({exc})") from None
+
+
+def _read_blocks(path: Path) -> dict[int, BlockRows]:
     groups: dict[int, list[BlockRows]] = {}
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         for kind, shape, offset in _tensors(buf):
-            if kind not in _BLOCK_BYTES:
+            if kind not in KINDS:
                 continue
             K, rows = shape[0], int(np.prod(shape[1:]))
             block_size, block_bytes = GGML_QUANT_SIZES[kind]

@@ -197,6 +197,10 @@ def test_a_gguf_without_blocks_keeps_fp32_unless_gguf_was_asked(tmp_path, smol_d
     writer.write_tensors_to_file()
     writer.close()
     assert GgufBlocks.read(tmp_path / "plain.gguf").empty
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes((tmp_path / "plain.gguf").read_bytes()[:40])  # a header that ends in the metadata
+    with pytest.raises(ConfigError, match="cut.gguf is not a readable GGUF"):
+        TorchRunner(smol_dir, 64, "float32", "cpu", gguf_source=cut).load()
     unset = TorchRunner(smol_dir, 64, "float32", "cpu", num_threads=2, gguf_source=tmp_path / "plain.gguf")
     unset.load()
     assert unset.quantization is None and unset.precision == "float32"
