@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 from server.backends.neuron import create_neuron_runner, require_neuron_sdk
-from server.backends.torch_runner import TorchRunner, check_quantization, resolve_kv_cache_dtype, weight_dtype
+from server.backends.torch_runner import (TorchRunner, check_quantization, resolve_kv_cache_dtype,
+                                         resolve_weight_dtype)
 from server.config import Config, ConfigError, ModelConfig
 from server.models.source import gguf_path
 
@@ -52,5 +53,5 @@ def check_backend_available(cfg: Config) -> None:
             raise ConfigError(f"device: {cfg.device!r} requested but torch sees no CUDA device")
     device = torch.device(cfg.device)
     check_quantization(cfg.model.quantization, device, gguf_source(cfg.model))
-    resolve_kv_cache_dtype(cfg.engine.kv_cache_dtype, weight_dtype(cfg.model.dtype, device, cfg.model.quantization,
-                                                                   log_choice=False))
+    model_dtype = resolve_weight_dtype(cfg.model.dtype, device, cfg.model.quantization, log_choice=False)
+    resolve_kv_cache_dtype(cfg.engine.kv_cache_dtype, model_dtype)

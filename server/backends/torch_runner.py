@@ -57,7 +57,8 @@ def check_quantization(name: str | None, device: torch.device, gguf_source: Path
     return name
 
 
-def weight_dtype(dtype: str, device: torch.device, quantization: str | None, log_choice: bool = True) -> torch.dtype:
+def resolve_weight_dtype(dtype: str, device: torch.device, quantization: str | None,
+                         log_choice: bool = True) -> torch.dtype:
     """The model's weight dtype for `model.dtype`: resolve_dtype's, but fp32 under `quantization: gguf` (the dtype
     its blocks decode to; auto picks it, and nothing else is allowed)."""
     if quantization != "gguf":
@@ -92,7 +93,7 @@ class TorchRunner:
         self.device = torch.device(device)
         self.quantization = check_quantization(quantization, self.device, gguf_source)  # None, "int8" or "gguf"
         self.gguf_source = gguf_source  # the GGUF whose blocks `quantization: gguf` runs
-        self.weight_dtype = weight_dtype(dtype, self.device, self.quantization)
+        self.weight_dtype = resolve_weight_dtype(dtype, self.device, self.quantization)
         # Unset: fp32 weights on a CPU from a GGUF are held as its blocks where it has them (the same sums, bit for
         # bit, from a third of the bytes); `none` keeps fp32 panels.
         self.blocks_by_default = (quantization is None and gguf_source is not None and self.device.type == "cpu"
