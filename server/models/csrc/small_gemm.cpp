@@ -731,9 +731,9 @@ inline float* decoded_panel(int64_t K) {
   return panel.data();
 }
 
-// Where a register tile's weights come from, one input position k at a time: prefetch<NV, Ahead>(k) asks for what
-// is due, load(k, ...) gives the tile's columns as fp32 vectors.
-// Panels (fp32, or bf16 widened exactly), from the tile's first column.
+// Where a register tile's weights come from, one input position k at a time (each ISA's section below overloads
+// prefetch(source, k), which asks for what is due, and load(source, k, ...), which gives the tile's columns as fp32
+// vectors). Panels (fp32, or bf16 widened exactly), from the tile's first column:
 template <typename W>
 struct PanelWeights {
   const W* w;
