@@ -167,6 +167,7 @@ def test_quantization_flag_and_its_environment_variable(monkeypatch):
     assert _serve_config([]).model.quantization is None
     assert _serve_config(["--quantization", "int8"]).model.quantization == "int8"
     assert _serve_config(["--quantization", "gguf"]).model.quantization == "gguf"
+    assert _serve_config(["--quantization", "none"]).model.quantization == "none"
     monkeypatch.setenv("NEURONMM_QUANTIZATION", "int8")
     assert _serve_config([]).model.quantization == "int8"
 

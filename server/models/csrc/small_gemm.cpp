@@ -721,8 +721,7 @@ __attribute__((always_inline)) inline void prefetch_single_pass(const W* panel, 
 constexpr int64_t kQBlock = 32;                       // inputs a block
 constexpr int64_t kQScales = 2 * kPanelF * 4;         // bytes of a block's scales and offsets
 constexpr int64_t kQBlockBytes = kQScales + kQBlock * kPanelF;
-constexpr int64_t kQAheadBytes = kAheadF * 40;        // what the L1 prefetch runs ahead, as kAheadF fp32 inputs do
-constexpr int64_t kQFarBytes = kFarF * 40;            // and the single pass's L2 prefetch
+constexpr int64_t kQInputBytes = kQBlockBytes / kQBlock;  // 40: a block panel's bytes per input position
 
 // A thread's fp32 copy of the panel it works on ([K][32], as fp32 panels).
 inline float* decoded_panel(int64_t K) {
@@ -752,6 +751,14 @@ struct BlockWeights {
   }
   __attribute__((always_inline)) const float* scales(int64_t k) const {
     return reinterpret_cast<const float*>(block(k)) + c0;
+  }
+  // The stream kAheadF input positions ahead into L1, as the fp32 panels' prefetch; a single pass (neither Ahead
+  // nor Keep: no next panel to fetch, no copy to write) also kFarF ahead into L2.
+  template <bool Ahead>
+  __attribute__((always_inline)) void prefetch(int64_t k) const {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAheadF) * kQInputBytes), _MM_HINT_T0);
+    if constexpr (!Ahead && !Keep)
+      _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kFarF) * kQInputBytes), _MM_HINT_T1);
   }
 };
 
@@ -786,8 +793,7 @@ __attribute__((always_inline)) inline void load(const PanelWeights<W>& src, int6
 }
 template <bool Ahead, bool Keep>
 __attribute__((always_inline)) inline void prefetch(const BlockWeights<Keep>& src, int64_t k) {
-  _mm_prefetch(reinterpret_cast<const char*>(src.panel + k * 40 + kQAheadBytes), _MM_HINT_T0);
-  if constexpr (!Ahead && !Keep) _mm_prefetch(reinterpret_cast<const char*>(src.panel + k * 40 + kQFarBytes), _MM_HINT_T1);
+  src.template prefetch<Ahead>(k);
 }
 template <bool Keep>
 __attribute__((always_inline)) inline void load(const BlockWeights<Keep>& src, int64_t k, __m512& lo, __m512& hi) {
@@ -858,8 +864,7 @@ __attribute__((always_inline)) inline void load(const PanelWeights<W>& src, int6
 }
 template <int NV, bool Ahead, bool Keep>
 __attribute__((always_inline)) inline void prefetch(const BlockWeights<Keep>& src, int64_t k) {
-  _mm_prefetch(reinterpret_cast<const char*>(src.panel + k * 40 + kQAheadBytes), _MM_HINT_T0);
-  if constexpr (!Ahead && !Keep) _mm_prefetch(reinterpret_cast<const char*>(src.panel + k * 40 + kQFarBytes), _MM_HINT_T1);
+  src.template prefetch<Ahead>(k);
 }
 template <int NV, bool Keep>
 __attribute__((always_inline)) inline void load(const BlockWeights<Keep>& src, int64_t k, __m256 (&wv)[NV]) {
