@@ -166,12 +166,17 @@ class L2Ahead {
 
 // A row block of `rows` against one panel in register tiles of up to TileRows rows: tile(m, n, share, ahead) per
 // tile, `ahead` a std::bool_constant saying whether it prefetches its share of the next panel (only when the block
-// takes several tiles).
-template <int64_t TileRows, typename Tile>
+// takes several tiles). Even: tiles of as equal a height as can be (16 rows: 8 + 8), else full tiles and a short
+// last one (12 + 4): each caller takes the split its tiles run faster with.
+template <int64_t TileRows, bool Even = false, typename Tile>
 inline void tile_row_block(int64_t rows, const NextPanel& next, const Tile& tile) {
   if (rows <= TileRows) return tile(0, rows, PassShare{}, std::false_type{});
-  for (int64_t m = 0, i = 0; m < rows; m += TileRows, ++i)
-    tile(m, std::min(TileRows, rows - m), next.pass(i), std::true_type{});
+  const int64_t tiles = (rows + TileRows - 1) / TileRows;
+  for (int64_t m = 0, i = 0; i < tiles; ++i) {
+    const int64_t n = Even ? rows / tiles + (i < rows % tiles) : std::min(TileRows, rows - m);
+    tile(m, n, next.pass(i), std::true_type{});
+    m += n;
+  }
 }
 
 // y [M, N] = x · Wᵀ for one panel-packed weight (dtype and panel layout checked by the caller).
@@ -711,8 +716,9 @@ __attribute__((always_inline)) inline void prefetch_single_pass(const W* panel, 
 // multiply-add gives that fp32 weight bit for bit, and the tiles below multiply the same values in the same order as
 // the fp32 panels holding the decoded weights: the same sums, bit for bit, from ~a third of the bytes.
 // Why: at decode sizes the fp32 GEMM streams 4 bytes a weight; a block panel streams 1.25 (codes as bytes, scales and
-// offsets in fp32): a batch-1 step 2.4 x faster under the AVX2 caps. At batch 16 the step is compute-bound and the
-// decoding FMA costs about what the smaller stream saves (docs/BENCHMARKS.md).
+// offsets in fp32): a step's linears 3 x faster at batch 1 under the AVX2 caps. At batch 16 they are compute-bound:
+// the decoding adds an FMA a vector to a panel's first tile (6 % of the arithmetic at 16 rows), and the smaller
+// stream saves a little more (23.0 against 23.7 ms; docs/BENCHMARKS.md).
 // Layout (server/models/gguf_blocks.py packs it): per panel of 32 columns, per block of 32 inputs, the 32 columns' fp32
 // scales, then their fp32 offsets (-0.0 for Q8_0, so d·q keeps its sign), then the 32 inputs' 32 int8 codes each,
 // columns in order: 1280 bytes a block, 40 an input. A panel's first register tile decodes the weights it reads and,
@@ -723,19 +729,46 @@ constexpr int64_t kQScales = 2 * kPanelF * 4;         // bytes of a block's scal
 constexpr int64_t kQBlockBytes = kQScales + kQBlock * kPanelF;
 constexpr int64_t kQInputBytes = kQBlockBytes / kQBlock;  // 40: a block panel's bytes per input position
 
-// A thread's fp32 copy of the panel it works on ([K][32], as fp32 panels).
+// A thread's fp32 copy of the panel it works on ([K][32], as fp32 panels), on a 64-byte line like the packed
+// panels (from a vector's 16-byte alignment, every other 32-byte access of the tiles that read it split a line).
 inline float* decoded_panel(int64_t K) {
   thread_local std::vector<float> panel;
-  if (int64_t(panel.size()) < K * kPanelF) panel.resize(K * kPanelF);
-  return panel.data();
+  if (int64_t(panel.size()) < K * kPanelF + 16) panel.resize(K * kPanelF + 16);
+  const auto at = reinterpret_cast<uintptr_t>(panel.data());
+  return reinterpret_cast<float*>((at + 63) & ~uintptr_t(63));
 }
 
-// Where a register tile's weights come from, one input position k at a time (each ISA's section below overloads
-// prefetch(source, k), which asks for what is due, and load(source, k, ...), which gives the tile's columns as fp32
-// vectors). Panels (fp32, or bf16 widened exactly), from the tile's first column:
+// Where a register tile's weights come from. A tile walks K a block of kQBlock input positions at a time:
+// source.at(k0) is the source from position k0, and each ISA's section below overloads prefetch(at, i), which asks
+// for what is due, and load(at, i, ...), which gives the tile's columns at position k0 + i as fp32 vectors.
+// Panels (fp32, or bf16 widened exactly), from the tile's first column:
 template <typename W>
 struct PanelWeights {
   const W* w;
+
+  // the same panel from input position k0 on
+  __attribute__((always_inline)) PanelWeights at(int64_t k0) const { return {w + k0 * kPanelF}; }
+};
+
+// One block of a block panel from column c0, input positions counted from the block's first: its codes, its
+// scales (then offsets, kPanelF on), the stream position to prefetch from, and (Keep) where its decoded weights go.
+// A tile's inner loop walks a block with pointer steps: the address arithmetic from k alone (k / 32, k % 32) took
+// as many instructions a position as the FMAs, and held the 6-row tile to the front end's pace.
+template <bool Keep>
+struct BlockAt {
+  const int8_t* codes;
+  const float* scales;
+  const int8_t* stream;
+  float* decoded;
+
+  // The stream kAheadF input positions ahead into L1, as the fp32 panels' prefetch; a single pass (neither Ahead
+  // nor Keep: no next panel to fetch, no copy to write) also kFarF ahead into L2.
+  template <bool Ahead>
+  __attribute__((always_inline)) void prefetch(int64_t i) const {
+    _mm_prefetch(reinterpret_cast<const char*>(stream + (i + kAheadF) * kQInputBytes), _MM_HINT_T0);
+    if constexpr (!Ahead && !Keep)
+      _mm_prefetch(reinterpret_cast<const char*>(stream + (i + kFarF) * kQInputBytes), _MM_HINT_T1);
+  }
 };
 
 // Block panels, from column c0: decoded in registers; Keep also writes them to `decoded` (the panel's fp32 copy).
@@ -745,20 +778,11 @@ struct BlockWeights {
   int64_t c0;
   float* decoded;
 
-  __attribute__((always_inline)) const int8_t* block(int64_t k) const { return panel + k / kQBlock * kQBlockBytes; }
-  __attribute__((always_inline)) const int8_t* codes(int64_t k) const {
-    return block(k) + kQScales + k % kQBlock * kPanelF + c0;
-  }
-  __attribute__((always_inline)) const float* scales(int64_t k) const {
-    return reinterpret_cast<const float*>(block(k)) + c0;
-  }
-  // The stream kAheadF input positions ahead into L1, as the fp32 panels' prefetch; a single pass (neither Ahead
-  // nor Keep: no next panel to fetch, no copy to write) also kFarF ahead into L2.
-  template <bool Ahead>
-  __attribute__((always_inline)) void prefetch(int64_t k) const {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAheadF) * kQInputBytes), _MM_HINT_T0);
-    if constexpr (!Ahead && !Keep)
-      _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kFarF) * kQInputBytes), _MM_HINT_T1);
+  // the block that starts at input position k0 (a multiple of kQBlock)
+  __attribute__((always_inline)) BlockAt<Keep> at(int64_t k0) const {
+    const int8_t* block = panel + k0 / kQBlock * kQBlockBytes;
+    return {block + kQScales + c0, reinterpret_cast<const float*>(block) + c0, panel + k0 * kQInputBytes,
+            Keep ? decoded + k0 * kPanelF + c0 : nullptr};
   }
 };
 
@@ -792,18 +816,17 @@ __attribute__((always_inline)) inline void load(const PanelWeights<W>& src, int6
   load_row(src.w + k * kPanelF, lo, hi);
 }
 template <bool Ahead, bool Keep>
-__attribute__((always_inline)) inline void prefetch(const BlockWeights<Keep>& src, int64_t k) {
-  src.template prefetch<Ahead>(k);
+__attribute__((always_inline)) inline void prefetch(const BlockAt<Keep>& src, int64_t i) {
+  src.template prefetch<Ahead>(i);
 }
 template <bool Keep>
-__attribute__((always_inline)) inline void load(const BlockWeights<Keep>& src, int64_t k, __m512& lo, __m512& hi) {
-  const int8_t* codes = src.codes(k);
-  const float* d = src.scales(k);
-  lo = decode16(codes, d, d + kPanelF);
-  hi = decode16(codes + 16, d + 16, d + kPanelF + 16);
+__attribute__((always_inline)) inline void load(const BlockAt<Keep>& src, int64_t i, __m512& lo, __m512& hi) {
+  const int8_t* codes = src.codes + i * kPanelF;
+  lo = decode16(codes, src.scales, src.scales + kPanelF);
+  hi = decode16(codes + 16, src.scales + 16, src.scales + kPanelF + 16);
   if constexpr (Keep) {
-    _mm512_storeu_ps(src.decoded + k * kPanelF, lo);
-    _mm512_storeu_ps(src.decoded + k * kPanelF + 16, hi);
+    _mm512_storeu_ps(src.decoded + i * kPanelF, lo);
+    _mm512_storeu_ps(src.decoded + i * kPanelF + 16, hi);
   }
 }
 
@@ -813,15 +836,19 @@ inline void tile_f32(const float* x, int64_t ldx, const Src& src, float* y, int6
   __m512 lo[MT], hi[MT];
   for (int j = 0; j < MT; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
   L2Ahead<Ahead> ahead(next);
-  for (int64_t k = 0; k < K; ++k) {
-    prefetch<Ahead>(src, k);
-    ahead.step(k);
-    __m512 w0, w1;
-    load(src, k, w0, w1);
-    for (int j = 0; j < MT; ++j) {
-      const __m512 xv = _mm512_set1_ps(x[j * ldx + k]);
-      lo[j] = _mm512_fmadd_ps(xv, w0, lo[j]);
-      hi[j] = _mm512_fmadd_ps(xv, w1, hi[j]);
+  for (int64_t k0 = 0; k0 < K; k0 += kQBlock) {
+    const auto block = src.at(k0);
+    const float* xk = x + k0;
+    for (int64_t i = 0, n = std::min(kQBlock, K - k0); i < n; ++i) {
+      prefetch<Ahead>(block, i);
+      ahead.step(k0 + i);
+      __m512 w0, w1;
+      load(block, i, w0, w1);
+      for (int j = 0; j < MT; ++j) {
+        const __m512 xv = _mm512_set1_ps(xk[j * ldx + i]);
+        lo[j] = _mm512_fmadd_ps(xv, w0, lo[j]);
+        hi[j] = _mm512_fmadd_ps(xv, w1, hi[j]);
+      }
     }
   }
   for (int j = 0; j < MT; ++j) store_row(y + j * ldy, lo[j], hi[j], valid);
@@ -863,18 +890,17 @@ __attribute__((always_inline)) inline void load(const PanelWeights<W>& src, int6
   for (int c = 0; c < NV / 2; ++c) load16(src.w + k * kPanelF + 16 * c, wv[2 * c], wv[2 * c + 1]);
 }
 template <int NV, bool Ahead, bool Keep>
-__attribute__((always_inline)) inline void prefetch(const BlockWeights<Keep>& src, int64_t k) {
-  src.template prefetch<Ahead>(k);
+__attribute__((always_inline)) inline void prefetch(const BlockAt<Keep>& src, int64_t i) {
+  src.template prefetch<Ahead>(i);
 }
 template <int NV, bool Keep>
-__attribute__((always_inline)) inline void load(const BlockWeights<Keep>& src, int64_t k, __m256 (&wv)[NV]) {
-  const int8_t* codes = src.codes(k);
-  const float* d = src.scales(k);
+__attribute__((always_inline)) inline void load(const BlockAt<Keep>& src, int64_t i, __m256 (&wv)[NV]) {
+  const int8_t* codes = src.codes + i * kPanelF;
 #pragma GCC unroll 4
-  for (int c = 0; c < NV; ++c) wv[c] = decode8(codes + 8 * c, d + 8 * c, d + kPanelF + 8 * c);
+  for (int c = 0; c < NV; ++c) wv[c] = decode8(codes + 8 * c, src.scales + 8 * c, src.scales + kPanelF + 8 * c);
   if constexpr (Keep) {
 #pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(src.decoded + k * kPanelF + src.c0 + 8 * c, wv[c]);
+    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(src.decoded + i * kPanelF + 8 * c, wv[c]);
   }
 }
 
@@ -894,16 +920,20 @@ inline void tile_f32(const float* x, int64_t ldx, const Src& src, float* y, int6
 #pragma GCC unroll 4
     for (int c = 0; c < NV; ++c) acc[j][c] = _mm256_setzero_ps();
   L2Ahead<Ahead> ahead(next);
-  for (int64_t k = 0; k < K; ++k) {
-    prefetch<NV, Ahead>(src, k);
-    ahead.step(k);
-    __m256 wv[NV];
-    load<NV>(src, k, wv);
+  for (int64_t k0 = 0; k0 < K; k0 += kQBlock) {
+    const auto block = src.at(k0);
+    const float* xk = x + k0;
+    for (int64_t i = 0, n = std::min(kQBlock, K - k0); i < n; ++i) {
+      prefetch<NV, Ahead>(block, i);
+      ahead.step(k0 + i);
+      __m256 wv[NV];
+      load<NV>(block, i, wv);
 #pragma GCC unroll 8
-    for (int j = 0; j < MT; ++j) {
-      const __m256 xv = _mm256_broadcast_ss(x + j * ldx + k);
+      for (int j = 0; j < MT; ++j) {
+        const __m256 xv = _mm256_broadcast_ss(xk + j * ldx + i);
 #pragma GCC unroll 4
-      for (int c = 0; c < NV; ++c) acc[j][c] = _mm256_fmadd_ps(xv, wv[c], acc[j][c]);
+        for (int c = 0; c < NV; ++c) acc[j][c] = _mm256_fmadd_ps(xv, wv[c], acc[j][c]);
+      }
     }
   }
 #pragma GCC unroll 8
@@ -977,7 +1007,7 @@ void f32_rows(const float* x, int64_t ldx, const W* panel, float* y, int64_t ldy
   const NextPanel next(valid > kPanelF ? panel + neuronmm::panel_elems<W>(K) : nullptr, panel_lines<W>(K),
                        (rows + kMaxRowsF - 1) / kMaxRowsF, K);
   float* const decoded = blocks && rows > kMaxRowsF ? decoded_panel(K) : nullptr;
-  tile_row_block<kMaxRowsF>(rows, next, [&](int64_t m, int64_t n, const PassShare& share, auto ahead) {
+  tile_row_block<kMaxRowsF, true>(rows, next, [&](int64_t m, int64_t n, const PassShare& share, auto ahead) {
     const auto run = [&](const auto& src) {
       rows_of_f32<kMaxRowsF, decltype(ahead)::value>(x + m * ldx, ldx, src, y + m * ldy, ldy, valid, K, n, share);
     };
