@@ -10,7 +10,8 @@ Panel GEMMs: the SmolLM2 MLP's 1536 x 576 and 576 x 1536 in the dtype this build
 AVX512-BF16, else fp32), best of `--repeats` runs of many calls, cache-warm. A step's linears: every projection of
 the default model's `--step-layers` layers and its LM head, called in a decode step's order at each of
 `--step-rows`, so every weight comes from DRAM as in a step (the weights' bytes over the time, next to the
-measured bandwidth, say how close the GEMMs stream; at 16 fp32 rows the FMAs take as long as the bytes).
+measured bandwidth, say how close the GEMMs stream; at 16 fp32 rows the FMAs take as long as the bytes). With
+`--gguf-blocks`, the same over GGUF block panels (`quantization: gguf`) beside fp32 panels of the same weights.
 Attention: 16 sequences of `--positions` cached positions, 30 layers' caches in turn (so each call reads from
 memory, as a step's layers do): an fp32 model over an fp32 cache and over an fp16 one
 (`engine.kv_cache_dtype: float16`), a bf16 model over its bf16 cache and over an fp8 one (`fp8`); then the same with uneven contexts (half the sequences at an eighth of `--positions`, half at the rest of twice it).
@@ -28,6 +29,7 @@ import torch
 
 from bench.harness import machine_facts, publish
 from server.models import fused_ops
+from server.models.gguf_blocks import decode_blocks, pack_block_panels
 from server.models.hugepages import into_huge_pages
 from server.models.packed_linear import panels_available
 
@@ -95,6 +97,39 @@ def step_linears(rows_list: list[int], repeats: int, layers: int = LAYERS) -> li
         out.append({"dtype": str(dtype).removeprefix("torch."), "layers": layers, "rows": rows, "ms": ms,
                     "weight_mb": weight_bytes / 1e6, "gb_s": weight_bytes / ms / 1e6,
                     "gflops": 2 * rows * weight_bytes / dtype.itemsize / ms / 1e6})
+    return out
+
+
+def gguf_block_step(rows_list: list[int], repeats: int, layers: int = LAYERS) -> list[dict]:
+    """A step's linears as `step_linears` times them, over GGUF block panels (`quantization: gguf`: the layers' weights
+    as Q4_1 blocks, the LM head as Q8_0, as the default model's GGUF holds them; random codes) and over fp32 panels
+    of the same decoded weights, in turns (fp32 activations on either build)."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [shape for _ in range(layers) for shape in STEP_SHAPES] + [(VOCAB, HIDDEN)]
+    blocks, fp32 = [], []
+    for i, (n, k) in enumerate(shapes):
+        q8 = i == len(shapes) - 1
+        codes = torch.randint(-128 if q8 else 0, 128 if q8 else 16, (n, k), generator=gen).to(torch.int8)
+        d = (torch.rand(n, k // 32, generator=gen) * 0.002).half().float()
+        m = torch.full_like(d, -0.0) if q8 else -(torch.rand(n, k // 32, generator=gen) * 0.02).half().float()
+        blocks.append(pack_block_panels(codes, d, m))
+        fp32.append(torch.ops.neuronmm.pack_panels_f32(decode_blocks(codes, d, m)))
+    kinds = {"gguf blocks": into_huge_pages(blocks), "float32": into_huge_pages(fp32)}
+    flops = 2 * sum(n * k for n, k in shapes)
+    out = []
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in shapes}}
+        best = dict.fromkeys(kinds, float("inf"))
+        for _ in range(2):  # in turns, so a slow spell of the VM does not fall on one of them
+            for kind, panels in kinds.items():
+                def step(panels=panels) -> None:
+                    for (n, k), p in zip(shapes, panels):
+                        torch.ops.neuronmm.panel_linear_f32(xs[k], p, n)
+                best[kind] = min(best[kind], best_us(step, 1, repeats) / 1e3)
+        for kind, panels in kinds.items():
+            weight_bytes = sum(p.numel() * p.element_size() for p in panels)
+            out.append({"dtype": kind, "layers": layers, "rows": rows, "ms": best[kind], "weight_mb": weight_bytes / 1e6,
+                        "gb_s": weight_bytes / best[kind] / 1e6, "gflops": rows * flops / best[kind] / 1e6})
     return out
 
 
@@ -170,12 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-layers", type=int, default=LAYERS)
     p.add_argument("--positions", type=int, default=320)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--gguf-blocks", action="store_true",
+                   help="also a step's linears over GGUF block panels beside fp32 panels of the same weights")
     p.add_argument("--out", default=str(RESULTS / "cpu_ops.json"))
     args = p.parse_args(argv)
     if not fused_ops.load():
         p.exit(2, "bench.cpu_ops: the fused CPU ops could not be built here (see the log above)\n")
     report = {**machine_facts(), "torch_threads": torch.get_num_threads(), "gemm": gemm_rows(args.rows, args.repeats),
-              "step_linears": step_linears(args.step_rows, args.repeats, args.step_layers),
+              "step_linears": step_linears(args.step_rows, args.repeats, args.step_layers)
+              + (gguf_block_step(args.step_rows, args.repeats, args.step_layers) if args.gguf_blocks else []),
               "attention": [attention_ms(contexts_of(args.positions, uneven), args.repeats, *dtypes)
                             for uneven in (False, True) for dtypes in ATTENTION_DTYPES],
               "sampler": sampler_us(args.repeats)}

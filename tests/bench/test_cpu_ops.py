@@ -31,3 +31,15 @@ def test_the_report_holds_every_op(tmp_path):
     assert all(a["ms"] > 0 for a in report["attention"])
     assert set(report["sampler"]) == {"argmax_rows", "sample_temperature", "torch_argmax"}
     assert out.with_suffix(".md").read_text().startswith("CPU flags")
+
+
+@pytest.mark.skipif(not fused_ops.load(), reason="no C++ compiler: the fused ops cannot be built")
+def test_gguf_blocks_are_timed_beside_fp32_panels_of_their_weights():
+    """--gguf-blocks: a step's linears over block panels (1.25 bytes a weight) and over fp32 panels (4)."""
+    rows = cpu_ops.gguf_block_step([2], repeats=1, layers=1)
+    assert [(r["dtype"], r["rows"], r["layers"]) for r in rows] == [("gguf blocks", 2, 1), ("float32", 2, 1)]
+    n_by_k = sum(n * k for n, k in cpu_ops.STEP_SHAPES) + cpu_ops.VOCAB * cpu_ops.HIDDEN
+    blocks, fp32 = rows
+    assert fp32["weight_mb"] == pytest.approx(n_by_k * 4 / 1e6)
+    assert blocks["weight_mb"] == pytest.approx(n_by_k * 1.25 / 1e6, rel=0.01)  # + the padded columns' share
+    assert all(r["ms"] > 0 and r["gflops"] == pytest.approx(2 * 2 * n_by_k / r["ms"] / 1e6) for r in rows)
