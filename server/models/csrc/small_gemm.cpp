@@ -718,7 +718,7 @@ __attribute__((always_inline)) inline void prefetch_single_pass(const W* panel, 
 // Why: at decode sizes the fp32 GEMM streams 4 bytes a weight; a block panel streams 1.25 (codes as bytes, scales and
 // offsets in fp32): a step's linears 3 x faster at batch 1 under the AVX2 caps. At batch 16 they are compute-bound:
 // the decoding adds an FMA a vector to a panel's first tile (6 % of the arithmetic at 16 rows), and the smaller
-// stream saves a little more (23.0 against 23.7 ms; docs/BENCHMARKS.md).
+// stream saves a little more (a step's linears 23.2 against 24.0 ms; docs/BENCHMARKS.md).
 // Layout (server/models/gguf_blocks.py packs it): per panel of 32 columns, per block of 32 inputs, the 32 columns' fp32
 // scales, then their fp32 offsets (-0.0 for Q8_0, so d·q keeps its sign), then the 32 inputs' 32 int8 codes each,
 // columns in order: 1280 bytes a block, 40 an input. A panel's first register tile decodes the weights it reads and,
