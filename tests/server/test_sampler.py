@@ -124,3 +124,24 @@ def test_greedy_rows_take_the_fused_argmax(monkeypatch):
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
     assert sample(logits, seqs)[0] == logits.argmax(dim=-1).tolist() and calls == [(3, 50)]
     assert sample(logits.double(), seqs)[0] == logits.argmax(dim=-1).tolist() and len(calls) == 1
+
+
+def test_each_sampled_row_draws_one_uniform_and_plain_batches_take_the_fused_op(monkeypatch):
+    """A row's token is where its own generator's next uniform falls; a batch of plain temperature rows goes through
+    the fused op in one call, a batch with a filtered row through torch, with the same tokens as sample_scaled."""
+    if not fused_ops.load():
+        pytest.skip("the fused CPU ops are not built on this machine")
+    calls = []
+    fused = torch.ops.neuronmm.sample_temperature
+    monkeypatch.setattr(torch.ops.neuronmm, "sample_temperature", lambda *a: calls.append(a[0].shape) or fused(*a))
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3)) * 4
+    uniforms = torch.tensor([torch.rand(1, generator=torch.Generator().manual_seed(i)).item() for i in range(3)])
+
+    def seqs(top_ps: list[float]) -> list[Sequence]:
+        return [Sequence(f"r{i}", 0, [1, 2], SamplingParams(temperature=0.7, top_p=p), detok=None,
+                         generator=torch.Generator().manual_seed(i)) for i, p in enumerate(top_ps)]
+
+    for top_ps, fused_calls in (([1.0, 1.0, 1.0], 1), ([1.0, 0.5, 1.0], 1)):
+        tokens, _ = sample(logits, seqs(top_ps))
+        expected = sample_scaled(logits / 0.7, torch.full((3,), VOCAB), torch.tensor(top_ps), uniforms)
+        assert tokens == expected.tolist() and len(calls) == fused_calls
