@@ -307,8 +307,12 @@ class Served:
 
     def __enter__(self) -> "Served":
         self._log = open(self.log_path, "wb")
-        self._proc = subprocess.Popen(self.system.command, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                      env={**os.environ, **self.system.env})
+        try:
+            self._proc = subprocess.Popen(self.system.command, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                          env={**os.environ, **self.system.env})
+        except BaseException:
+            self._log.close()
+            raise
         try:
             exited = f"{self.system.name} exited: see {self.log_path}"
             wait_healthy(self.url, 600, lambda: None if self._proc.poll() is None else exited)
