@@ -113,7 +113,8 @@ def _decode_case(dtype, head_dim: int, num_kv_heads: int, group: int, block_size
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 3, 3), (64, 2, 8), (128, 2, 3), (128, 1, 4)])
+@pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 3, 3), (64, 2, 2), (64, 2, 4), (64, 2, 8), (128, 2, 3),
+                                                       (128, 1, 4)])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("threads", [1, 8], ids=["items-of-all-kv-heads", "items-of-one-kv-head"])
 def test_vectorised_attention_matches_reference(dtype, head_dim, num_kv_heads, group, block_size, threads):
@@ -126,6 +127,27 @@ def test_vectorised_attention_matches_reference(dtype, head_dim, num_kv_heads, g
     ref_out, _ = fused_ops.attention_ref(*ref_case.values())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [2, 3, 4])
+@pytest.mark.parametrize("threads", [1, 8], ids=["items-of-all-kv-heads", "items-of-one-kv-head"])
+def test_a_groups_query_heads_attend_as_if_each_had_its_own_kv_head(cache_dtype, group, threads):
+    """Query heads that share a KV head (the AVX2 loops widen each cached row once for the whole group) get the same
+    bits as with a copy of that KV head each."""
+    torch.set_num_threads(threads)
+    num_kv_heads, head_dim = 2, 64
+    shared = _decode_case(torch.float32, head_dim, num_kv_heads, group, 16, [1, 15, 16, 17, 40, 71], cache_dtype)
+    q_width, kv_width = num_kv_heads * group * head_dim, num_kv_heads * head_dim
+    qkv = shared["qkv"]
+    heads = lambda x: x.view(x.shape[0], num_kv_heads, head_dim).repeat_interleave(group, 1).flatten(1)  # noqa: E731
+    own = {**shared, "qkv": torch.cat([qkv[:, :q_width], heads(qkv[:, q_width:q_width + kv_width]),
+                                       heads(qkv[:, q_width + kv_width:])], dim=1),
+           "k_cache": shared["k_cache"].repeat_interleave(group, 1),
+           "v_cache": shared["v_cache"].repeat_interleave(group, 1), "num_kv_heads": num_kv_heads * group}
+    out_shared, _ = torch.ops.neuronmm.attention(*shared.values())
+    out_own, _ = torch.ops.neuronmm.attention(*own.values())
+    assert torch.equal(out_shared, out_own)
 
 
 NARROW_CACHES = [torch.float16, torch.bfloat16, torch.float8_e4m3fn]

@@ -447,6 +447,108 @@ inline void pv_head64_avx2(const float* p, const C* v, int64_t len, float* acc, 
 #pragma GCC unroll 8
   for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
 }
+
+// The G query heads that share a 64-wide KV head, over the same keys and values at once. The per-head loops above
+// widen (fp16, bf16) or load each cached row once per query head, and with G = 3 that widening, not the FMAs, held
+// the AVX2 attention (~11 GB/s a core). Here each row is widened once for the whole group. Every sum is the same
+// FMA chain, reduced the same way, as the per-head loops', so the scores and outputs keep their bits.
+// Keys a call: as many as keep G x KEYS sums, the G query chunks and a key chunk in the 16 registers.
+template <int G>
+constexpr int kGroupKeys = G <= 3 ? 4 : 2;
+
+// q · k for kGroupKeys<G> consecutive keys and each of the group's G query heads (q: G heads of 64, one after
+// another); head g's scores go to scores[g * n ...]. Each key's sum: dot8_keys64_avx2's chain and reduction.
+template <int G, typename C>
+inline void dot_keys64_group_avx2(const float* q, const C* k, const C* ahead, float* scores, int64_t n) {
+  constexpr int K = kGroupKeys<G>;
+  for (int j = 0; j < K; ++j) prefetch_row64(ahead, j);
+  __m256 s[G][K];
+#pragma GCC unroll 16
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < K; ++j) s[g][j] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; ++c) {
+    __m256 qc[G];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) qc[g] = _mm256_loadu_ps(q + g * 64 + 8 * c);
+#pragma GCC unroll 4
+    for (int j = 0; j < K; ++j) {
+      const __m256 kc = load8(k + j * 64 + 8 * c);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) s[g][j] = _mm256_fmadd_ps(qc[g], kc, s[g][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    // lanes 0-3: each key's sum over the low 128 bits, lanes 4-7 over the high; the halves added last
+    const __m256 h01 = _mm256_hadd_ps(s[g][0], s[g][1]);
+    __m256 u;
+    if constexpr (K == 4) u = _mm256_hadd_ps(h01, _mm256_hadd_ps(s[g][2], s[g][3]));
+    else u = _mm256_hadd_ps(h01, h01);
+    const __m128 r = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+    if constexpr (K == 4) _mm_storeu_ps(scores + g * n, r);
+    else _mm_storel_pi(reinterpret_cast<__m64*>(scores + g * n), r);
+  }
+}
+
+// acc_g += sum_j p_g[j] * v[j] over `len` value rows for each of the group's G query heads (p: head g's weights at
+// p[g * n ...], acc: G heads of 64), in passes over a part of the 64 lanes (G x its chunks sums in registers). Each
+// lane's sum: pv_head64_avx2's chain, rows in order.
+template <int G, typename C>
+inline void pv_group64_avx2(const float* p, int64_t n, const C* v, int64_t len, float* acc, const C* ahead) {
+  constexpr int CH = G <= 3 ? 4 : 2;  // 8-lane chunks a pass
+  for (int c0 = 0; c0 < 8; c0 += CH) {
+    __m256 a[G][CH];
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CH; ++c) a[g][c] = _mm256_loadu_ps(acc + g * 64 + 8 * (c0 + c));
+    for (int64_t j = 0; j < len; ++j) {
+      if (c0 == 0) prefetch_row64(ahead, j);
+      __m256 pj[G];
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) pj[g] = _mm256_broadcast_ss(p + g * n + j);
+#pragma GCC unroll 4
+      for (int c = 0; c < CH; ++c) {
+        const __m256 vc = load8(v + j * 64 + 8 * (c0 + c));
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) a[g][c] = _mm256_fmadd_ps(pj[g], vc, a[g][c]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CH; ++c) _mm256_storeu_ps(acc + g * 64 + 8 * (c0 + c), a[g][c]);
+  }
+}
+
+// The grouped loops for a group of `group` query heads: 8 keys' scores (false: no grouped loop for this group)...
+template <typename C>
+inline bool dot8_keys64_group_avx2(int64_t group, const float* q, const C* k, const C* ahead, float* scores,
+                                   int64_t n) {
+  const auto run = [&](auto g) {
+    constexpr int G = decltype(g)::value, K = kGroupKeys<G>;
+    for (int j = 0; j < 8; j += K)
+      dot_keys64_group_avx2<G>(q, k + j * 64, ahead ? ahead + j * 64 : nullptr, scores + j, n);
+    return true;
+  };
+  switch (group) {
+    case 2: return run(std::integral_constant<int, 2>{});
+    case 3: return run(std::integral_constant<int, 3>{});
+    case 4: return run(std::integral_constant<int, 4>{});
+    default: return false;
+  }
+}
+
+// ... and `len` value rows into the group's sums.
+template <typename C>
+inline bool pv64_group_avx2(int64_t group, const float* p, int64_t n, const C* v, int64_t len, float* acc,
+                            const C* ahead) {
+  switch (group) {
+    case 2: pv_group64_avx2<2>(p, n, v, len, acc, ahead); return true;
+    case 3: pv_group64_avx2<3>(p, n, v, len, acc, ahead); return true;
+    case 4: pv_group64_avx2<4>(p, n, v, len, acc, ahead); return true;
+    default: return false;
+  }
+}
 #endif
 
 // exp with 1e-7 relative error from arithmetic only, so loops over it vectorise (std::exp does not):
@@ -936,6 +1038,10 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
                                      dot8_keys64_avx2<float>(q.data() + g * head_dim, widened.data(), nullptr));
                   continue;
                 }
+                if (dot8_keys64_group_avx2(group, q.data() + k * group * head_dim, kb + j * head_dim,
+                                           next_k ? next_k + j * head_dim : nullptr,
+                                           scores.data() + k * group * n + start + j, n))
+                  continue;
                 for (int64_t g = k * group; g < (k + 1) * group; ++g) {
                   const C* ahead = next_k ? next_k + j * head_dim : nullptr;  // once a row, shared among the group
                   const __m256 r = dot8_keys64_avx2(q.data() + g * head_dim, kb + j * head_dim, ahead,
@@ -989,6 +1095,9 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
                 }
                 continue;
               }
+              if (pv64_group_avx2(group, scores.data() + k * group * n + start, n, vb, len,
+                                  acc.data() + k * group * head_dim, next_v))
+                continue;
               for (int64_t g = k * group; g < (k + 1) * group; ++g)
                 pv_head64_avx2(scores.data() + g * n + start, vb, len, acc.data() + g * head_dim,
                                g == k * group ? next_v : nullptr);
