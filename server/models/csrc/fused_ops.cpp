@@ -384,6 +384,49 @@ constexpr bool kAvx2Attention = std::is_same_v<C, float> || std::is_same_v<C, c1
 #endif
     ;
 
+// A narrow cache's (bf16, fp16, fp8) dot products and value sums 8 lanes at a time, as an fp32 cache's above. The
+// vector loops below take 64-wide heads only, so every other head width came here, where a scalar loop widened one
+// value at a time: over 128-wide heads (Qwen3-0.6B's shape: 28 layers, 8 KV heads, 16 rows at 192 positions) a
+// step's attention took 100 ms over an fp16 cache against 23 ms over an fp32 one.
+template <typename T>
+inline float dot_head_avx2(const float* q, const T* k, int64_t d) {
+  if (d % 16 != 0) {
+    float dot = 0.f;
+    for (int64_t i = 0; i < d; ++i) dot += q[i] * load_f(k[i]);
+    return dot;
+  }
+  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) {
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), a);
+    b = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(k + i + 8), b);
+  }
+  return hsum8(_mm256_add_ps(a, b));
+}
+template <typename T>
+inline void axpy_head_avx2(float p, const T* v, float* acc, int64_t d) {
+  if (d % 8 != 0) {
+    for (int64_t i = 0; i < d; ++i) acc[i] += p * load_f(v[i]);
+    return;
+  }
+  const __m256 pv = _mm256_set1_ps(p);
+  for (int64_t i = 0; i < d; i += 8)
+    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, load8(v + i), _mm256_loadu_ps(acc + i)));
+}
+template <>
+inline float dot_head(const float* q, const c10::BFloat16* k, int64_t d) { return dot_head_avx2(q, k, d); }
+template <>
+inline void axpy_head(float p, const c10::BFloat16* v, float* acc, int64_t d) { axpy_head_avx2(p, v, acc, d); }
+#if defined(__F16C__)
+template <>
+inline float dot_head(const float* q, const c10::Half* k, int64_t d) { return dot_head_avx2(q, k, d); }
+template <>
+inline void axpy_head(float p, const c10::Half* v, float* acc, int64_t d) { axpy_head_avx2(p, v, acc, d); }
+template <>
+inline float dot_head(const float* q, const c10::Float8_e4m3fn* k, int64_t d) { return dot_head_avx2(q, k, d); }
+template <>
+inline void axpy_head(float p, const c10::Float8_e4m3fn* v, float* acc, int64_t d) { axpy_head_avx2(p, v, acc, d); }
+#endif
+
 // The cache lines of row j of a 64-wide head `kPrefetchBlocks` blocks ahead (nullptr: none), fetched into L2 a row
 // per row consumed, as prefetch_row does for the AVX-512 loops: paged blocks are 4 KB apart at best, where the
 // hardware prefetcher stops.
