@@ -322,15 +322,31 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, but a key given twice in one mapping is an error (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"key {key!r} appears twice in one section (lines {seen[key]} and "
+                                  f"{key_node.start_mark.line + 1})")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """Read a YAML config and apply dotted-key overrides (e.g. {"server.port": 8001})."""
     path = Path(path) if path else DEFAULT_CONFIG
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({exc.__class__.__name__})") from exc
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
     for key, value in (overrides or {}).items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,7 @@ def test_override_applies(tmp_path):
     ("model: {name: x, source: gguf, path: /x.gguf}\nengin: {}\n", "engin: unknown key"),
     ("model: {name: x, source: safetensors}\n", "needs `path`"),
     ("model: [unclosed\n", "not valid YAML"),
+    ("model:\n  name: x\n  dtype: auto\n  dtype: float32\n", "key 'dtype' appears twice in one section (lines 3 and 4)"),
 ])
 def test_bad_config_names_the_key(tmp_path, yaml_text, fragment):
     path = tmp_path / "bad.yaml"
@@ -37,6 +39,14 @@ def test_bad_config_names_the_key(tmp_path, yaml_text, fragment):
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("path", sorted(Path(__file__).resolve().parents[2].joinpath("configs").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    """Each config under configs/ is valid YAML with no key given twice (a repeated key once kept the last silently)
+    and a valid config."""
+    assert load_config(path).model.name
 
 
 def test_cli_bad_config_exits_2_with_one_line(tmp_path, capsys):
