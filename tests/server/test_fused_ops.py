@@ -113,8 +113,8 @@ def _decode_case(dtype, head_dim: int, num_kv_heads: int, group: int, block_size
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 3, 3), (64, 2, 2), (64, 2, 4), (64, 2, 8), (128, 2, 3),
-                                                       (128, 1, 4)])
+@pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 3, 3), (64, 2, 2), (64, 2, 4), (64, 2, 8), (128, 2, 2),
+                                                       (128, 2, 3), (128, 1, 4), (128, 1, 8)])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("threads", [1, 8], ids=["items-of-all-kv-heads", "items-of-one-kv-head"])
 def test_vectorised_attention_matches_reference(dtype, head_dim, num_kv_heads, group, block_size, threads):
@@ -171,7 +171,7 @@ def test_attention_over_a_narrow_cache_under_fp32_matches_reference(cache_dtype,
 
 
 @pytest.mark.parametrize("cache_dtype", NARROW_CACHES)
-@pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 3, 3), (128, 2, 3)])
+@pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 3, 3), (128, 2, 3), (128, 2, 4)])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("threads", [1, 8], ids=["items-of-all-kv-heads", "items-of-one-kv-head"])
 def test_vectorised_attention_over_a_narrow_cache_matches_reference(cache_dtype, head_dim, num_kv_heads, group,
