@@ -385,9 +385,9 @@ constexpr bool kAvx2Attention = std::is_same_v<C, float> || std::is_same_v<C, c1
     ;
 
 // A narrow cache's (bf16, fp16, fp8) dot products and value sums 8 lanes at a time, as an fp32 cache's above. The
-// vector loops below take 64-wide heads only, so every other head width came here, where a scalar loop widened one
-// value at a time: over 128-wide heads (Qwen3-0.6B's shape: 28 layers, 8 KV heads, 16 rows at 192 positions) a
-// step's attention took 100 ms over an fp16 cache against 23 ms over an fp32 one.
+// vector loops below take runs of 8 keys of 64-wide heads (and of 128-wide ones in groups of 2-4); every other key
+// comes here, where a scalar loop once widened one value at a time: over 128-wide heads (Qwen3-0.6B's shape: 28
+// layers, 8 KV heads, 16 rows at 192 positions) a step's attention took 100 ms over an fp16 cache, 23 over fp32.
 template <typename T>
 inline float dot_head_avx2(const float* q, const T* k, int64_t d) {
   if (d % 16 != 0) {
