@@ -330,38 +330,13 @@ inline void pv_group(const float* p, int64_t stride, const T* v, int64_t len, fl
   }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-// AVX2 (no AVX-512): an fp32 cache's dot products and value sums 8 lanes at a time. The compiler keeps the scalar
-// loops scalar (reordering a float sum needs -ffast-math), and they were a quarter of a batch-16 decode step.
+// AVX2 (no AVX-512): attention's dot products and value sums 8 lanes at a time. The compiler keeps the scalar loops
+// scalar (reordering a float sum needs -ffast-math), and they were a quarter of a batch-16 decode step.
 inline float hsum8(__m256 v) {
   const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
-template <>
-inline float dot_head(const float* q, const float* k, int64_t d) {
-  if (d % 16 != 0) {
-    float dot = 0.f;
-    for (int64_t i = 0; i < d; ++i) dot += q[i] * k[i];
-    return dot;
-  }
-  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();  // two chains: the FMA latency, not the ports, binds
-  for (int64_t i = 0; i < d; i += 16) {
-    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a);
-    b = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(k + i + 8), b);
-  }
-  return hsum8(_mm256_add_ps(a, b));
-}
-template <>
-inline void axpy_head(float p, const float* v, float* acc, int64_t d) {
-  if (d % 8 != 0) {
-    for (int64_t i = 0; i < d; ++i) acc[i] += p * v[i];
-    return;
-  }
-  const __m256 pv = _mm256_set1_ps(p);
-  for (int64_t i = 0; i < d; i += 8)
-    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(acc + i)));
-}
-
 // 8 cache values widened to fp32: an fp32 cache as it is, bf16 by a shift, fp16 by F16C (every AVX2 CPU has it).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
@@ -384,7 +359,7 @@ constexpr bool kAvx2Attention = std::is_same_v<C, float> || std::is_same_v<C, c1
 #endif
     ;
 
-// A narrow cache's (bf16, fp16, fp8) dot products and value sums 8 lanes at a time, as an fp32 cache's above. The
+// A head's dot product and value sum 8 lanes at a time, for every cache dtype (load8 widens a narrow one). The
 // vector loops below take runs of 8 keys of 64-wide heads (and of 128-wide ones in groups of 2-4); every other key
 // comes here, where a scalar loop once widened one value at a time: over 128-wide heads (Qwen3-0.6B's shape: 28
 // layers, 8 KV heads, 16 rows at 192 positions) a step's attention took 100 ms over an fp16 cache, 23 over fp32.
@@ -395,7 +370,7 @@ inline float dot_head_avx2(const float* q, const T* k, int64_t d) {
     for (int64_t i = 0; i < d; ++i) dot += q[i] * load_f(k[i]);
     return dot;
   }
-  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();  // two chains: the FMA latency, not the ports, binds
   for (int64_t i = 0; i < d; i += 16) {
     a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), a);
     b = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(k + i + 8), b);
@@ -412,6 +387,10 @@ inline void axpy_head_avx2(float p, const T* v, float* acc, int64_t d) {
   for (int64_t i = 0; i < d; i += 8)
     _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, load8(v + i), _mm256_loadu_ps(acc + i)));
 }
+template <>
+inline float dot_head(const float* q, const float* k, int64_t d) { return dot_head_avx2(q, k, d); }
+template <>
+inline void axpy_head(float p, const float* v, float* acc, int64_t d) { axpy_head_avx2(p, v, acc, d); }
 template <>
 inline float dot_head(const float* q, const c10::BFloat16* k, int64_t d) { return dot_head_avx2(q, k, d); }
 template <>
