@@ -15,6 +15,9 @@ measured bandwidth, say how close the GEMMs stream; at 16 fp32 rows the FMAs tak
 Attention: 16 sequences of `--positions` cached positions, 30 layers' caches in turn (so each call reads from
 memory, as a step's layers do): an fp32 model over an fp32 cache and over an fp16 one
 (`engine.kv_cache_dtype: float16`), a bf16 model over its bf16 cache and over an fp8 one (`fp8`); then the same with uneven contexts (half the sequences at an eighth of `--positions`, half at the rest of twice it).
+Prefill attention: an fp32 model's prompt chunk of TOKENS after PREFIX cached positions (`--prefill-chunks
+PREFIX:TOKENS ...`), 30 layers' caches in turn, over an fp32 and an fp16 cache; its GFLOP/s count the causal
+products (4 x head_dim x heads x the positions each token sees).
 Sampler: 16 rows of a 49,152-token vocabulary.
 """
 
@@ -169,6 +172,33 @@ def attention_ms(contexts: list[int], repeats: int, dtype: torch.dtype, cache_dt
             "cache_dtype": str(cache_dtype).removeprefix("torch."), "ms": ms, "cache_gb_s": cache_bytes / ms / 1e6}
 
 
+def prefill_attention_ms(prefix: int, tokens: int, repeats: int, cache_dtype: torch.dtype) -> dict:
+    """ms and GFLOP/s for 30 layers of an fp32 model's attention of one prompt chunk of `tokens` after `prefix`
+    cached positions, its blocks scattered over a cache in `cache_dtype`."""
+    gen = torch.Generator().manual_seed(0)
+    blocks = -(-(prefix + tokens) // BLOCK)
+    table = torch.randperm(blocks + 2, generator=gen)[:blocks].view(1, -1).int()
+    positions = torch.arange(prefix, prefix + tokens)
+    slots = table[0, positions // BLOCK].long() * BLOCK + positions % BLOCK
+    shape = (blocks + 2, KV_HEADS, BLOCK, HEAD_DIM)
+    k_caches = [torch.randn(shape, generator=gen).to(cache_dtype) for _ in range(LAYERS)]
+    v_caches = [torch.randn(shape, generator=gen).to(cache_dtype) for _ in range(LAYERS)]
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen)
+    angles = positions.float().unsqueeze(1) * torch.linspace(0.1, 1.0, HEAD_DIM // 2).repeat(2)
+    cos, sin = angles.cos(), angles.sin()
+    seq_index, lens = torch.zeros(tokens, dtype=torch.int32), (positions + 1).int()
+
+    def all_layers() -> None:
+        for k, v in zip(k_caches, v_caches):
+            torch.ops.neuronmm.attention(qkv, cos, sin, k, v, slots, table, seq_index, lens, HEADS, KV_HEADS,
+                                         HEAD_DIM ** -0.5)
+
+    ms = best_us(all_layers, 1, repeats) / 1e3
+    flops = 4 * HEAD_DIM * HEADS * int(lens.sum()) * LAYERS
+    return {"prefix": prefix, "tokens": tokens, "layers": LAYERS, "cache_dtype": str(cache_dtype).removeprefix("torch."),
+            "ms": ms, "gflops": flops / ms / 1e6}
+
+
 def sampler_us(repeats: int) -> dict:
     """µs of the fused greedy argmax and temperature sampling (and torch's argmax) on 16 rows of logits."""
     gen = torch.Generator().manual_seed(0)
@@ -193,6 +223,9 @@ def markdown(report: dict) -> str:
         lines += ["", f"Attention, {a['layers']} layers x sequences at {a['contexts']} positions "
                       f"({a['dtype']} model, {a['cache_dtype']} cache): {a['ms']:.2f} ms, {a['cache_gb_s']:.1f} GB/s of "
                       "cache read"]
+    for a in report["prefill_attention"]:
+        lines += ["", f"Prefill attention, {a['layers']} layers, {a['tokens']} tokens after {a['prefix']} (float32 model, "
+                      f"{a['cache_dtype']} cache): {a['ms']:.2f} ms, {a['gflops']:.0f} GFLOP/s"]
     lines += ["", "Sampler, 16 x 49,152: " + ", ".join(f"{k} {v:.0f} µs" for k, v in report["sampler"].items())]
     return "\n".join(lines)
 
@@ -205,10 +238,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-layers", type=int, default=LAYERS)
     p.add_argument("--positions", type=int, default=320)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prefill-chunks", nargs="+", default=["0:128", "1536:512"], metavar="PREFIX:TOKENS",
+                   help="prompt chunks whose attention to time (TOKENS new positions after PREFIX cached ones)")
     p.add_argument("--gguf-blocks", action="store_true",
                    help="also a step's linears over GGUF block panels beside fp32 panels of the same weights")
     p.add_argument("--out", default=str(RESULTS / "cpu_ops.json"))
     args = p.parse_args(argv)
+    try:
+        chunks = [tuple(int(n) for n in chunk.split(":")) for chunk in args.prefill_chunks]
+        if any(len(c) != 2 or c[0] < 0 or c[1] < 1 for c in chunks):
+            raise ValueError
+    except ValueError:
+        p.error("--prefill-chunks takes PREFIX:TOKENS pairs, e.g. 0:128 (PREFIX >= 0, TOKENS >= 1)")
     if not fused_ops.load():
         p.exit(2, "bench.cpu_ops: the fused CPU ops could not be built here (see the log above)\n")
     report = {**machine_facts(), "torch_threads": torch.get_num_threads(), "gemm": gemm_rows(args.rows, args.repeats),
@@ -216,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
               + (gguf_block_step(args.step_rows, args.repeats, args.step_layers) if args.gguf_blocks else []),
               "attention": [attention_ms(contexts_of(args.positions, uneven), args.repeats, *dtypes)
                             for uneven in (False, True) for dtypes in ATTENTION_DTYPES],
+              "prefill_attention": [prefill_attention_ms(prefix, tokens, args.repeats, cache_dtype)
+                                    for prefix, tokens in chunks for cache_dtype in (torch.float32, torch.float16)],
               "sampler": sampler_us(args.repeats)}
     return publish(Path(args.out), report, markdown(report))
 

@@ -14,7 +14,7 @@ from server.models import fused_ops
 def test_the_report_holds_every_op(tmp_path):
     out = tmp_path / "ops.json"
     assert cpu_ops.main(["--rows", "1", "5", "--step-rows", "3", "--step-layers", "1", "--positions", "40",
-                         "--repeats", "1", "--out", str(out)]) == 0
+                         "--repeats", "1", "--prefill-chunks", "0:9", "20:5", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert [(g["n"], g["k"], g["rows"]) for g in report["gemm"]] == [(1536, 576, 1), (1536, 576, 5),
                                                                       (576, 1536, 1), (576, 1536, 5)]
@@ -29,6 +29,11 @@ def test_the_report_holds_every_op(tmp_path):
         [(*pair, "16 x 40") for pair in pairs] + [(*pair, "8 x 5 + 8 x 75") for pair in pairs])
     assert all(a["positions"] == 40 for a in report["attention"])  # the uneven batch holds as many positions
     assert all(a["ms"] > 0 for a in report["attention"])
+    assert [(a["prefix"], a["tokens"], a["cache_dtype"]) for a in report["prefill_attention"]] == [
+        (0, 9, "float32"), (0, 9, "float16"), (20, 5, "float32"), (20, 5, "float16")]
+    # the causal products: 4 x 64 x 9 heads x (1 + .. + 9) positions x 30 layers over the time
+    first = report["prefill_attention"][0]
+    assert first["ms"] > 0 and first["gflops"] == pytest.approx(4 * 64 * 9 * 45 * 30 / first["ms"] / 1e6)
     assert set(report["sampler"]) == {"argmax_rows", "sample_temperature", "torch_argmax"}
     assert out.with_suffix(".md").read_text().startswith("CPU flags")
 
@@ -43,3 +48,10 @@ def test_gguf_blocks_are_timed_beside_fp32_panels_of_their_weights():
     assert fp32["weight_mb"] == pytest.approx(n_by_k * 4 / 1e6)
     assert blocks["weight_mb"] == pytest.approx(n_by_k * 1.25 / 1e6, rel=0.01)  # + the padded columns' share
     assert all(r["ms"] > 0 and r["gflops"] == pytest.approx(2 * 2 * n_by_k / r["ms"] / 1e6) for r in rows)
+
+
+@pytest.mark.parametrize("chunks", [["128"], ["0:0"], ["-1:5"], ["a:b"]])
+def test_a_bad_prefill_chunk_is_a_one_line_error(chunks, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cpu_ops.main(["--prefill-chunks", *chunks])
+    assert exit_.value.code == 2 and "PREFIX:TOKENS" in capsys.readouterr().err

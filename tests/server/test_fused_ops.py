@@ -255,6 +255,64 @@ def test_an_fp8_cache_stores_every_value_as_torch_rounds_it(threads):
         assert torch.equal(case[name].view(torch.uint8), ref_case[name].view(torch.uint8)), name
 
 
+def _prefill_case(head_dim: int, num_kv_heads: int, group: int, block_size: int, runs: list[tuple[int, int]],
+                  cache_dtype=torch.float32):
+    """An fp32 batch of runs (prefix, tokens): each a sequence whose `tokens` new positions follow `prefix` cached
+    ones (a prefill chunk; one token is a decode), its blocks scattered over the pool."""
+    g = torch.Generator().manual_seed(4)
+    num_heads = num_kv_heads * group
+    max_blocks = max(-(-(p + n) // block_size) for p, n in runs)
+    num_blocks = len(runs) * max_blocks + 2
+    tables = torch.randperm(num_blocks, generator=g)[:len(runs) * max_blocks].view(len(runs), max_blocks).int()
+    seq_index = torch.cat([torch.full((n,), s, dtype=torch.int32) for s, (_, n) in enumerate(runs)])
+    positions = torch.cat([torch.arange(p, p + n) for p, n in runs])
+    slot_mapping = tables[seq_index.long(), positions // block_size].long() * block_size + positions % block_size
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    angles = positions.float().unsqueeze(1) * torch.linspace(0.1, 1.0, head_dim // 2).repeat(2)
+    qkv = torch.randn(len(positions), (num_heads + 2 * num_kv_heads) * head_dim, generator=g)
+    return dict(qkv=qkv, cos=angles.cos(), sin=angles.sin(),
+                k_cache=torch.randn(shape, generator=g).to(cache_dtype),
+                v_cache=torch.randn(shape, generator=g).to(cache_dtype), slot_mapping=slot_mapping,
+                block_tables=tables, seq_index=seq_index, context_lens=(positions + 1).int(), num_heads=num_heads,
+                num_kv_heads=num_kv_heads, scale=1 / math.sqrt(head_dim))
+
+
+# runs of 4 and more consecutive positions attend in tiles (prefill_attention.cpp); shorter ones token by token
+PREFILL_RUNS = [(0, 37), (5, 1), (21, 4), (16, 16), (3, 3), (40, 9), (0, 1)]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, *NARROW_CACHES])
+@pytest.mark.parametrize("head_dim,num_kv_heads,group", [(64, 3, 3), (64, 2, 1), (64, 1, 8), (128, 2, 2),
+                                                       (128, 1, 4), (80, 1, 5), (16, 2, 2)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_prefill_chunks_attend_as_the_reference(cache_dtype, head_dim, num_kv_heads, group, block_size, threads):
+    """An fp32 model's prefill chunks (in tiles of consecutive tokens: every key against all of a tile's query rows,
+    with the causal mask inside the chunk) beside decodes and short runs (token by token), at head widths the tiles
+    take (multiples of 16) and groups that fill a tile's 16 lanes unevenly (3 x 5, 5 x 3) or not at all (8 x 2)."""
+    torch.set_num_threads(threads)
+    case = _prefill_case(head_dim, num_kv_heads, group, block_size, PREFILL_RUNS, cache_dtype)
+    ref_case = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    out, q_rot = torch.ops.neuronmm.attention(*case.values())
+    ref_out, ref_q = fused_ops.attention_ref(*ref_case.values())
+    assert torch.equal(q_rot, ref_q)
+    assert torch.equal(case["k_cache"].view(torch.uint8), ref_case["k_cache"].view(torch.uint8))
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefill_chunk_attends_as_its_tokens_one_at_a_time():
+    """A 37-token chunk (tiles) against the same tokens each sent alone as a decode over the cache the chunk wrote
+    (token by token): the two paths agree to fp32 rounding, the causal mask included."""
+    chunk = _prefill_case(64, 3, 3, 16, [(11, 37)])
+    out, _ = torch.ops.neuronmm.attention(*chunk.values())
+    alone = []
+    for t in range(37):
+        one = {**chunk, **{k: chunk[k][t:t + 1] for k in ("qkv", "cos", "sin", "slot_mapping", "seq_index",
+                                                          "context_lens")}}
+        alone.append(torch.ops.neuronmm.attention(*one.values())[0])
+    torch.testing.assert_close(out, torch.cat(alone), rtol=1e-5, atol=1e-5)
+
+
 def test_attention_rejects_a_cache_wider_or_other_than_the_model():
     for dtype, cache_dtype in [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16),
                                (torch.float16, torch.float8_e4m3fn)]:

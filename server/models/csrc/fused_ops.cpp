@@ -14,7 +14,9 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "prefill_attention.h"
 #include "step_ops.h"
+#include "vec8.h"
 #include "work_split.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -337,21 +339,7 @@ inline float hsum8(__m256 v) {
   const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
-// 8 cache values widened to fp32: an fp32 cache as it is, bf16 by a shift, fp16 by F16C (every AVX2 CPU has it).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-#if defined(__F16C__)
-inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-// fp8 e4m3fn as the AVX-512 load16 widens it: moved into an fp16's places, then times 2^8
-inline __m256 load8(const c10::Float8_e4m3fn* p) {
-  const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i h = _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
-  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
-}
-#endif
+using neuronmm::vec8::load8;
 template <typename C>
 constexpr bool kAvx2Attention = std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>
 #if defined(__F16C__)
@@ -609,17 +597,7 @@ inline __m512 fast_exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 #elif defined(__AVX2__)
-// fast_exp on 8 lanes (AVX2), likewise the same bits.
-inline __m256 fast_exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
-                                 _mm256_mul_ps(n, _mm256_set1_ps(1.428606765330187e-06f)));
-  __m256 p = _mm256_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_add_ps(_mm256_set1_ps(c), _mm256_mul_ps(r, p));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
+using neuronmm::vec8::fast_exp8;
 #endif
 
 // The largest logit of a row (-inf for an empty or fully masked row).
@@ -951,20 +929,36 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
     }
   });
   const int64_t group = num_heads / num_kv_heads;
+  // An fp32 model's runs of a sequence's consecutive positions (prefill chunks) attend in tiles
+  // (prefill_attention.h), the other tokens one by one below. The lists are kept per calling thread (30 calls a
+  // step), and named through references: a lambda that names a thread_local reads the running thread's own copy.
+  thread_local std::vector<neuronmm::PrefillTile> kept_tiles;
+  thread_local std::vector<int64_t> kept_singles;
+  std::vector<neuronmm::PrefillTile>& tiles = kept_tiles;
+  std::vector<int64_t>& singles = kept_singles;
+  const int64_t tile_tokens = std::is_same_v<T, float> ? neuronmm::prefill_tile_tokens(group, head_dim) : 0;
+  neuronmm::split_prefill_runs(num_tokens, seq_of, ctx, tile_tokens, tiles, singles);
+  if constexpr (std::is_same_v<T, float>) {
+    if (!tiles.empty())
+      neuronmm::attend_prefill_tiles<C>(tiles, qr, kc, vc, tables, max_blocks, seq_of, ctx, num_heads, num_kv_heads,
+                                        head_dim, block_size, static_cast<float>(scale), op);
+  }
+  const int64_t num_singles = static_cast<int64_t>(singles.size());
   // Work item: one token and a run of its KV heads, each with the query heads that share it, so a cached
   // key or value is read (and widened to fp32) once per group. With enough tokens to keep every thread
   // busy an item takes all of a token's KV heads: a block of the cache [kv_heads, block_size, head_dim]
   // is then read front to back as one stream (reading one head's slice of many blocks in turn is ~1.6x
   // slower on a cold cache with 16-token blocks: the hardware prefetcher runs ahead into the other heads'
   // slices). With few tokens (small decode batches) an item is one KV head, for parallelism.
-  const int64_t heads_per_item = num_tokens >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t heads_per_item = num_singles >= 2 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t items_per_token = num_kv_heads / heads_per_item;
   const int64_t item_heads = heads_per_item * group;  // query heads of an item
   // An item costs its token's context (a prefill chunk's tokens see from a few to all of the chunk's positions;
   // a batch's sequences differ in length), and a thread that finishes early takes others' items.
-  const int64_t items = num_tokens * items_per_token;
+  const int64_t items = num_singles * items_per_token;
   std::vector<int64_t> cost_before(items + 1, 0);
-  for (int64_t item = 0; item < items; ++item) cost_before[item + 1] = cost_before[item] + 1 + ctx[item / items_per_token];
+  for (int64_t item = 0; item < items; ++item)
+    cost_before[item + 1] = cost_before[item] + 1 + ctx[singles[item / items_per_token]];
   // keys or values of KV head kv0 + k of the sequence whose block table is `table`, at positions start.. (within one
   // block)
   const auto block_of = [&](const C* cache, const int32_t* table, int64_t kv0, int64_t start, int64_t k) {
@@ -980,7 +974,7 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
     inv.resize(item_heads);
     widened.resize(16 * head_dim);  // 16 rows of an fp8 cache, widened once for a group's query heads
     const auto run_item = [&](int64_t item, int64_t following) {  // following: the thread's next item, or -1
-      const int64_t t = item / items_per_token, kv0 = item % items_per_token * heads_per_item;
+      const int64_t t = singles[item / items_per_token], kv0 = item % items_per_token * heads_per_item;
       const int64_t h0 = kv0 * group;  // first query head of the item
       T* dst = op + (t * num_heads + h0) * head_dim;
       const int64_t n = ctx[t];
@@ -997,7 +991,7 @@ void attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
       // item's keys, its values, then the next item's keys), a row per row read. Each pass then starts on lines
       // already on their way: with a cold start per pass, a 192-position item read a sixth of its bytes cold.
       const int64_t padded = (n + block_size - 1) / block_size * block_size;
-      const int64_t t_next = following < 0 ? -1 : following / items_per_token;
+      const int64_t t_next = following < 0 ? -1 : singles[following / items_per_token];
       const auto ahead_of = [&](bool values, int64_t start, int64_t k) -> const C* {
         int64_t at = start + kPrefetchBlocks * block_size + (values ? padded : 0);
         if (at < padded) return block_at(kc, at, k);
