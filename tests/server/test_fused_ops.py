@@ -300,6 +300,22 @@ def test_prefill_chunks_attend_as_the_reference(cache_dtype, head_dim, num_kv_he
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_random_batches_of_runs_attend_as_the_reference(seed):
+    """Random batches: runs of 1-40 tokens after 0-60 cached positions (where tiles start and end, and which tokens
+    stay single, fall anywhere), random group and head width among those the tiles take, either block size."""
+    rng = torch.Generator().manual_seed(100 + seed)
+    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=rng))]  # noqa: E731
+    head_dim, (num_kv_heads, group) = pick([16, 64, 128]), pick([(1, 1), (2, 2), (3, 3), (1, 6), (2, 4)])
+    runs = [(int(torch.randint(61, (1,), generator=rng)), int(torch.randint(1, 41, (1,), generator=rng)))
+            for _ in range(int(torch.randint(1, 6, (1,), generator=rng)))]
+    case = _prefill_case(head_dim, num_kv_heads, group, pick([16, 32]), runs, pick([torch.float32, torch.float16]))
+    ref_case = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    out, _ = torch.ops.neuronmm.attention(*case.values())
+    ref_out, _ = fused_ops.attention_ref(*ref_case.values())
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5, msg=lambda m: f"runs {runs}: {m}")
+
+
 def test_a_prefill_chunk_attends_as_its_tokens_one_at_a_time():
     """A 37-token chunk (tiles) against the same tokens each sent alone as a decode over the cache the chunk wrote
     (token by token): the two paths agree to fp32 rounding, the causal mask included."""
