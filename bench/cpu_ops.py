@@ -195,8 +195,8 @@ def prefill_attention_ms(prefix: int, tokens: int, repeats: int, cache_dtype: to
 
     ms = best_us(all_layers, 1, repeats) / 1e3
     flops = 4 * HEAD_DIM * HEADS * int(lens.sum()) * LAYERS
-    return {"prefix": prefix, "tokens": tokens, "layers": LAYERS, "cache_dtype": str(cache_dtype).removeprefix("torch."),
-            "ms": ms, "gflops": flops / ms / 1e6}
+    return {"prefix": prefix, "tokens": tokens, "layers": LAYERS,
+            "cache_dtype": str(cache_dtype).removeprefix("torch."), "ms": ms, "gflops": flops / ms / 1e6}
 
 
 def sampler_us(repeats: int) -> dict:
@@ -224,8 +224,8 @@ def markdown(report: dict) -> str:
                       f"({a['dtype']} model, {a['cache_dtype']} cache): {a['ms']:.2f} ms, {a['cache_gb_s']:.1f} GB/s of "
                       "cache read"]
     for a in report["prefill_attention"]:
-        lines += ["", f"Prefill attention, {a['layers']} layers, {a['tokens']} tokens after {a['prefix']} (float32 model, "
-                      f"{a['cache_dtype']} cache): {a['ms']:.2f} ms, {a['gflops']:.0f} GFLOP/s"]
+        lines += ["", f"Prefill attention, {a['layers']} layers, {a['tokens']} tokens after {a['prefix']} "
+                      f"(float32 model, {a['cache_dtype']} cache): {a['ms']:.2f} ms, {a['gflops']:.0f} GFLOP/s"]
     lines += ["", "Sampler, 16 x 49,152: " + ", ".join(f"{k} {v:.0f} µs" for k, v in report["sampler"].items())]
     return "\n".join(lines)
 

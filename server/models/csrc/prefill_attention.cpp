@@ -263,7 +263,8 @@ void split_prefill_runs(int64_t num_tokens, const int32_t* seq_index, const int3
     int64_t end = t + 1;
     while (end < num_tokens && seq_index[end] == seq_index[t] && context_lens[end] == context_lens[end - 1] + 1) ++end;
     if (tile_tokens > 0 && context_lens[t] > 0 && end - t >= kMinTileRun) {
-      for (int64_t first = t; first < end; first += tile_tokens) tiles.push_back({first, std::min(tile_tokens, end - first)});
+      for (int64_t first = t; first < end; first += tile_tokens)
+        tiles.push_back({first, std::min(tile_tokens, end - first)});
     } else {
       for (int64_t s = t; s < end; ++s) singles.push_back(s);
     }
