@@ -48,24 +48,34 @@ const float* widened(const C* rows, int64_t len, int64_t head_dim, float* dst) {
   }
 }
 
-// Scores of KK keys (rows of k, head_dim apart) for all 16 query rows: s[j][0..15] (s: 16 floats a key), their
-// largest a row taken into `max` (lanes: rows).
+// The register tile both products share: for each of `steps` steps t, two vectors (w + t * w_step) times N
+// broadcast values (b + i * b_row + t * b_step), added into the N x 2 sums lo / hi. The scores take a key value
+// against the queries' lanes; the value sums a probability against a value row.
 // (Every loop over the sums unrolled: with a loop index into them left anywhere, GCC keeps them on the stack and
 // stores each one every step, as small_gemm.cpp's tiles found.)
+template <int N>
+__attribute__((always_inline)) inline void broadcast_tile(const float* w, int64_t w_step, const float* b,
+                                                          int64_t b_row, int64_t b_step, int64_t steps, __m256 (&lo)[N],
+                                                          __m256 (&hi)[N]) {
+  for (int64_t t = 0; t < steps; ++t) {
+    const __m256 w0 = _mm256_loadu_ps(w + t * w_step), w1 = _mm256_loadu_ps(w + t * w_step + 8);
+#pragma GCC unroll 6
+    for (int i = 0; i < N; ++i) {
+      const __m256 bi = _mm256_broadcast_ss(b + i * b_row + t * b_step);
+      lo[i] = _mm256_fmadd_ps(bi, w0, lo[i]);
+      hi[i] = _mm256_fmadd_ps(bi, w1, hi[i]);
+    }
+  }
+}
+
+// Scores of KK keys (rows of k, head_dim apart) for all 16 query rows: s[j][0..15] (s: 16 floats a key), their
+// largest a row taken into `max` (lanes: rows).
 template <int KK>
 void score_keys(const float* qt, const float* k, int64_t head_dim, float* s, __m256 (&max)[2]) {
   __m256 lo[KK], hi[KK];
 #pragma GCC unroll 6
   for (int j = 0; j < KK; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < head_dim; ++d) {
-    const __m256 q0 = _mm256_loadu_ps(qt + d * kLanes), q1 = _mm256_loadu_ps(qt + d * kLanes + 8);
-#pragma GCC unroll 6
-    for (int j = 0; j < KK; ++j) {
-      const __m256 kv = _mm256_broadcast_ss(k + j * head_dim + d);
-      lo[j] = _mm256_fmadd_ps(kv, q0, lo[j]);
-      hi[j] = _mm256_fmadd_ps(kv, q1, hi[j]);
-    }
-  }
+  broadcast_tile<KK>(qt, kLanes, k, head_dim, 1, head_dim, lo, hi);
 #pragma GCC unroll 6
   for (int j = 0; j < KK; ++j) {
     _mm256_storeu_ps(s + j * kLanes, lo[j]);
@@ -84,15 +94,7 @@ void add_values(const float* p, const float* v, int64_t len, int64_t head_dim, f
     lo[r] = _mm256_loadu_ps(acc + r * head_dim);
     hi[r] = _mm256_loadu_ps(acc + r * head_dim + 8);
   }
-  for (int64_t j = 0; j < len; ++j) {
-    const __m256 v0 = _mm256_loadu_ps(v + j * head_dim), v1 = _mm256_loadu_ps(v + j * head_dim + 8);
-#pragma GCC unroll 6
-    for (int r = 0; r < RR; ++r) {
-      const __m256 pj = _mm256_broadcast_ss(p + j * kLanes + r);
-      lo[r] = _mm256_fmadd_ps(pj, v0, lo[r]);
-      hi[r] = _mm256_fmadd_ps(pj, v1, hi[r]);
-    }
-  }
+  broadcast_tile<RR>(v, head_dim, p, 1, kLanes, len, lo, hi);
 #pragma GCC unroll 6
   for (int r = 0; r < RR; ++r) {
     _mm256_storeu_ps(acc + r * head_dim, lo[r]);
