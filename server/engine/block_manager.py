@@ -40,6 +40,9 @@ class PagedKV:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block holding those tokens
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # oldest first
+        # the free blocks that cache tokens, oldest first: what _evict_one takes once no block is open (a reserved
+        # block never caches, so it is never here, and taking one is no walk past a pool's worth of reserved room)
+        self.free_cached: OrderedDict[int, None] = OrderedDict()
         self.open = np.ones(num_blocks, dtype=bool)  # free, caching nothing, reserved by nobody
         self.reserved_by: dict[int, tuple[str, int]] = {}  # block -> the sequence it is kept for
         self.reservations: dict[tuple[str, int], set[int]] = {}
@@ -117,6 +120,8 @@ class PagedKV:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free[block] = None
+                if self.block_hash[block] is not None:
+                    self.free_cached[block] = None
                 # nothing cached in it: open again (new blocks come from the lowest open ids, so the memory
                 # touched stays as small as the work needs)
                 if self.block_hash[block] is None:
@@ -188,9 +193,7 @@ class PagedKV:
         forgetting the tokens it cached; else (out of room) any free one, reservation or not."""
         if self.open.any():
             return int(self.open.argmax())
-        block = next((b for b in self.free if b not in self.reserved_by), None)
-        if block is None:
-            block = next(iter(self.free))
+        block = next(iter(self.free_cached or self.free))
         if self.block_hash[block] is not None:
             if self.cached.get(self.block_hash[block]) == block:
                 del self.cached[self.block_hash[block]]
@@ -200,6 +203,7 @@ class PagedKV:
     def _take(self, block: int) -> int:
         if self.ref_counts[block] == 0:
             del self.free[block]
+            self.free_cached.pop(block, None)
             self.open[block] = False
             owner = self.reserved_by.pop(block, None)
             if owner is not None:

@@ -114,6 +114,31 @@ def test_reserved_room_yields_when_nothing_else_is_free():
     assert kv.open.all() and not kv.reserved_by and not any(kv.reservations.values())
 
 
+def test_past_reserved_room_a_new_block_evicts_the_least_recently_freed_cached_one():
+    kv = PagedKV(num_blocks=10, block_size=4)
+    one_token = SamplingParams(max_tokens=1)
+    old, recent = (Sequence(rid, 0, list(tokens), one_token, detok=None)
+                   for rid, tokens in (("old", range(8)), ("recent", range(20, 28))))
+    for seq in (old, recent):  # two hashed blocks each, then freed: old's first (each tail block first)
+        kv.admit(seq)
+        _computed(kv, seq)
+    assert old.block_table == [0, 1] and recent.block_table == [3, 4]
+    kv.release(old)
+    kv.release(recent)
+    grower = Sequence("g", 0, list(range(40, 44)), SamplingParams(max_tokens=200), detok=None)
+    kv.admit(grower)  # a block and the room after it, which the free list holds ahead of the cached blocks
+    assert grower.block_table == [5] and sorted(kv.reserved_by) == [6, 7, 8]
+    newcomer = Sequence("n", 0, list(range(60, 72)), one_token, detok=None)
+    kv.admit(newcomer)  # the two open blocks, then past the reserved room the least recently freed cached one
+    assert newcomer.block_table == [2, 9, 1]
+    last = Sequence("l", 0, list(range(80, 88)), one_token, detok=None)
+    kv.admit(last)
+    assert last.block_table == [0, 4] and list(kv.cached.values()) == [3] and sorted(kv.reserved_by) == [6, 7, 8]
+    out_of_room = Sequence("o", 0, list(range(90, 98)), one_token, detok=None)
+    kv.admit(out_of_room)  # the last cached block, then reserved room yields
+    assert out_of_room.block_table == [3, 6] and not kv.cached and sorted(kv.reserved_by) == [7, 8]
+
+
 def test_prefix_caching_off_shares_nothing():
     kv = PagedKV(num_blocks=8, block_size=4, enable_prefix_caching=False)
     first = _seq(list(range(10)))
