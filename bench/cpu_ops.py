@@ -11,7 +11,9 @@ AVX512-BF16, else fp32), best of `--repeats` runs of many calls, cache-warm. A s
 the default model's `--step-layers` layers and its LM head, called in a decode step's order at each of
 `--step-rows`, so every weight comes from DRAM as in a step (the weights' bytes over the time, next to the
 measured bandwidth, say how close the GEMMs stream; at 16 fp32 rows the FMAs take as long as the bytes). With
-`--gguf-blocks`, the same over GGUF block panels (`quantization: gguf`) beside fp32 panels of the same weights.
+`--gguf-blocks`, the same over GGUF block panels (`quantization: gguf`) beside fp32 panels of the same weights, and
+each of the panel GEMMs above at each of `--rows` over both, on one thread and on all (cache-warm: what the tiles
+and the threads cost apart from the stream).
 Attention: 16 sequences of `--positions` cached positions, 30 layers' caches in turn (so each call reads from
 memory, as a step's layers do): an fp32 model over an fp32 cache and over an fp16 one
 (`engine.kv_cache_dtype: float16`), a bf16 model over its bf16 cache and over an fp8 one (`fp8`); then the same with uneven contexts (half the sequences at an eighth of `--positions`, half at the rest of twice it).
@@ -103,6 +105,39 @@ def step_linears(rows_list: list[int], repeats: int, layers: int = LAYERS) -> li
     return out
 
 
+def random_blocks(n: int, k: int, gen: torch.Generator, q8: bool = False) -> tuple[torch.Tensor, ...]:
+    """Random GGUF blocks (codes [n, k] int8, d and m [n, k / 32] fp32) as Q4_1 holds them (Q8_0 with `q8`)."""
+    codes = torch.randint(-128 if q8 else 0, 128 if q8 else 16, (n, k), generator=gen).to(torch.int8)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.002).half().float()
+    m = torch.full_like(d, -0.0) if q8 else -(torch.rand(n, k // 32, generator=gen) * 0.02).half().float()
+    return codes, d, m
+
+
+def gguf_block_rows(rows_list: list[int], repeats: int) -> list[dict]:
+    """GFLOP/s of each GEMMS shape at each row count over GGUF block panels and over fp32 panels of the same
+    weights, on one thread and on all, cache-warm (fp32 activations on either build)."""
+    gen = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    out = []
+    for n, k in GEMMS:
+        blocks = random_blocks(n, k, gen)
+        kinds = {"gguf blocks": pack_block_panels(*blocks),
+                 "float32": torch.ops.neuronmm.pack_panels_f32(decode_blocks(*blocks))}
+        for rows in rows_list:
+            x = torch.randn(rows, k, generator=gen)
+            for used in dict.fromkeys((1, threads)):
+                torch.set_num_threads(used)
+                try:
+                    for kind, panels in kinds.items():
+                        us = best_us(lambda: torch.ops.neuronmm.panel_linear_f32(x, panels, n), max(20, 20000 // rows),
+                                     repeats)
+                        out.append({"dtype": kind, "n": n, "k": k, "rows": rows, "threads": used, "us": us,
+                                    "gflops": 2 * rows * n * k / us / 1e3})
+                finally:
+                    torch.set_num_threads(threads)
+    return out
+
+
 def gguf_block_step(rows_list: list[int], repeats: int, layers: int = LAYERS) -> list[dict]:
     """A step's linears as `step_linears` times them, over GGUF block panels (`quantization: gguf`: the layers' weights
     as Q4_1 blocks, the LM head as Q8_0, as the default model's GGUF holds them; random codes) and over fp32 panels
@@ -111,12 +146,9 @@ def gguf_block_step(rows_list: list[int], repeats: int, layers: int = LAYERS) ->
     shapes = [shape for _ in range(layers) for shape in STEP_SHAPES] + [(VOCAB, HIDDEN)]
     blocks, fp32 = [], []
     for i, (n, k) in enumerate(shapes):
-        q8 = i == len(shapes) - 1
-        codes = torch.randint(-128 if q8 else 0, 128 if q8 else 16, (n, k), generator=gen).to(torch.int8)
-        d = (torch.rand(n, k // 32, generator=gen) * 0.002).half().float()
-        m = torch.full_like(d, -0.0) if q8 else -(torch.rand(n, k // 32, generator=gen) * 0.02).half().float()
-        blocks.append(pack_block_panels(codes, d, m))
-        fp32.append(torch.ops.neuronmm.pack_panels_f32(decode_blocks(codes, d, m)))
+        weights = random_blocks(n, k, gen, q8=i == len(shapes) - 1)
+        blocks.append(pack_block_panels(*weights))
+        fp32.append(torch.ops.neuronmm.pack_panels_f32(decode_blocks(*weights)))
     kinds = {"gguf blocks": into_huge_pages(blocks), "float32": into_huge_pages(fp32)}
     flops = 2 * sum(n * k for n, k in shapes)
     out = []
@@ -215,6 +247,10 @@ def markdown(report: dict) -> str:
              "| GEMM | dtype | rows | µs | GFLOP/s |", "|---|---|---:|---:|---:|"]
     lines += [f"| {g['n']} x {g['k']} | {g['dtype']} | {g['rows']} | {g['us']:.1f} | {g['gflops']:.0f} |"
               for g in report["gemm"]]
+    if report.get("gguf_gemm"):
+        lines += ["", "| GEMM | weights | rows | threads | µs | GFLOP/s |", "|---|---|---:|---:|---:|---:|"]
+        lines += [f"| {g['n']} x {g['k']} | {g['dtype']} | {g['rows']} | {g['threads']} | {g['us']:.1f} | "
+                  f"{g['gflops']:.0f} |" for g in report["gguf_gemm"]]
     lines += ["", "| a step's linears | dtype | rows | ms | weights MB | GB/s | GFLOP/s |",
               "|---|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {s['layers']} layers + LM head | {s['dtype']} | {s['rows']} | {s['ms']:.2f} | {s['weight_mb']:.0f} | "
@@ -241,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunks", nargs="+", default=["0:128", "1536:512"], metavar="PREFIX:TOKENS",
                    help="prompt chunks whose attention to time (TOKENS new positions after PREFIX cached ones)")
     p.add_argument("--gguf-blocks", action="store_true",
-                   help="also a step's linears over GGUF block panels beside fp32 panels of the same weights")
+                   help="also a step's linears, and the panel GEMMs on one thread and on all, over GGUF block "
+                        "panels beside fp32 panels of the same weights")
     p.add_argument("--out", default=str(RESULTS / "cpu_ops.json"))
     args = p.parse_args(argv)
     try:
@@ -253,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     if not fused_ops.load():
         p.exit(2, "bench.cpu_ops: the fused CPU ops could not be built here (see the log above)\n")
     report = {**machine_facts(), "torch_threads": torch.get_num_threads(), "gemm": gemm_rows(args.rows, args.repeats),
+              "gguf_gemm": gguf_block_rows(args.rows, args.repeats) if args.gguf_blocks else [],
               "step_linears": step_linears(args.step_rows, args.repeats, args.step_layers)
               + (gguf_block_step(args.step_rows, args.repeats, args.step_layers) if args.gguf_blocks else []),
               "attention": [attention_ms(contexts_of(args.positions, uneven), args.repeats, *dtypes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from bench import cpu_ops
 from server.models import fused_ops
@@ -35,6 +36,7 @@ def test_the_report_holds_every_op(tmp_path):
     first = report["prefill_attention"][0]
     assert first["ms"] > 0 and first["gflops"] == pytest.approx(4 * 64 * 9 * 45 * 30 / first["ms"] / 1e6)
     assert set(report["sampler"]) == {"argmax_rows", "sample_temperature", "torch_argmax"}
+    assert report["gguf_gemm"] == []  # only with --gguf-blocks
     assert out.with_suffix(".md").read_text().startswith("CPU flags")
 
 
@@ -48,6 +50,24 @@ def test_gguf_blocks_are_timed_beside_fp32_panels_of_their_weights():
     assert fp32["weight_mb"] == pytest.approx(n_by_k * 4 / 1e6)
     assert blocks["weight_mb"] == pytest.approx(n_by_k * 1.25 / 1e6, rel=0.01)  # + the padded columns' share
     assert all(r["ms"] > 0 and r["gflops"] == pytest.approx(2 * 2 * n_by_k / r["ms"] / 1e6) for r in rows)
+
+
+@pytest.mark.skipif(not fused_ops.load(), reason="no C++ compiler: the fused ops cannot be built")
+def test_gguf_block_gemms_are_timed_on_one_thread_and_on_all():
+    """--gguf-blocks: each panel GEMM over block panels and fp32 panels, on one thread and on all; the thread count
+    is put back."""
+    threads = torch.get_num_threads()
+    rows = cpu_ops.gguf_block_rows([3], repeats=1)
+    assert torch.get_num_threads() == threads
+    counts = list(dict.fromkeys((1, threads)))
+    assert [(r["n"], r["k"], r["threads"], r["dtype"]) for r in rows] == [
+        (n, k, t, kind) for n, k in cpu_ops.GEMMS for t in counts for kind in ("gguf blocks", "float32")]
+    assert all(r["rows"] == 3 and r["gflops"] == pytest.approx(2 * 3 * r["n"] * r["k"] / r["us"] / 1e3) for r in rows)
+    report = {"cpu_flags": [], "caps_in_force": None, "gemm": [], "gguf_gemm": rows, "step_linears": [],
+              "attention": [], "prefill_attention": [], "sampler": {}}
+    table = cpu_ops.markdown(report)
+    assert "| GEMM | weights | rows | threads | µs | GFLOP/s |" in table and table.count("| gguf blocks | 3 |") == len(
+        cpu_ops.GEMMS) * len(counts)
 
 
 @pytest.mark.parametrize("chunks", [["128"], ["0:0"], ["-1:5"], ["a:b"]])
