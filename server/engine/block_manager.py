@@ -122,9 +122,9 @@ class PagedKV:
                 self.free[block] = None
                 if self.block_hash[block] is not None:
                     self.free_cached[block] = None
-                # nothing cached in it: open again (new blocks come from the lowest open ids, so the memory
-                # touched stays as small as the work needs)
-                if self.block_hash[block] is None:
+                else:
+                    # nothing cached in it: open again (new blocks come from the lowest open ids, so the memory
+                    # touched stays as small as the work needs)
                     self.open[block] = block not in self.reserved_by
                 self.stats.num_used_blocks -= 1
         for block in self.reservations.pop(_key(seq), ()):
