@@ -33,6 +33,7 @@ next 64), printing the process id first, so a sampling profiler sees steady step
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -47,6 +48,8 @@ from tqdm import tqdm
 
 from bench.core_latency import core_round_trip_ns
 from bench.harness import machine_facts
+from bench.model_flops import TokenArithmetic
+from bench.peak_rate import gemm_peak, runner_gemm_kind
 from server.backends import gguf_source
 from server.backends.base import SeqChunk
 from server.backends.torch_runner import TorchRunner
@@ -276,11 +279,23 @@ def main(argv: list[str] | None = None) -> int:
             held = held_step_times(runner, rows[-1]["batch_size"], args.context, args.hold, args.seed, block_size)
             rows[-1]["held"] = {"seconds": args.hold, "steps": len(held),
                                 "step_ms_p50": 1000 * statistics.median(held) if held else None}
+    arithmetic = TokenArithmetic.of(runner.model)
+    peak = gemm_peak(runner_gemm_kind(runner))
+    for r in rows:  # the median timed step's context: the floors are for that step
+        flops = arithmetic.decode_step_flops(r["batch_size"], args.context + 6 + args.steps // 2)
+        r["gflop"] = flops / 1e9
+        r["compute_floor_ms"] = flops / peak["gops"] / 1e6 if peak else None
     result = {**_facts(args, runner, compressed, block_size), "weight_bytes": weight_bytes(runner.model),
-              "rows": rows}
-    print("| batch | step p50 ms | step min ms | decode tok/s |\n|---:|---:|---:|---:|")
+              "arithmetic": dataclasses.asdict(arithmetic), "gemm_peak": peak, "rows": rows}
+    print("| batch | step p50 ms | step min ms | decode tok/s | GFLOP | compute floor ms |\n"
+          "|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['batch_size']} | {r['step_ms_p50']:.1f} | {r['step_ms_min']:.1f} | {r['tok_s']:.1f} |")
+        floor = "-" if r["compute_floor_ms"] is None else f"{r['compute_floor_ms']:.1f}"
+        print(f"| {r['batch_size']} | {r['step_ms_p50']:.1f} | {r['step_ms_min']:.1f} | {r['tok_s']:.1f} | "
+              f"{r['gflop']:.2f} | {floor} |")
+    if peak:
+        print(f"\ncompute floor: the step's FLOPs at this machine's {peak['kind']} peak, {peak['gops']:.1f} G/s "
+              "(bench.peak_rate)")
     if args.hold and rows[-1]["held"]["steps"]:
         held = rows[-1]["held"]
         print(f"\nheld: {held['steps']} steps of batch {rows[-1]['batch_size']}, p50 {held['step_ms_p50']:.1f} ms")

@@ -17,6 +17,7 @@ a served system and runs a level right before and right after each served one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import random
@@ -27,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.harness import ROW_PREFIX, level_size, machine_facts, prompt_id_bound, publish
+from bench.model_flops import TokenArithmetic, ceiling_cell, ceiling_tok_s
+from bench.peak_rate import gemm_peak, runner_gemm_kind
 from server.config import load_config
 from server.engine.sampling_params import SamplingParams
 from server.gc_heap import startup_heap
@@ -123,9 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         engine = load_runtime(cfg).engine
     vocab = prompt_id_bound(engine.runner.vocab_size, engine.tokenizer)
     rng = random.Random(args.seed)
+    runner = engine.runner
+    arithmetic = TokenArithmetic.of(runner.model)
+    kind = runner_gemm_kind(runner)
 
     def level(c: int) -> dict:
-        return measure_level(engine, rng, vocab, c, args.input_len, args.output_len, args.sampled)
+        row = measure_level(engine, rng, vocab, c, args.input_len, args.output_len, args.sampled)
+        flops = arithmetic.level_flops([args.input_len] * row["num_prompts"], args.output_len)
+        return {**row, "gflop": flops / 1e9, "gemm_kind": kind}
 
     if args.levels_from_stdin:
         print(ROW_PREFIX + json.dumps({"ready": True}), flush=True)  # loaded (and its GEMM paths timed) by now
@@ -133,13 +141,22 @@ def main(argv: list[str] | None = None) -> int:
             print(ROW_PREFIX + json.dumps(level(int(line))), flush=True)
         return 0
     rows = [level(c) for c in args.concurrency]
-    report = {**machine_facts(), "config": args.config, "compressed": args.compressed,
-              "dtype": engine.runner.precision,
-              "kv_cache_dtype": str(engine.runner.cache_dtype).removeprefix("torch."), "input_len": args.input_len,
-              "output_len": args.output_len, "rows": rows}
-    lines = ["| c | output tok/s | decode step p50 ms | decode steps | other steps (s) |", "|---:|---:|---:|---:|---:|"]
+    peak = gemm_peak(kind)  # after the levels, with nothing beside it
+    for r in rows:
+        r["ceiling_tok_s"] = ceiling_tok_s(r["output_tokens"], r["gflop"], peak)
+    report = {**machine_facts(), "config": args.config, "compressed": args.compressed, "dtype": runner.precision,
+              "kv_cache_dtype": str(runner.cache_dtype).removeprefix("torch."), "input_len": args.input_len,
+              "output_len": args.output_len, "arithmetic": dataclasses.asdict(arithmetic),
+              "gemm_peak": peak, "rows": rows}
+    lines = ["| c | output tok/s | decode step p50 ms | decode steps | other steps (s) | GFLOP | ceiling tok/s |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['concurrency']} | {r['output_tok_s']:.1f} | {r['decode_step_ms_p50']:.1f} | {r['num_decode_steps']} | "
-              f"{r['num_other_steps']} ({r['other_steps_s']:.2f}) |" for r in rows]
+              f"{r['num_other_steps']} ({r['other_steps_s']:.2f}) | {r['gflop']:.0f} | "
+              f"{ceiling_cell(r['ceiling_tok_s'])} |"
+              for r in rows]
+    if peak:
+        lines += ["", f"ceiling: the level's FLOPs (bench.model_flops) at this machine's {peak['kind']} peak, "
+                  f"{peak['gops']:.1f} G/s (bench.peak_rate)"]
     return publish(Path(args.out), report, "\n".join(lines))
 
 

@@ -42,6 +42,8 @@ import aiohttp
 
 from bench.harness import (NEURONMM, REPO, ROW_PREFIX, free_port, level_size, machine_facts, prompt_id_bound, publish,
                            run_client, run_logged, wait_healthy)
+from bench.model_flops import ceiling_cell, ceiling_tok_s
+from bench.peak_rate import bounding_peak, measured_peaks
 from bench.read_bandwidth import read_bandwidth_gbs
 from server.config import load_config
 from server.models.cpu_features import has_native_bf16
@@ -477,11 +479,16 @@ def markdown(report: dict) -> str:
                      f"{r['ttft_ms_p99']:.0f} | {r['tpot_ms_p50']:.1f} / {r['tpot_ms_p99']:.1f} | "
                      f"{r['itl_ms_p50']:.1f} / {r['itl_ms_p99']:.1f} |")
     bw = report["memory_bandwidth_gbs"]
-    lines += ["", f"Engine-only decode step (memory read bandwidth {bw:.1f} GB/s; floor = weight bytes / bandwidth):",
-              "", "| model | dtype | batch | step p50 ms | step min ms | weights MB | floor ms |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines += ["", f"Engine-only decode step (memory read bandwidth {bw:.1f} GB/s; memory floor = weight bytes / "
+              "bandwidth; compute floor = the step's FLOPs at the peak of the instruction its GEMMs run on, "
+              "bench.peak_rate; the step's physical floor is the larger):", "",
+              "| model | dtype | batch | step p50 ms | step min ms | weights MB | memory floor ms | GFLOP "
+              "| compute floor ms |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["engine_step"]:
+        compute = r.get("compute_floor_ms")
         lines.append(f"| {r['system']} | {r['dtype']} | {r['batch_size']} | {r['step_ms_p50']:.1f} | "
-                     f"{r['step_ms_min']:.1f} | {r['weight_bytes'] / 1e6:.0f} | {r['weight_bytes'] / bw / 1e6:.1f} |")
+                     f"{r['step_ms_min']:.1f} | {r['weight_bytes'] / 1e6:.0f} | {r['weight_bytes'] / bw / 1e6:.1f} | "
+                     f"{r.get('gflop', float('nan')):.2f} | {'-' if compute is None else f'{compute:.1f}'} |")
     served = {(r["system"], r["concurrency"], r.get("round", 0)): r for r in report["serve"]}
     ratios: dict[tuple[str, int], list[tuple[float, float]]] = {}  # per level: (ITL, TPOT) served / engine, each round
     if report.get("engine_workload"):
@@ -489,10 +496,11 @@ def markdown(report: dict) -> str:
                   "before and right after each served level; served / engine = what the serving side adds to a decode step, "
                   "against the mean of the two (a token's ITL: a chunk's over its tokens where the stream sends several); "
                   "TPOT, each request's first to last token over the tokens between, the same way in both (it also counts "
-                  "the steps that carry other requests' prompts):",
-                  "", "| model | c | engine tok/s | decode step p50 ms, before / after | served ITL p50 ms | served / engine "
-                  "| TPOT p50 ms, served / engine | TPOT served / engine |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "the steps that carry other requests' prompts); ceiling = the level's output tok/s were all its "
+                  "FLOPs done at the compute peak (bench.model_flops, bench.peak_rate):",
+                  "", "| model | c | engine tok/s | ceiling tok/s | decode step p50 ms, before / after "
+                  "| served ITL p50 ms | served / engine | TPOT p50 ms, served / engine | TPOT served / engine |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in report["engine_workload"]:
             row = served.get((r["system"], r["concurrency"], r.get("round", 0)), {})
             itl = row.get("itl_ms_p50", float("nan")) / tokens_per_chunk(r["system"])
@@ -500,8 +508,10 @@ def markdown(report: dict) -> str:
             steps = f"{r['decode_step_ms_p50_before']:.1f} / {r['decode_step_ms_p50_after']:.1f}"
             ratios.setdefault((r["system"], r["concurrency"]), []).append((itl / r["decode_step_ms_p50"],
                                                                           tpot / engine_tpot))
-            lines.append(f"| {label(r)} | {r['concurrency']} | {r['output_tok_s']:.1f} | {steps} | "
-                         f"{itl:.1f} | {itl / r['decode_step_ms_p50']:.2f} | {tpot:.1f} / {engine_tpot:.1f} | "
+            peak = bounding_peak(r.get("gemm_kind"), report.get("compute_peaks", {}))
+            ceiling = ceiling_tok_s(r["output_tokens"], r["gflop"], peak) if "gflop" in r else None
+            lines.append(f"| {label(r)} | {r['concurrency']} | {r['output_tok_s']:.1f} | {ceiling_cell(ceiling)} | "
+                         f"{steps} | {itl:.1f} | {itl / r['decode_step_ms_p50']:.2f} | {tpot:.1f} / {engine_tpot:.1f} | "
                          f"{tpot / engine_tpot:.2f} |")
         if any(len(v) > 1 for v in ratios.values()):
             lines += ["", "Over the rounds of each level (each round between two engine-only runs; the median, then the "
@@ -582,7 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {**machine_facts(), "config": args.config, "compressed": args.compressed,
               "input_len": args.input_len, "output_len": args.output_len, "peer_note": peer_note,
               "commands": {s.name: shlex.join(s.command) for s in systems + peers},
-              "memory_bandwidth_gbs": read_bandwidth_gbs(2**29), "serve": [], "engine_step": [], "engine_workload": []}
+              "memory_bandwidth_gbs": read_bandwidth_gbs(2**29), "compute_peaks": measured_peaks() if systems else {},
+              "serve": [], "engine_step": [], "engine_workload": []}
     if args.in_turns:
         every = systems + peers
         prompts = [make_prompts(vocab, s.num_prompts(args.concurrency, args.in_turns, args.in_turns), args.input_len,

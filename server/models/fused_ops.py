@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "fused_ops.cpp", CSRC / "small_gemm.cpp", CSRC / "int8_gemm.cpp", CSRC / "decoder.cpp",
-           CSRC / "work_split.cpp", CSRC / "prefill_attention.cpp")
+           CSRC / "work_split.cpp", CSRC / "prefill_attention.cpp", CSRC / "peak_rate.cpp")
 HEADERS = (CSRC / "work_split.h", CSRC / "panel_parts.h", CSRC / "row_stores.h", CSRC / "step_ops.h",
            CSRC / "prefill_attention.h", CSRC / "vec8.h")
 _loaded: bool | None = None

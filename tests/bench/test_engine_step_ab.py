@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from bench import engine_step
+from bench.model_flops import TokenArithmetic
 from server.models import fused_ops
 from support import tiny_config
 
@@ -106,6 +107,23 @@ def test_kv_cache_dtype_overrides_the_configs_and_is_recorded(tiny_model_dir, tm
                              "--context", "8", "--steps", "2", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["kv_cache_dtype"] == "float8_e4m3fn" and report["rows"][0]["step_ms_p50"] > 0
+
+
+def test_each_step_states_its_flops_and_their_floor_at_the_measured_peak(tiny_model_dir, tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(tiny_model_dir).model_dump(mode="json")))
+    out = tmp_path / "step.json"
+    assert engine_step.main(["--config", str(config), "--batch-sizes", "1", "3", "--context", "8", "--steps", "4",
+                             "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    arithmetic = TokenArithmetic(**report["arithmetic"])
+    for row in report["rows"]:  # the median timed step: position 8 + 5 + 2, so 16 positions attended
+        assert row["gflop"] == pytest.approx(arithmetic.decode_step_flops(row["batch_size"], 16) / 1e9)
+        if report["gemm_peak"] is None:
+            assert row["compute_floor_ms"] is None
+        else:
+            assert row["compute_floor_ms"] == pytest.approx(row["gflop"] / report["gemm_peak"]["gops"] * 1e3)
+    assert report["rows"][1]["gflop"] == pytest.approx(3 * report["rows"][0]["gflop"])
 
 
 class _OneRegionPerStep(_Recorder):

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import random
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
-import random
-
+from bench import engine_workload
 from bench.engine_workload import measure_level, run_level
 from bench.harness import level_size
+from bench.model_flops import TokenArithmetic
+from server.models import fused_ops
+from support import tiny_config
 
 
 class FakeEngine:
@@ -71,3 +76,22 @@ def test_a_measured_level_never_reuses_its_warm_up_prompts():
     warm, level = engine.prompts[:3], engine.prompts[3:]
     assert len(level) == level_size(3) == row["num_prompts"]
     assert not {tuple(p) for p in warm} & {tuple(p) for p in level}  # a prefix cache could not serve the level
+
+
+def test_each_level_states_its_flops_and_the_ceiling_they_allow_at_the_measured_peak(tiny_model_dir, tmp_path, capsys):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(tiny_model_dir).model_dump(mode="json")))
+    out = tmp_path / "workload.json"
+    assert engine_workload.main(["--config", str(config), "--dtype", "float32", "--concurrency", "2", "--input-len", "8",
+                                 "--output-len", "4", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    arithmetic = TokenArithmetic(**report["arithmetic"])
+    assert row["gflop"] == pytest.approx(arithmetic.level_flops([8] * row["num_prompts"], 4) / 1e9)
+    peak = report["gemm_peak"]
+    if fused_ops.load():  # an fp32 model: its GEMMs run on fp32 FMAs, whose peak the probe measured
+        assert peak["kind"] == "fp32_fma" and row["ceiling_tok_s"] == pytest.approx(
+            row["output_tokens"] / (row["gflop"] / peak["gops"]))
+        assert "ceiling: the level's FLOPs" in capsys.readouterr().out
+    else:
+        assert peak is None and row["ceiling_tok_s"] is None

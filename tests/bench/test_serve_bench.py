@@ -43,7 +43,7 @@ def test_a_coarser_stream_is_one_more_system_on_the_same_engine_and_its_itl_is_p
                          "itl_ms_p99": 90.0}],
               "memory_bandwidth_gbs": 25.0, "engine_step": [], "engine_workload": twin, "peer_note": ""}
     row = next(line for line in markdown(report).splitlines() if line.startswith("| neuronmm stream 4 | 16 | 600.0"))
-    assert row.split("|")[5:7] == [" 21.0 ", " 1.05 "]
+    assert row.split("|")[6:8] == [" 21.0 ", " 1.05 "]
 
 
 def test_peer_slots_hold_the_workload_and_an_fp8_run_adds_the_peers_8_bit_cache(tmp_path, monkeypatch):
@@ -131,7 +131,24 @@ def test_served_over_engine_is_against_the_bracketing_mean():
                          "tpot_ms_p50": 12.6, "tpot_ms_p99": 13.0, "itl_ms_p50": 12.1, "itl_ms_p99": 14.0}],
               "memory_bandwidth_gbs": 25.0, "engine_step": [], "engine_workload": twin, "peer_note": ""}
     row = next(line for line in markdown(report).splitlines() if line.startswith("| neuronmm | 1 | 85.0"))
-    assert row.split("|")[4:9] == [" 10.0 / 12.0 ", " 12.1 ", " 1.10 ", " 12.6 / 12.0 ", " 1.05 "]
+    assert row.split("|")[4:10] == [" - ", " 10.0 / 12.0 ", " 12.1 ", " 1.10 ", " 12.6 / 12.0 ", " 1.05 "]
+
+
+def test_a_levels_ceiling_is_its_flops_at_the_peak_its_gemms_run_on_and_the_floors_stand_beside_each_step():
+    level = {"system": "neuronmm", "concurrency": 16, "decode_step_ms_p50": 30.0, "output_tok_s": 300.0,
+             "output_tokens": 4096, "gflop": 2048.0, "gemm_kind": "bf16_dot"}
+    report = {"serve": [], "memory_bandwidth_gbs": 25.0, "peer_note": "", "engine_workload": bracket([level], [level]),
+              "compute_peaks": {"fp32_fma": 200.0, "bf16_dot": 400.0, "int8_dot": 800.0},
+              "engine_step": [{"system": "neuronmm", "dtype": "float32", "batch_size": 16, "step_ms_p50": 30.0,
+                               "step_ms_min": 29.0, "weight_bytes": 500e6, "gflop": 4.3, "compute_floor_ms": 21.5}]}
+    lines = markdown(report).splitlines()
+    level_row = next(line for line in lines if line.startswith("| neuronmm | 16 | 300.0"))
+    assert level_row.split("|")[4] == " 800 "  # 4,096 tokens in 2,048 GFLOP at bf16's 400 G/s: 5.12 s
+    step_row = next(line for line in lines if line.startswith("| neuronmm | float32 | 16"))
+    assert step_row.split("|")[7:10] == [" 20.0 ", " 4.30 ", " 21.5 "]  # memory floor 500 MB / 25 GB/s, then compute
+    report["compute_peaks"] = {"fp32_fma": 200.0}  # a bf16 model on fp32 FMAs alone: that peak bounds it
+    level_row = next(line for line in markdown(report).splitlines() if line.startswith("| neuronmm | 16 | 300.0"))
+    assert level_row.split("|")[4] == " 400 "
 
 
 # A stand-in server: answers /health, streams three text chunks per completion, logs each prompt's first token.
