@@ -42,7 +42,7 @@ import aiohttp
 
 from bench.harness import (NEURONMM, REPO, ROW_PREFIX, free_port, level_size, machine_facts, prompt_id_bound, publish,
                            run_client, run_logged, wait_healthy)
-from bench.model_flops import ceiling_cell, ceiling_tok_s
+from bench.model_flops import TokenArithmetic, ceiling_cell, ceiling_tok_s
 from bench.peak_rate import bounding_peak, measured_peaks
 from bench.read_bandwidth import read_bandwidth_gbs
 from server.config import load_config
@@ -424,8 +424,8 @@ def engine_steps(config: str, compressed: str | None, batch_sizes: list[int],
                "--out", str(out), *extra]
         run_logged(cmd, RESULTS / "engine_step.log")
         result = json.loads(out.read_text())
-        rows += [{"system": name, "weight_bytes": result["weight_bytes"], "dtype": result["dtype"], **r}
-                 for r in result["rows"]]
+        rows += [{"system": name, "weight_bytes": result["weight_bytes"], "dtype": result["dtype"],
+                  "arithmetic": result["arithmetic"], "gemm_peak": result["gemm_peak"], **r} for r in result["rows"]]
     return rows
 
 
@@ -465,6 +465,25 @@ def bracket(before: list[dict], after: list[dict]) -> list[dict]:
     return rows
 
 
+def level_ceilings(report: dict) -> list[str]:
+    """Markdown: each served level's compute ceiling, the output tok/s were the dense model's FLOPs for its requests
+    (bench.model_flops, from the engine-only run) done at the peak of the instruction its GEMMs run on (none where the
+    engine-only run measured no peak)."""
+    dense = next((r for r in report["engine_step"] if r["system"] == "neuronmm" and r.get("gemm_peak")), None)
+    if dense is None:
+        return []
+    arithmetic, peak = TokenArithmetic(**dense["arithmetic"]), dense["gemm_peak"]
+    lines = ["", f"Each level's compute ceiling: its requests' FLOPs in the dense model ({dense['dtype']}) at this "
+             f"machine's {peak['kind']} peak, {peak['gops']:.1f} G/s (bench.peak_rate); the same workload for every "
+             "system:", "", "| c | requests | GFLOP | ceiling tok/s |", "|---:|---:|---:|---:|"]
+    for c in sorted({r["concurrency"] for r in report["serve"]}):
+        n = level_size(c)
+        gflop = arithmetic.level_flops([report["input_len"]] * n, report["output_len"]) / 1e9
+        ceiling = ceiling_tok_s(n * report["output_len"], gflop, peak)
+        lines.append(f"| {c} | {n} | {gflop:.0f} | {ceiling_cell(ceiling)} |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     """The report as markdown tables."""
     multi = {(r["system"], r["concurrency"]) for r in report["serve"] if r.get("round", 0) > 0}
@@ -478,6 +497,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {label(r)} | {r['concurrency']} | {r['output_tok_s']:.1f} | {r['ttft_ms_p50']:.0f} / "
                      f"{r['ttft_ms_p99']:.0f} | {r['tpot_ms_p50']:.1f} / {r['tpot_ms_p99']:.1f} | "
                      f"{r['itl_ms_p50']:.1f} / {r['itl_ms_p99']:.1f} |")
+    lines += level_ceilings(report)
     bw = report["memory_bandwidth_gbs"]
     lines += ["", f"Engine-only decode step (memory read bandwidth {bw:.1f} GB/s; memory floor = weight bytes / "
               "bandwidth; compute floor = the step's FLOPs at the peak of the instruction its GEMMs run on, "

@@ -151,6 +151,24 @@ def test_a_levels_ceiling_is_its_flops_at_the_peak_its_gemms_run_on_and_the_floo
     assert level_row.split("|")[4] == " 400 "
 
 
+def test_each_served_level_states_the_ceiling_of_its_workload_from_the_engine_only_runs_arithmetic():
+    served = {"system": "llama-server f32", "concurrency": 2, "output_tok_s": 50.0, "ttft_ms_p50": 100,
+              "ttft_ms_p99": 120, "tpot_ms_p50": 20.0, "tpot_ms_p99": 22.0, "itl_ms_p50": 20.0, "itl_ms_p99": 22.0}
+    arithmetic = {"decode_macs": 10**8, "prompt_macs": 8 * 10**7, "attention_macs_per_position": 10**4}
+    step = {"system": "neuronmm", "dtype": "float32", "batch_size": 1, "step_ms_p50": 5.0, "step_ms_min": 5.0,
+            "weight_bytes": 400e6, "gflop": 0.2, "compute_floor_ms": 1.0, "arithmetic": arithmetic,
+            "gemm_peak": {"kind": "fp32_fma", "gops": 200.0}}
+    report = {"serve": [served], "memory_bandwidth_gbs": 25.0, "engine_step": [step], "engine_workload": [],
+              "peer_note": "", "input_len": 16, "output_len": 8}
+    # 4 requests (a level's two waves, at least four): 15 pruned prompt tokens and 8 full ones each, plus attention
+    positions = sum(range(1, 17)) + sum(range(17, 24))
+    gflop = 4 * 2 * (15 * 8e7 + 8 * 1e8 + positions * 1e4) / 1e9
+    row = next(line for line in markdown(report).splitlines() if line.startswith("| 2 | 4 |"))
+    assert row == f"| 2 | 4 | {gflop:.0f} | {4 * 8 / (gflop / 200.0):.0f} |"
+    report["engine_step"] = []  # no engine-only run, no arithmetic: no ceiling claimed
+    assert "compute ceiling" not in markdown(report)
+
+
 # A stand-in server: answers /health, streams three text chunks per completion, logs each prompt's first token.
 FAKE_SERVER = '''
 import json, sys
