@@ -11,8 +11,10 @@ from server.errors import ConfigError
 
 
 def _available() -> list[str]:
+    """The benchmark scripts: bench's modules with a main() (the others, harness and the like, are their parts)."""
     here = Path(__file__).parent
-    return sorted(m.name for m in pkgutil.iter_modules([str(here)]) if m.name not in {"cli", "__init__"})
+    return sorted(m.name for m in pkgutil.iter_modules([str(here)])
+                  if m.name != "cli" and "\ndef main(" in (here / f"{m.name}.py").read_text(encoding="utf-8"))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
