@@ -3,7 +3,9 @@
 Fills `batch` sequences of the paged KV cache (the config's block size, as served) with a 128-token
 random prompt each, then times single-token decode steps for all of them together (model forward +
 logits, no sampling). Compare with `bench.serve`, whose
-TPOT adds the sampler, detokenisation, SSE and a client sharing the same cores.
+TPOT adds the sampler, detokenisation, SSE and a client sharing the same cores. Each row also states the step's
+FLOPs (bench.model_flops) and its compute floor, those FLOPs at the peak of the instruction its GEMMs run on,
+measured after the steps (bench.peak_rate).
 
     python -m bench.engine_step --batch-sizes 1 4 16 32
 

@@ -5,7 +5,8 @@ to `LLMEngine` directly: a request is added as soon as one finishes, and every s
 step here is the served ITL's engine-only counterpart at the same batch and the same contexts (scheduler,
 forward, sampler and detokeniser included), so `served ITL p50 / decode step p50` is what the serving
 side (API process, pipe, SSE, the client on the same cores) adds. `bench.engine_step` times the model's
-forward alone at a fixed context instead.
+forward alone at a fixed context instead. Each level also states its FLOPs (bench.model_flops) and the ceiling they
+allow at the vector units' peak, measured after the levels (bench.peak_rate).
 
     python -m bench.engine_workload --concurrency 1 16
 

@@ -3,9 +3,10 @@
 Each system is started on loopback in turn and driven by the same streaming client: distinct random
 token prompts (no request shares a prefix, so no prompt cache helps), EOS ignored so every request
 makes exactly --output-len tokens, at each concurrency level. Reports output tok/s, TTFT, TPOT and ITL
-p50/p99, then the engine-only decode step of the neuronmm models (`bench.engine_step`), the machine's
-memory bandwidth and, per step, the bytes the weights alone take at that bandwidth (the physical floor),
-and the same workload run through the engine in-process (`bench.engine_workload`, kept running beside the
+p50/p99 and each level's compute ceiling (its FLOPs at the vector units' measured peak: bench.model_flops,
+bench.peak_rate), then the engine-only decode step of the neuronmm models (`bench.engine_step`) beside its two floors
+(the weights' bytes at the measured memory bandwidth, its FLOPs at the peak), and the same workload run through the
+engine in-process (`bench.engine_workload`, kept running beside the
 server: each level right before and right after the served level): served ITL over its decode step is what the
 serving side adds.
 
