@@ -4,7 +4,7 @@ Fills `batch` sequences of the paged KV cache (the config's block size, as serve
 random prompt each, then times single-token decode steps for all of them together (model forward +
 logits, no sampling). Compare with `bench.serve`, whose
 TPOT adds the sampler, detokenisation, SSE and a client sharing the same cores. Each row also states the step's
-FLOPs (bench.model_flops) and its compute floor, those FLOPs at the peak of the instruction its GEMMs run on,
+FLOPs (bench.model_costs) and its compute floor, those FLOPs at the peak of the instruction its GEMMs run on,
 measured after the steps (bench.peak_rate).
 
     python -m bench.engine_step --batch-sizes 1 4 16 32
@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 from bench.core_latency import core_round_trip_ns
 from bench.harness import machine_facts
-from bench.model_flops import TokenArithmetic
+from bench.model_costs import TokenArithmetic, weight_bytes
 from bench.peak_rate import gemm_peak, runner_gemm_kind
 from server.backends import gguf_source
 from server.backends.base import SeqChunk
@@ -150,27 +150,6 @@ def paired_step_times(first, second, batch_size: int, context: int, steps: int, 
     for _, release in runs:
         release()
     return times
-
-
-# The flags a speed claim depends on (vector width, native bf16/int8 dot products).
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: every parameter and packed weight but the embedding table
-    (a step reads a few of its rows; when tied, the LM head reads all of it once, counted there)."""
-    seen, total = set(), 0
-    for name, t in list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if "rotary" not in n]:
-        if id(t) in seen or name.startswith("embed_tokens"):
-            continue
-        seen.add(id(t))
-        total += t.numel() * t.element_size()
-    for module in model.modules():
-        packed = module.panel_tensors() if hasattr(module, "panel_tensors") else [getattr(module, "packed", None)]
-        for t in packed:
-            if isinstance(t, torch.Tensor) and id(t) not in seen:
-                seen.add(id(t))
-                total += t.numel() * t.element_size()
-    return total
 
 
 def _load_runner(model_dir: Path, cfg, args, compressed: str | None) -> TorchRunner:

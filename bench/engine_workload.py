@@ -5,8 +5,9 @@ to `LLMEngine` directly: a request is added as soon as one finishes, and every s
 step here is the served ITL's engine-only counterpart at the same batch and the same contexts (scheduler,
 forward, sampler and detokeniser included), so `served ITL p50 / decode step p50` is what the serving
 side (API process, pipe, SSE, the client on the same cores) adds. `bench.engine_step` times the model's
-forward alone at a fixed context instead. Each level also states its FLOPs (bench.model_flops) and the ceiling they
-allow at the vector units' peak, measured after the levels (bench.peak_rate).
+forward alone at a fixed context instead. Each level also states its FLOPs (bench.model_costs) and the ceiling they
+allow: at the vector units' peak (bench.peak_rate), or, where that is longer, its fewest steps each streaming the
+weights at the read bandwidth (bench.read_bandwidth), both measured after the levels.
 
     python -m bench.engine_workload --concurrency 1 16
 
@@ -29,8 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.harness import ROW_PREFIX, level_size, machine_facts, prompt_id_bound, publish
-from bench.model_flops import TokenArithmetic, ceiling_cell, ceiling_tok_s
+from bench.model_costs import TokenArithmetic, ceiling_cell, ceiling_tok_s, min_level_steps, weight_bytes
 from bench.peak_rate import gemm_peak, runner_gemm_kind
+from bench.read_bandwidth import read_bandwidth_gbs
 from server.config import load_config
 from server.engine.sampling_params import SamplingParams
 from server.gc_heap import startup_heap
@@ -130,11 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     runner = engine.runner
     arithmetic = TokenArithmetic.of(runner.model)
     kind = runner_gemm_kind(runner)
+    step_bytes = weight_bytes(runner.model)
 
     def level(c: int) -> dict:
         row = measure_level(engine, rng, vocab, c, args.input_len, args.output_len, args.sampled)
         flops = arithmetic.level_flops([args.input_len] * row["num_prompts"], args.output_len)
-        return {**row, "gflop": flops / 1e9, "gemm_kind": kind}
+        return {**row, "gflop": flops / 1e9, "gemm_kind": kind, "weight_bytes": step_bytes}
 
     if args.levels_from_stdin:
         print(ROW_PREFIX + json.dumps({"ready": True}), flush=True)  # loaded (and its GEMM paths timed) by now
@@ -142,13 +145,14 @@ def main(argv: list[str] | None = None) -> int:
             print(ROW_PREFIX + json.dumps(level(int(line))), flush=True)
         return 0
     rows = [level(c) for c in args.concurrency]
-    peak = gemm_peak(kind)  # after the levels, with nothing beside it
+    peak, bandwidth = gemm_peak(kind), read_bandwidth_gbs(2**29)  # after the levels, with nothing beside them
     for r in rows:
-        r["ceiling_tok_s"] = ceiling_tok_s(r["output_tokens"], r["gflop"], peak)
+        steps = min_level_steps(r["num_prompts"], r["concurrency"], args.output_len)
+        r["ceiling_tok_s"] = ceiling_tok_s(r["output_tokens"], r["gflop"], peak, steps, step_bytes, bandwidth)
     report = {**machine_facts(), "config": args.config, "compressed": args.compressed, "dtype": runner.precision,
               "kv_cache_dtype": str(runner.cache_dtype).removeprefix("torch."), "input_len": args.input_len,
               "output_len": args.output_len, "arithmetic": dataclasses.asdict(arithmetic),
-              "gemm_peak": peak, "rows": rows}
+              "gemm_peak": peak, "weight_bytes": step_bytes, "memory_bandwidth_gbs": bandwidth, "rows": rows}
     lines = ["| c | output tok/s | decode step p50 ms | decode steps | other steps (s) | GFLOP | ceiling tok/s |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['concurrency']} | {r['output_tok_s']:.1f} | {r['decode_step_ms_p50']:.1f} | {r['num_decode_steps']} | "
@@ -156,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{ceiling_cell(r['ceiling_tok_s'])} |"
               for r in rows]
     if peak:
-        lines += ["", f"ceiling: the level's FLOPs (bench.model_flops) at this machine's {peak['kind']} peak, "
-                  f"{peak['gops']:.1f} G/s (bench.peak_rate)"]
+        lines += ["", f"ceiling: the level's FLOPs (bench.model_costs) at this machine's {peak['kind']} peak, "
+                  f"{peak['gops']:.1f} G/s (bench.peak_rate), or where longer its fewest steps each streaming the "
+                  f"{step_bytes / 1e6:.0f} MB of weights at {bandwidth:.1f} GB/s (bench.read_bandwidth)"]
     return publish(Path(args.out), report, "\n".join(lines))
 
 

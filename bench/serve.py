@@ -3,7 +3,7 @@
 Each system is started on loopback in turn and driven by the same streaming client: distinct random
 token prompts (no request shares a prefix, so no prompt cache helps), EOS ignored so every request
 makes exactly --output-len tokens, at each concurrency level. Reports output tok/s, TTFT, TPOT and ITL
-p50/p99 and each level's compute ceiling (its FLOPs at the vector units' measured peak: bench.model_flops,
+p50/p99 and each level's compute ceiling (its FLOPs at the vector units' measured peak: bench.model_costs,
 bench.peak_rate), then the engine-only decode step of the neuronmm models (`bench.engine_step`) beside its two floors
 (the weights' bytes at the measured memory bandwidth, its FLOPs at the peak), and the same workload run through the
 engine in-process (`bench.engine_workload`, kept running beside the
@@ -43,7 +43,7 @@ import aiohttp
 
 from bench.harness import (NEURONMM, REPO, ROW_PREFIX, free_port, level_size, machine_facts, prompt_id_bound, publish,
                            run_client, run_logged, wait_healthy)
-from bench.model_flops import TokenArithmetic, ceiling_cell, ceiling_tok_s
+from bench.model_costs import TokenArithmetic, ceiling_cell, ceiling_tok_s, min_level_steps
 from bench.peak_rate import bounding_peak, measured_peaks
 from bench.read_bandwidth import read_bandwidth_gbs
 from server.config import load_config
@@ -467,22 +467,32 @@ def bracket(before: list[dict], after: list[dict]) -> list[dict]:
 
 
 def level_ceilings(report: dict) -> list[str]:
-    """Markdown: each served level's compute ceiling, the output tok/s were the dense model's FLOPs for its requests
-    (bench.model_flops, from the engine-only run) done at the peak of the instruction its GEMMs run on (none where the
-    engine-only run measured no peak)."""
+    """Markdown: each served level's ceiling, its output tok/s were it bound by the dense model's physical limits
+    alone (bench.model_costs.ceiling_tok_s, from the engine-only run's arithmetic and peak; none without a peak)."""
     dense = next((r for r in report["engine_step"] if r["system"] == "neuronmm" and r.get("gemm_peak")), None)
     if dense is None:
         return []
-    arithmetic, peak = TokenArithmetic(**dense["arithmetic"]), dense["gemm_peak"]
-    lines = ["", f"Each level's compute ceiling: its requests' FLOPs in the dense model ({dense['dtype']}) at this "
-             f"machine's {peak['kind']} peak, {peak['gops']:.1f} G/s (bench.peak_rate); the same workload for every "
-             "system:", "", "| c | requests | GFLOP | ceiling tok/s |", "|---:|---:|---:|---:|"]
+    arithmetic, peak, bw = TokenArithmetic(**dense["arithmetic"]), dense["gemm_peak"], report["memory_bandwidth_gbs"]
+    lines = ["", f"Each level's ceiling, the same workload for every system: its requests' FLOPs in the dense model "
+             f"({dense['dtype']}) at this machine's {peak['kind']} peak, {peak['gops']:.1f} G/s (bench.peak_rate), or "
+             f"where longer its fewest steps each streaming the model's {dense['weight_bytes'] / 1e6:.0f} MB of "
+             f"weights at {bw:.1f} GB/s:", "", "| c | requests | GFLOP | fewest steps | ceiling tok/s |",
+             "|---:|---:|---:|---:|---:|"]
     for c in sorted({r["concurrency"] for r in report["serve"]}):
-        n = level_size(c)
-        gflop = arithmetic.level_flops([report["input_len"]] * n, report["output_len"]) / 1e9
-        ceiling = ceiling_tok_s(n * report["output_len"], gflop, peak)
-        lines.append(f"| {c} | {n} | {gflop:.0f} | {ceiling_cell(ceiling)} |")
+        n, out = level_size(c), report["output_len"]
+        gflop = arithmetic.level_flops([report["input_len"]] * n, out) / 1e9
+        steps = min_level_steps(n, c, out)
+        ceiling = ceiling_tok_s(n * out, gflop, peak, steps, dense["weight_bytes"], bw)
+        lines.append(f"| {c} | {n} | {gflop:.0f} | {steps} | {ceiling_cell(ceiling)} |")
     return lines
+
+
+def twin_ceiling(row: dict, report: dict) -> float | None:
+    """An engine-only level's ceiling (bench.model_costs.ceiling_tok_s) at the peaks and bandwidth this run measured."""
+    peak = bounding_peak(row["gemm_kind"], report.get("compute_peaks", {}))
+    steps = min_level_steps(row["num_prompts"], row["concurrency"], report["output_len"])
+    return ceiling_tok_s(row["output_tokens"], row["gflop"], peak, steps, row["weight_bytes"],
+                         report["memory_bandwidth_gbs"])
 
 
 def markdown(report: dict) -> str:
@@ -517,8 +527,8 @@ def markdown(report: dict) -> str:
                   "before and right after each served level; served / engine = what the serving side adds to a decode step, "
                   "against the mean of the two (a token's ITL: a chunk's over its tokens where the stream sends several); "
                   "TPOT, each request's first to last token over the tokens between, the same way in both (it also counts "
-                  "the steps that carry other requests' prompts); ceiling = the level's output tok/s were all its "
-                  "FLOPs done at the compute peak (bench.model_flops, bench.peak_rate):",
+                  "the steps that carry other requests' prompts); ceiling = the level's output tok/s at its physical "
+                  "limits (as in the ceilings above):",
                   "", "| model | c | engine tok/s | ceiling tok/s | decode step p50 ms, before / after "
                   "| served ITL p50 ms | served / engine | TPOT p50 ms, served / engine | TPOT served / engine |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -529,8 +539,7 @@ def markdown(report: dict) -> str:
             steps = f"{r['decode_step_ms_p50_before']:.1f} / {r['decode_step_ms_p50_after']:.1f}"
             ratios.setdefault((r["system"], r["concurrency"]), []).append((itl / r["decode_step_ms_p50"],
                                                                           tpot / engine_tpot))
-            peak = bounding_peak(r.get("gemm_kind"), report.get("compute_peaks", {}))
-            ceiling = ceiling_tok_s(r["output_tokens"], r["gflop"], peak) if "gflop" in r else None
+            ceiling = twin_ceiling(r, report) if "gflop" in r else None
             lines.append(f"| {label(r)} | {r['concurrency']} | {r['output_tok_s']:.1f} | {ceiling_cell(ceiling)} | "
                          f"{steps} | {itl:.1f} | {itl / r['decode_step_ms_p50']:.2f} | {tpot:.1f} / {engine_tpot:.1f} | "
                          f"{tpot / engine_tpot:.2f} |")

@@ -13,7 +13,7 @@ from server.errors import ConfigError
 def test_only_scripts_with_a_main_are_offered():
     names = cli._available()
     assert {"serve", "engine_step", "peak_rate", "read_bandwidth"} <= set(names)
-    assert not {"harness", "model_flops", "cli"} & set(names)  # parts of the benchmarks, not benchmarks
+    assert not {"harness", "model_costs", "cli"} & set(names)  # parts of the benchmarks, not benchmarks
 
 
 @pytest.mark.parametrize("name", ["harness", "no_such_bench"])

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from bench import engine_step
-from bench.model_flops import TokenArithmetic
+from bench.model_costs import TokenArithmetic
 from server.models import fused_ops
 from support import tiny_config
 

@@ -12,7 +12,7 @@ import yaml
 from bench import engine_workload
 from bench.engine_workload import measure_level, run_level
 from bench.harness import level_size
-from bench.model_flops import TokenArithmetic
+from bench.model_costs import TokenArithmetic, min_level_steps
 from server.models import fused_ops
 from support import tiny_config
 
@@ -90,8 +90,11 @@ def test_each_level_states_its_flops_and_the_ceiling_they_allow_at_the_measured_
     assert row["gflop"] == pytest.approx(arithmetic.level_flops([8] * row["num_prompts"], 4) / 1e9)
     peak = report["gemm_peak"]
     if fused_ops.load():  # an fp32 model: its GEMMs run on fp32 FMAs, whose peak the probe measured
+        steps = min_level_steps(row["num_prompts"], 2, 4)
+        stream_s = steps * report["weight_bytes"] / (report["memory_bandwidth_gbs"] * 1e9)
         assert peak["kind"] == "fp32_fma" and row["ceiling_tok_s"] == pytest.approx(
-            row["output_tokens"] / (row["gflop"] / peak["gops"]))
+            row["output_tokens"] / max(row["gflop"] / peak["gops"], stream_s))
+        assert row["weight_bytes"] == report["weight_bytes"] > 0
         assert "ceiling: the level's FLOPs" in capsys.readouterr().out
     else:
         assert peak is None and row["ceiling_tok_s"] is None

@@ -136,8 +136,9 @@ def test_served_over_engine_is_against_the_bracketing_mean():
 
 def test_a_levels_ceiling_is_its_flops_at_the_peak_its_gemms_run_on_and_the_floors_stand_beside_each_step():
     level = {"system": "neuronmm", "concurrency": 16, "decode_step_ms_p50": 30.0, "output_tok_s": 300.0,
-             "output_tokens": 4096, "gflop": 2048.0, "gemm_kind": "bf16_dot"}
+             "output_tokens": 4096, "num_prompts": 32, "gflop": 2048.0, "gemm_kind": "bf16_dot", "weight_bytes": 269e6}
     report = {"serve": [], "memory_bandwidth_gbs": 25.0, "peer_note": "", "engine_workload": bracket([level], [level]),
+              "output_len": 128,
               "compute_peaks": {"fp32_fma": 200.0, "bf16_dot": 400.0, "int8_dot": 800.0},
               "engine_step": [{"system": "neuronmm", "dtype": "float32", "batch_size": 16, "step_ms_p50": 30.0,
                                "step_ms_min": 29.0, "weight_bytes": 500e6, "gflop": 4.3, "compute_floor_ms": 21.5}]}
@@ -149,6 +150,9 @@ def test_a_levels_ceiling_is_its_flops_at_the_peak_its_gemms_run_on_and_the_floo
     report["compute_peaks"] = {"fp32_fma": 200.0}  # a bf16 model on fp32 FMAs alone: that peak bounds it
     level_row = next(line for line in markdown(report).splitlines() if line.startswith("| neuronmm | 16 | 300.0"))
     assert level_row.split("|")[4] == " 400 "
+    report["engine_workload"][0]["weight_bytes"] = 269e7  # 2 x 128 steps of 2.69 GB at 25 GB/s: 27.5 s, not 10.2
+    level_row = next(line for line in markdown(report).splitlines() if line.startswith("| neuronmm | 16 | 300.0"))
+    assert level_row.split("|")[4] == f" {4096 / (256 * 2.69 / 25):.0f} "
 
 
 def test_each_served_level_states_the_ceiling_of_its_workload_from_the_engine_only_runs_arithmetic():
@@ -164,9 +168,13 @@ def test_each_served_level_states_the_ceiling_of_its_workload_from_the_engine_on
     positions = sum(range(1, 17)) + sum(range(17, 24))
     gflop = 4 * 2 * (15 * 8e7 + 8 * 1e8 + positions * 1e4) / 1e9
     row = next(line for line in markdown(report).splitlines() if line.startswith("| 2 | 4 |"))
-    assert row == f"| 2 | 4 | {gflop:.0f} | {4 * 8 / (gflop / 200.0):.0f} |"
+    # two waves of 8 steps each stream 400 MB at 25 GB/s: 0.256 s, longer than the FLOPs' 0.08 s at 200 G/s
+    assert gflop / 200.0 < 16 * 0.4 / 25 and row == f"| 2 | 4 | {gflop:.0f} | 16 | {4 * 8 / (16 * 0.4 / 25):.0f} |"
+    step["weight_bytes"] = 4e6  # a model that streams in no time: the FLOPs bound the level
+    row = next(line for line in markdown(report).splitlines() if line.startswith("| 2 | 4 |"))
+    assert row == f"| 2 | 4 | {gflop:.0f} | 16 | {4 * 8 / (gflop / 200.0):.0f} |"
     report["engine_step"] = []  # no engine-only run, no arithmetic: no ceiling claimed
-    assert "compute ceiling" not in markdown(report)
+    assert "Each level's ceiling" not in markdown(report)
 
 
 # A stand-in server: answers /health, streams three text chunks per completion, logs each prompt's first token.

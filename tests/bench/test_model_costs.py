@@ -1,4 +1,4 @@
-"""bench.model_flops: a model's multiply-adds per token, counted from the modules the engine runs, whatever their
+"""bench.model_costs: a model's multiply-adds per token, counted from the modules the engine runs, whatever their
 packing, and the FLOPs of a step, a request and a level from them."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from bench import engine_step
-from bench.model_flops import TokenArithmetic, ceiling_tok_s, linear_macs
+from bench.model_costs import TokenArithmetic, ceiling_tok_s, linear_macs, min_level_steps
 from server.models import fused_ops
 from server.models.llama import StackedPair
 from server.models.lora import projection_widths
@@ -61,6 +61,11 @@ def test_step_request_and_level_flops_count_prompts_decodes_and_the_positions_at
     assert a.level_flops([3, 1], output_len=2) == a.request_flops(3, 2) + a.request_flops(1, 2)
 
 
-def test_a_ceiling_is_the_tokens_over_the_flops_at_the_peak_or_none_without_one():
-    assert ceiling_tok_s(4096, 2048.0, {"kind": "fp32_fma", "gops": 200.0}) == pytest.approx(400.0)
+def test_a_ceiling_is_the_tokens_over_the_longer_of_the_flops_at_the_peak_and_the_fewest_steps_stream():
+    peak = {"kind": "fp32_fma", "gops": 200.0}
+    assert ceiling_tok_s(4096, 2048.0, peak) == pytest.approx(400.0)  # 10.24 s of FLOPs
+    assert min_level_steps(32, 16, 128) == 256 and min_level_steps(4, 1, 128) == 512 and min_level_steps(5, 4, 8) == 16
+    assert ceiling_tok_s(4096, 2048.0, peak, steps=256, step_bytes=168e6, bandwidth_gbs=32.0) == pytest.approx(400.0)
+    assert ceiling_tok_s(512, 252.0, peak, steps=512, step_bytes=168e6, bandwidth_gbs=32.0) == pytest.approx(
+        512 / (512 * 168e6 / 32e9))  # one request at a time: 2.69 s of streaming against 1.26 s of FLOPs
     assert ceiling_tok_s(4096, 2048.0, None) is None

@@ -1,4 +1,5 @@
-"""What a token costs a loaded model in arithmetic: the FLOPs a compute floor divides by the peak (bench.peak_rate).
+"""What a loaded model's steps cost: the FLOPs a compute floor divides by the peak (bench.peak_rate), and the weight
+bytes a memory floor divides by the read bandwidth (bench.read_bandwidth); a level's ceiling from both.
 
 Counted from the modules the engine runs, as each computes: a dense linear in x out multiply-adds a token, a low-rank
 one rank x (in + out), a factored panel call (csrc `factored_linear`) its first GEMM and its second ones. A multiply-add
@@ -9,9 +10,11 @@ skips the LM head and, past its attention, the last layer (llama.cpp's graphs pr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from server.models.lowrank import LowRankLinear
@@ -38,6 +41,24 @@ def linear_macs(model: nn.Module) -> dict[str, int]:
         if next(module.children(), None) is None and (count := module_macs(module)) is not None:
             macs[name] = count
     return macs
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter and packed weight but the embedding table
+    (a step reads a few of its rows; when tied, the LM head reads all of it once, counted there)."""
+    seen, total = set(), 0
+    for name, t in list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if "rotary" not in n]:
+        if id(t) in seen or name.startswith("embed_tokens"):
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    for module in model.modules():
+        packed = module.panel_tensors() if hasattr(module, "panel_tensors") else [getattr(module, "packed", None)]
+        for t in packed:
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
 
 
 @dataclass(frozen=True)
@@ -78,9 +99,21 @@ class TokenArithmetic:
         return sum(self.request_flops(n, output_len) for n in prompt_lens)
 
 
-def ceiling_tok_s(output_tokens: int, gflop: float, peak: dict | None) -> float | None:
-    """A level's output tok/s were all its `gflop` done at `peak` ({"kind", "gops"}: bench.peak_rate; None: none)."""
-    return output_tokens / (gflop / peak["gops"]) if peak else None
+def min_level_steps(requests: int, concurrency: int, output_len: int) -> int:
+    """The fewest steps a level can take: each wave of up to `concurrency` requests needs output_len of them (its
+    prompts' step, then one a token)."""
+    return math.ceil(requests / concurrency) * output_len
+
+
+def ceiling_tok_s(output_tokens: int, gflop: float, peak: dict | None, steps: int = 0, step_bytes: float = 0.0,
+                  bandwidth_gbs: float | None = None) -> float | None:
+    """A level's output tok/s were it bound by its physical limits alone: all its `gflop` at `peak` ({"kind", "gops"}:
+    bench.peak_rate; None: no ceiling), or, where longer, `steps` steps that each stream `step_bytes` of weights at
+    `bandwidth_gbs` (a few requests' levels are bound by the stream)."""
+    if not peak:
+        return None
+    stream_s = steps * step_bytes / (bandwidth_gbs * 1e9) if bandwidth_gbs else 0.0
+    return output_tokens / max(gflop / peak["gops"], stream_s)
 
 
 def ceiling_cell(value: float | None) -> str:
