@@ -12,12 +12,11 @@ decode step of a few rows is bound by the stream, one of 16 rows of fp32 by the 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
-from bench.harness import machine_facts
+from bench.harness import machine_facts, publish
 from server.models import fused_ops
 from server.models.cpu_features import cpu_flags
 
@@ -105,14 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     if not kinds:
         p.error("the probe needs the fused CPU ops (csrc/), which this machine cannot build")
     rows = [{"kind": k, "gops": peak_rate(k, args.repeats) / 1e9} for k in kinds]
-    print(f"| instruction | G ops/s ({torch.get_num_threads()} threads) |\n|---|---:|")
-    for row in rows:
-        print(f"| {row['kind']} | {row['gops']:.1f} |")
+    lines = [f"| instruction | G ops/s ({torch.get_num_threads()} threads) |", "|---|---:|"]
+    lines += [f"| {row['kind']} | {row['gops']:.1f} |" for row in rows]
     report = {**machine_facts(), "torch_threads": torch.get_num_threads(), "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"saved {args.out}")
-    return 0
+    return publish(Path(args.out), report, "\n".join(lines))
 
 
 if __name__ == "__main__":
