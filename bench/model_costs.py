@@ -43,7 +43,7 @@ def linear_macs(model: nn.Module) -> dict[str, int]:
     return macs
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
+def weight_bytes(model: nn.Module) -> int:
     """Bytes of weights one decode step reads: every parameter and packed weight but the embedding table
     (a step reads a few of its rows; when tied, the LM head reads all of it once, counted there)."""
     seen, total = set(), 0
