@@ -316,16 +316,25 @@ def _main_ab(args, cfg, model_dir: Path, compressed: TorchRunner, block_size: in
         dense = _load_runner(model_dir, cfg, args, None)
     with torch.inference_mode():
         rows = ab_rows(dense, compressed, args, block_size)
+    sides = {"dense": dense, "compressed": compressed}
+    arithmetic = {name: TokenArithmetic.of(runner.model) for name, runner in sides.items()}
+    for r in rows:  # the speed-up a step bound by its FLOPs alone would show (at the median timed step's context)
+        flops = {name: a.decode_step_flops(r["batch_size"], args.context + 6 + args.steps // 2)
+                 for name, a in arithmetic.items()}
+        r["flops_ratio"] = flops["dense"] / flops["compressed"]
     result = {**_facts(args, compressed, args.compressed, block_size), "ab_rounds": args.ab_rounds, "ab_paired": args.ab_paired,
-              "weight_bytes": {"dense": weight_bytes(dense.model), "compressed": weight_bytes(compressed.model)},
-              "rows": rows}
-    print("| batch | dense step p50 ms (rounds) | compressed | speed-up median (min-max) | core round trip ns "
-          "(before each round) |\n|---:|---|---|---|---|")
+              "weight_bytes": {name: weight_bytes(runner.model) for name, runner in sides.items()},
+              "arithmetic": {name: dataclasses.asdict(a) for name, a in arithmetic.items()}, "rows": rows}
+    bytes_ratio = result["weight_bytes"]["dense"] / result["weight_bytes"]["compressed"]
+    print("| batch | dense step p50 ms (rounds) | compressed | speed-up median (min-max) | FLOPs ratio | core round trip "
+          "ns (before each round) |\n|---:|---|---|---|---:|---|")
     for r in rows:
         trips = " ".join("-" if t is None else f"{t:.0f}" for t in r["core_round_trip_ns"])
         print(f"| {r['batch_size']} | {' '.join(f'{t:.1f}' for t in r['dense_step_ms'])} | "
               f"{' '.join(f'{t:.1f}' for t in r['compressed_step_ms'])} | {r['speedup_median']:.3f} "
-              f"({r['speedup_min']:.3f}-{r['speedup_max']:.3f}) | {trips} |")
+              f"({r['speedup_min']:.3f}-{r['speedup_max']:.3f}) | {r['flops_ratio']:.3f} | {trips} |")
+    print(f"\nthe speed-up's bounds: {bytes_ratio:.3f} x where a step streams its weights (weight bytes dense / "
+          "compressed), the FLOPs ratio where it computes (bench.model_costs)")
     _save(args.out, result)
     return 0
 

@@ -12,6 +12,7 @@ import yaml
 
 from bench import engine_step
 from bench.model_costs import TokenArithmetic
+from compression.compress import CompressSettings, compress_model
 from server.models import fused_ops
 from support import tiny_config
 
@@ -176,3 +177,22 @@ def test_hold_refuses_a_negative_time_or_an_ab_run(flags, capsys):
     with pytest.raises(SystemExit):
         engine_step.main(flags)
     assert "--hold" in capsys.readouterr().err
+
+
+def test_an_ab_run_states_the_speed_ups_bounds_from_the_two_models_bytes_and_flops(tiny_model_dir, tmp_path, capsys):
+    artifact = tmp_path / "art"
+    compress_model(tiny_model_dir, CompressSettings(keep_ratio=0.5, rank_multiple=8, calib_samples=4, calib_seqlen=32,
+                                                    batch_size=2, allocation="uniform"), artifact, model_id="tiny")
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(tiny_model_dir).model_dump(mode="json")))
+    out = tmp_path / "ab.json"
+    assert engine_step.main(["--config", str(config), "--compressed", str(artifact), "--ab-rounds", "2",
+                             "--batch-sizes", "1", "4", "--context", "8", "--steps", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    dense, compressed = (TokenArithmetic(**report["arithmetic"][side]) for side in ("dense", "compressed"))
+    assert compressed.decode_macs < dense.decode_macs  # keep 0.5 of the MLP
+    for row in report["rows"]:  # the median timed step: 16 positions attended
+        want = dense.decode_step_flops(row["batch_size"], 16) / compressed.decode_step_flops(row["batch_size"], 16)
+        assert row["flops_ratio"] == pytest.approx(want) and row["flops_ratio"] > 1
+    assert report["weight_bytes"]["dense"] > report["weight_bytes"]["compressed"]
+    assert "the speed-up's bounds" in capsys.readouterr().out
