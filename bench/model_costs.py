@@ -109,7 +109,8 @@ def ceiling_tok_s(output_tokens: int, gflop: float, peak: dict | None, steps: in
                   bandwidth_gbs: float | None = None) -> float | None:
     """A level's output tok/s were it bound by its physical limits alone: all its `gflop` at `peak` ({"kind", "gops"}:
     bench.peak_rate; None: no ceiling), or, where longer, `steps` steps that each stream `step_bytes` of weights at
-    `bandwidth_gbs` (a few requests' levels are bound by the stream)."""
+    `bandwidth_gbs` (a few requests' levels are bound by the stream; the last-level cache can keep part of the weights
+    between steps, so such a level may pass it by a few %)."""
     if not peak:
         return None
     stream_s = steps * step_bytes / (bandwidth_gbs * 1e9) if bandwidth_gbs else 0.0

@@ -476,7 +476,8 @@ def level_ceilings(report: dict) -> list[str]:
     lines = ["", f"Each level's ceiling, the same workload for every system: its requests' FLOPs in the dense model "
              f"({dense['dtype']}) at this machine's {peak['kind']} peak, {peak['gops']:.1f} G/s (bench.peak_rate), or "
              f"where longer its fewest steps each streaming the model's {dense['weight_bytes'] / 1e6:.0f} MB of "
-             f"weights at {bw:.1f} GB/s:", "", "| c | requests | GFLOP | fewest steps | ceiling tok/s |",
+             f"weights at {bw:.1f} GB/s (the last-level cache can keep part of the weights between steps, so a "
+             "stream-bound level may pass it by a few %):", "", "| c | requests | GFLOP | fewest steps | ceiling tok/s |",
              "|---:|---:|---:|---:|---:|"]
     for c in sorted({r["concurrency"] for r in report["serve"]}):
         n, out = level_size(c), report["output_len"]
