@@ -477,8 +477,8 @@ def level_ceilings(report: dict) -> list[str]:
              f"({dense['dtype']}) at this machine's {peak['kind']} peak, {peak['gops']:.1f} G/s (bench.peak_rate), or "
              f"where longer its fewest steps each streaming the model's {dense['weight_bytes'] / 1e6:.0f} MB of "
              f"weights at {bw:.1f} GB/s (the last-level cache can keep part of the weights between steps, so a "
-             "stream-bound level may pass it by a few %):", "", "| c | requests | GFLOP | fewest steps | ceiling tok/s |",
-             "|---:|---:|---:|---:|---:|"]
+             "stream-bound level may pass it by a few %):", "",
+             "| c | requests | GFLOP | fewest steps | ceiling tok/s |", "|---:|---:|---:|---:|---:|"]
     for c in sorted({r["concurrency"] for r in report["serve"]}):
         n, out = level_size(c), report["output_len"]
         gflop = arithmetic.level_flops([report["input_len"]] * n, out) / 1e9
