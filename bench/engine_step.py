@@ -326,8 +326,8 @@ def _main_ab(args, cfg, model_dir: Path, compressed: TorchRunner, block_size: in
               "weight_bytes": {name: weight_bytes(runner.model) for name, runner in sides.items()},
               "arithmetic": {name: dataclasses.asdict(a) for name, a in arithmetic.items()}, "rows": rows}
     bytes_ratio = result["weight_bytes"]["dense"] / result["weight_bytes"]["compressed"]
-    print("| batch | dense step p50 ms (rounds) | compressed | speed-up median (min-max) | FLOPs ratio | core round trip "
-          "ns (before each round) |\n|---:|---|---|---|---:|---|")
+    print("| batch | dense step p50 ms (rounds) | compressed | speed-up median (min-max) | FLOPs ratio "
+          "| core round trip ns (before each round) |\n|---:|---|---|---|---:|---|")
     for r in rows:
         trips = " ".join("-" if t is None else f"{t:.0f}" for t in r["core_round_trip_ns"])
         print(f"| {r['batch_size']} | {' '.join(f'{t:.1f}' for t in r['dense_step_ms'])} | "

@@ -542,8 +542,8 @@ def markdown(report: dict) -> str:
                                                                           tpot / engine_tpot))
             ceiling = twin_ceiling(r, report) if "gflop" in r else None
             lines.append(f"| {label(r)} | {r['concurrency']} | {r['output_tok_s']:.1f} | {ceiling_cell(ceiling)} | "
-                         f"{steps} | {itl:.1f} | {itl / r['decode_step_ms_p50']:.2f} | {tpot:.1f} / {engine_tpot:.1f} | "
-                         f"{tpot / engine_tpot:.2f} |")
+                         f"{steps} | {itl:.1f} | {itl / r['decode_step_ms_p50']:.2f} | "
+                         f"{tpot:.1f} / {engine_tpot:.1f} | {tpot / engine_tpot:.2f} |")
         if any(len(v) > 1 for v in ratios.values()):
             lines += ["", "Over the rounds of each level (each round between two engine-only runs; the median, then the "
                       "range):", "", "| model | c | rounds | ITL served / engine | TPOT served / engine |",

@@ -82,8 +82,8 @@ def test_each_level_states_its_flops_and_the_ceiling_they_allow_at_the_measured_
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tiny_config(tiny_model_dir).model_dump(mode="json")))
     out = tmp_path / "workload.json"
-    assert engine_workload.main(["--config", str(config), "--dtype", "float32", "--concurrency", "2", "--input-len", "8",
-                                 "--output-len", "4", "--out", str(out)]) == 0
+    assert engine_workload.main(["--config", str(config), "--dtype", "float32", "--concurrency", "2",
+                                 "--input-len", "8", "--output-len", "4", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     (row,) = report["rows"]
     arithmetic = TokenArithmetic(**report["arithmetic"])
