@@ -1,4 +1,4 @@
-"""Test helpers shared by several folders: a Config for the tiny model, a live in-process uvicorn server, pytest
+"""Test helpers shared by several folders: a Config for the tiny model (and its YAML file), a live in-process uvicorn server, pytest
 in a fresh process, waiting for a condition, a runtime whose logits write a scripted reply."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import torch
 import uvicorn
+import yaml
 
 from bench.harness import wait_healthy
 from server.api.app import create_app
@@ -31,6 +32,13 @@ def tiny_config(model_dir: Path, **engine):
     return Config.model_validate({
         "model": {"name": "tiny", "source": "safetensors", "path": str(model_dir)},
         "engine": limits, "server": {"port": 0}})
+
+
+def tiny_config_file(model_dir: Path, folder: Path, **engine) -> Path:
+    """tiny_config written as a YAML file in `folder`, for the benchmarks' --config."""
+    path = folder / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(model_dir, **engine).model_dump(mode="json")))
+    return path
 
 
 @contextmanager

@@ -8,13 +8,12 @@ import json
 
 import pytest
 import torch
-import yaml
 
 from bench import engine_step
 from bench.model_costs import TokenArithmetic
 from compression.compress import CompressSettings, compress_model
 from server.models import fused_ops
-from support import tiny_config
+from support import tiny_config_file
 
 
 def test_rounds_alternate_abba_and_speedups_are_neighbouring_ratios(monkeypatch):
@@ -101,8 +100,7 @@ def test_python_layers_turns_the_cpp_layer_loop_off(tiny_model_dir, python_layer
 
 
 def test_kv_cache_dtype_overrides_the_configs_and_is_recorded(tiny_model_dir, tmp_path):
-    config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump(tiny_config(tiny_model_dir).model_dump(mode="json")))
+    config = tiny_config_file(tiny_model_dir, tmp_path)
     out = tmp_path / "step.json"
     assert engine_step.main(["--config", str(config), "--kv-cache-dtype", "fp8", "--batch-sizes", "2",
                              "--context", "8", "--steps", "2", "--out", str(out)]) == 0
@@ -111,8 +109,7 @@ def test_kv_cache_dtype_overrides_the_configs_and_is_recorded(tiny_model_dir, tm
 
 
 def test_each_step_states_its_flops_and_their_floor_at_the_measured_peak(tiny_model_dir, tmp_path):
-    config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump(tiny_config(tiny_model_dir).model_dump(mode="json")))
+    config = tiny_config_file(tiny_model_dir, tmp_path)
     out = tmp_path / "step.json"
     assert engine_step.main(["--config", str(config), "--batch-sizes", "1", "3", "--context", "8", "--steps", "4",
                              "--out", str(out)]) == 0
@@ -162,8 +159,7 @@ def test_held_steps_cycle_over_positions_past_the_context():
 
 
 def test_hold_runs_the_last_batch_size_and_records_its_steps(tiny_model_dir, tmp_path, capsys):
-    config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump(tiny_config(tiny_model_dir).model_dump(mode="json")))
+    config = tiny_config_file(tiny_model_dir, tmp_path)
     out = tmp_path / "step.json"
     assert engine_step.main(["--config", str(config), "--batch-sizes", "1", "2", "--context", "8", "--steps", "2",
                              "--hold", "0.3", "--out", str(out)]) == 0
@@ -183,8 +179,7 @@ def test_an_ab_run_states_the_speed_ups_bounds_from_the_two_models_bytes_and_flo
     artifact = tmp_path / "art"
     compress_model(tiny_model_dir, CompressSettings(keep_ratio=0.5, rank_multiple=8, calib_samples=4, calib_seqlen=32,
                                                     batch_size=2, allocation="uniform"), artifact, model_id="tiny")
-    config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump(tiny_config(tiny_model_dir).model_dump(mode="json")))
+    config = tiny_config_file(tiny_model_dir, tmp_path)
     out = tmp_path / "ab.json"
     assert engine_step.main(["--config", str(config), "--compressed", str(artifact), "--ab-rounds", "2",
                              "--batch-sizes", "1", "4", "--context", "8", "--steps", "2", "--out", str(out)]) == 0

@@ -7,14 +7,13 @@ import random
 from types import SimpleNamespace
 
 import pytest
-import yaml
 
 from bench import engine_workload
 from bench.engine_workload import measure_level, run_level
 from bench.harness import level_size
 from bench.model_costs import TokenArithmetic, min_level_steps
 from server.models import fused_ops
-from support import tiny_config
+from support import tiny_config_file
 
 
 class FakeEngine:
@@ -79,8 +78,7 @@ def test_a_measured_level_never_reuses_its_warm_up_prompts():
 
 
 def test_each_level_states_its_flops_and_the_ceiling_they_allow_at_the_measured_peak(tiny_model_dir, tmp_path, capsys):
-    config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump(tiny_config(tiny_model_dir).model_dump(mode="json")))
+    config = tiny_config_file(tiny_model_dir, tmp_path)
     out = tmp_path / "workload.json"
     assert engine_workload.main(["--config", str(config), "--dtype", "float32", "--concurrency", "2",
                                  "--input-len", "8", "--output-len", "4", "--out", str(out)]) == 0
