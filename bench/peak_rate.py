@@ -74,12 +74,6 @@ def bounding_peak(kind: str | None, peaks: dict[str, float]) -> dict | None:
     return {"kind": best, "gops": measured[best]}
 
 
-def measured_peaks(kinds: list[str] | None = None) -> dict[str, float]:
-    """G ops/s of each probed kind this build has (default: all of them)."""
-    available = peak_kinds()
-    return {k: peak_rate(k) / 1e9 for k in (available if kinds is None else kinds) if k in available}
-
-
 def runner_gemm_kind(runner) -> str | None:
     """gemm_kind of a loaded TorchRunner's model (None off the CPU, where nothing is probed)."""
     if runner.device.type != "cpu":
@@ -90,7 +84,10 @@ def runner_gemm_kind(runner) -> str | None:
 def gemm_peak(kind: str | None) -> dict | None:
     """{"kind", "gops"}: the rate that bounds GEMMs of gemm_kind `kind` on this machine, measured now (None: no kind,
     or none probed here)."""
-    return bounding_peak(kind, measured_peaks(_candidates(kind))) if kind else None
+    if not kind:
+        return None
+    available = peak_kinds()
+    return bounding_peak(kind, {k: peak_rate(k) / 1e9 for k in _candidates(kind) if k in available})
 
 
 def main(argv: list[str] | None = None) -> int:

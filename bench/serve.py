@@ -44,7 +44,7 @@ import aiohttp
 from bench.harness import (NEURONMM, REPO, ROW_PREFIX, free_port, level_size, machine_facts, prompt_id_bound, publish,
                            run_client, run_logged, wait_healthy)
 from bench.model_costs import TokenArithmetic, ceiling_cell, ceiling_tok_s, min_level_steps
-from bench.peak_rate import bounding_peak, measured_peaks
+from bench.peak_rate import bounding_peak
 from bench.read_bandwidth import read_bandwidth_gbs
 from server.config import load_config
 from server.models.cpu_features import has_native_bf16
@@ -489,8 +489,10 @@ def level_ceilings(report: dict) -> list[str]:
 
 
 def twin_ceiling(row: dict, report: dict) -> float | None:
-    """An engine-only level's ceiling (bench.model_costs.ceiling_tok_s) at the peaks and bandwidth this run measured."""
-    peak = bounding_peak(row["gemm_kind"], report.get("compute_peaks", {}))
+    """An engine-only level's ceiling (bench.model_costs.ceiling_tok_s) at the peaks the engine-only steps measured
+    and this run's bandwidth."""
+    peaks = {r["gemm_peak"]["kind"]: r["gemm_peak"]["gops"] for r in report["engine_step"] if r.get("gemm_peak")}
+    peak = bounding_peak(row["gemm_kind"], peaks)
     steps = min_level_steps(row["num_prompts"], row["concurrency"], report["output_len"])
     return ceiling_tok_s(row["output_tokens"], row["gflop"], peak, steps, row["weight_bytes"],
                          report["memory_bandwidth_gbs"])
@@ -623,8 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {**machine_facts(), "config": args.config, "compressed": args.compressed,
               "input_len": args.input_len, "output_len": args.output_len, "peer_note": peer_note,
               "commands": {s.name: shlex.join(s.command) for s in systems + peers},
-              "memory_bandwidth_gbs": read_bandwidth_gbs(2**29), "compute_peaks": measured_peaks() if systems else {},
-              "serve": [], "engine_step": [], "engine_workload": []}
+              "memory_bandwidth_gbs": read_bandwidth_gbs(2**29), "serve": [], "engine_step": [], "engine_workload": []}
     if args.in_turns:
         every = systems + peers
         prompts = [make_prompts(vocab, s.num_prompts(args.concurrency, args.in_turns, args.in_turns), args.input_len,

@@ -137,17 +137,20 @@ def test_served_over_engine_is_against_the_bracketing_mean():
 def test_a_levels_ceiling_is_its_flops_at_the_peak_its_gemms_run_on_and_the_floors_stand_beside_each_step():
     level = {"system": "neuronmm", "concurrency": 16, "decode_step_ms_p50": 30.0, "output_tok_s": 300.0,
              "output_tokens": 4096, "num_prompts": 32, "gflop": 2048.0, "gemm_kind": "bf16_dot", "weight_bytes": 269e6}
+    arithmetic = {"decode_macs": 10**8, "prompt_macs": 8 * 10**7, "attention_macs_per_position": 10**4}
+    step = {"system": "neuronmm", "dtype": "float32", "batch_size": 16, "step_ms_p50": 30.0, "step_ms_min": 29.0,
+            "weight_bytes": 500e6, "gflop": 4.3, "compute_floor_ms": 21.5, "arithmetic": arithmetic,
+            "gemm_peak": {"kind": "fp32_fma", "gops": 200.0}}
+    bf16_step = {**step, "system": "neuronmm bf16", "dtype": "bfloat16",
+                 "gemm_peak": {"kind": "bf16_dot", "gops": 400.0}}
     report = {"serve": [], "memory_bandwidth_gbs": 25.0, "peer_note": "", "engine_workload": bracket([level], [level]),
-              "output_len": 128,
-              "compute_peaks": {"fp32_fma": 200.0, "bf16_dot": 400.0, "int8_dot": 800.0},
-              "engine_step": [{"system": "neuronmm", "dtype": "float32", "batch_size": 16, "step_ms_p50": 30.0,
-                               "step_ms_min": 29.0, "weight_bytes": 500e6, "gflop": 4.3, "compute_floor_ms": 21.5}]}
+              "output_len": 128, "engine_step": [step, bf16_step]}  # the twins' peaks: those the steps measured
     lines = markdown(report).splitlines()
     level_row = next(line for line in lines if line.startswith("| neuronmm | 16 | 300.0"))
     assert level_row.split("|")[4] == " 800 "  # 4,096 tokens in 2,048 GFLOP at bf16's 400 G/s: 5.12 s
     step_row = next(line for line in lines if line.startswith("| neuronmm | float32 | 16"))
     assert step_row.split("|")[7:10] == [" 20.0 ", " 4.30 ", " 21.5 "]  # memory floor 500 MB / 25 GB/s, then compute
-    report["compute_peaks"] = {"fp32_fma": 200.0}  # a bf16 model on fp32 FMAs alone: that peak bounds it
+    report["engine_step"] = [step]  # a bf16 model on fp32 FMAs alone: that peak bounds it
     level_row = next(line for line in markdown(report).splitlines() if line.startswith("| neuronmm | 16 | 300.0"))
     assert level_row.split("|")[4] == " 400 "
     report["engine_workload"][0]["weight_bytes"] = 269e7  # 2 x 128 steps of 2.69 GB at 25 GB/s: 27.5 s, not 10.2
