@@ -262,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "step_ms_p50": 1000 * statistics.median(held) if held else None}
     arithmetic = TokenArithmetic.of(runner.model)
     peak = gemm_peak(runner_gemm_kind(runner))
-    for r in rows:  # the median timed step's context: the floors are for that step
-        flops = arithmetic.decode_step_flops(r["batch_size"], args.context + 6 + args.steps // 2)
+    for r in rows:
+        flops = arithmetic.decode_step_flops(r["batch_size"], median_context(args))
         r["gflop"] = flops / 1e9
         r["compute_floor_ms"] = flops / peak["gops"] / 1e6 if peak else None
     result = {**_facts(args, runner, compressed, block_size), "weight_bytes": weight_bytes(runner.model),
@@ -297,6 +297,12 @@ def _kernels() -> dict | None:
     return None if chosen is None else {"fma_rows": chosen.fma_rows, "amx_rows": chosen.amx_rows}
 
 
+def median_context(args) -> int:
+    """The positions the median timed step attends (step i of the 5 untimed and args.steps timed ones writes position
+    args.context + i): the step a row's FLOPs and floors are for."""
+    return args.context + 6 + args.steps // 2
+
+
 def _facts(args, runner: TorchRunner, compressed: str | None, block_size: int) -> dict:
     return {**machine_facts(), "machine": platform.machine(), "torch_threads": torch.get_num_threads(), "config": args.config, "compressed": compressed,
             "panel_gemm": not args.no_panel_gemm, "bf16_kernels": _kernels(),
@@ -318,8 +324,8 @@ def _main_ab(args, cfg, model_dir: Path, compressed: TorchRunner, block_size: in
         rows = ab_rows(dense, compressed, args, block_size)
     sides = {"dense": dense, "compressed": compressed}
     arithmetic = {name: TokenArithmetic.of(runner.model) for name, runner in sides.items()}
-    for r in rows:  # the speed-up a step bound by its FLOPs alone would show (at the median timed step's context)
-        flops = {name: a.decode_step_flops(r["batch_size"], args.context + 6 + args.steps // 2)
+    for r in rows:  # the speed-up a step bound by its FLOPs alone would show
+        flops = {name: a.decode_step_flops(r["batch_size"], median_context(args))
                  for name, a in arithmetic.items()}
         r["flops_ratio"] = flops["dense"] / flops["compressed"]
     result = {**_facts(args, compressed, args.compressed, block_size), "ab_rounds": args.ab_rounds, "ab_paired": args.ab_paired,
