@@ -4,8 +4,8 @@ A fast (Rust) tokenizer's text comes from its own incremental decoder, `tokenize
 fast detokenizer does): one call per token, which holds a multi-byte character back until its last byte arrives. It
 decodes exactly as `tokenizer.decode` does where transformers adds nothing to the Rust decoder's text (no
 `clean_up_tokenization_spaces`). Any other tokenizer decodes the newest tokens twice per token, with and without
-the newest, and takes the difference; through transformers' wrapper those two calls cost ~20 µs a token, on the
-engine's serial path once per sequence of every step.
+the newest, and takes the difference: 7-12 µs a token through transformers' wrapper against 4-6 µs for the stream
+(warm; docs/BENCHMARKS.md), on the engine's serial path once per sequence of every step.
 """
 
 from __future__ import annotations
