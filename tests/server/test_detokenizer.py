@@ -39,7 +39,8 @@ def test_the_default_tokenizer_streams_through_its_rust_decoder(tokenizer):
 @pytest.mark.parametrize("skip_special", [True, False])
 def test_both_paths_give_decode_text_and_no_partial_character(tokenizer, burst, skip_special):
     special = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    ids = tokenizer.encode(TEXT, add_special_tokens=False) + [special] + tokenizer.encode(" end", add_special_tokens=False)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    ids = encode(TEXT) + [special] + encode(" end")
     want = tokenizer.decode(ids, skip_special_tokens=skip_special)
     for source in (tokenizer, DecodeOnly(tokenizer)):
         text, deltas = _streamed(IncrementalDetokenizer(source, [], skip_special), ids, burst)
