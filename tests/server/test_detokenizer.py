@@ -18,7 +18,11 @@ class DecodeOnly:
 
 @pytest.fixture(scope="module")
 def tokenizer(smol_dir):
-    return AutoTokenizer.from_pretrained(smol_dir)
+    """The default model's fast tokenizer, its text the Rust decoder's alone (transformers 4.48 reads its config with
+    clean_up_tokenization_spaces on, 5.x with it off)."""
+    tokenizer = AutoTokenizer.from_pretrained(smol_dir)
+    tokenizer.clean_up_tokenization_spaces = False
+    return tokenizer
 
 
 def _streamed(detok: IncrementalDetokenizer, ids: list[int], burst: int) -> tuple[str, list[str]]:
@@ -30,9 +34,12 @@ def _streamed(detok: IncrementalDetokenizer, ids: list[int], burst: int) -> tupl
     return detok.text, deltas
 
 
-def test_the_default_tokenizer_streams_through_its_rust_decoder(tokenizer):
+def test_the_stream_path_is_taken_only_where_it_decodes_as_decode_does(smol_dir, tokenizer):
     assert stream_source(tokenizer) is tokenizer.backend_tokenizer
-    assert stream_source(DecodeOnly(tokenizer)) is None
+    assert stream_source(DecodeOnly(tokenizer)) is None  # no Rust tokenizer
+    cleaned = AutoTokenizer.from_pretrained(smol_dir)
+    cleaned.clean_up_tokenization_spaces = True  # transformers edits the Rust decoder's text
+    assert stream_source(cleaned) is None
 
 
 @pytest.mark.parametrize("burst", [1, 3])
