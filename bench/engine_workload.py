@@ -33,6 +33,7 @@ from bench.harness import ROW_PREFIX, level_size, machine_facts, prompt_id_bound
 from bench.model_costs import TokenArithmetic, ceiling_cell, ceiling_tok_s, min_level_steps, weight_bytes
 from bench.peak_rate import gemm_peak, runner_gemm_kind
 from bench.read_bandwidth import read_bandwidth_gbs
+from bench.step_parts import medians_ms, part_clocks, table
 from server.config import load_config
 from server.engine.sampling_params import SamplingParams
 from server.gc_heap import startup_heap
@@ -85,15 +86,21 @@ def run_level(engine, prompts: list[list[int]], concurrency: int, output_len: in
 
 
 def measure_level(engine, rng: random.Random, vocab: int, concurrency: int, input_len: int, output_len: int,
-                  sampled: bool) -> dict:
+                  sampled: bool, step_parts: bool = False) -> dict:
     """One level on fresh prompts, after a short warm-up of this batch size's shapes on prompts of its own: warmed
     on the level's first prompts, the engine's prefix cache held them, and the level skipped a ninth of its prefill
-    at c=16 (448 of 4,096 prompt tokens), which bench.serve's levels, on prompts never sent before, do not."""
+    at c=16 (448 of 4,096 prompt tokens), which bench.serve's levels, on prompts never sent before, do not. With
+    step_parts, the level's steps also time their parts (bench.step_parts): `step_parts_ms`, medians per part."""
     def fresh(n: int) -> list[list[int]]:
         return [[rng.randrange(1000, vocab) for _ in range(input_len)] for _ in range(n)]
 
     run_level(engine, fresh(min(concurrency, 4)), concurrency, 8, sampled)
-    return run_level(engine, fresh(level_size(concurrency)), concurrency, output_len, sampled)
+    prompts = fresh(level_size(concurrency))
+    if not step_parts:
+        return run_level(engine, prompts, concurrency, output_len, sampled)
+    with part_clocks(engine) as times:
+        row = run_level(engine, prompts, concurrency, output_len, sampled)
+    return {**row, "step_parts_ms": medians_ms(times)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sampled", action="store_true", help="temperature 0.7, seeded per request (else greedy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS / "engine_workload.json"))
+    p.add_argument("--step-parts", action="store_true",
+                   help="also time each step's parts (the C++ layer loop, the LM head, the sampler, the scheduler) "
+                        "and print where the rest, the Python and glue, goes (bench.step_parts)")
     p.add_argument("--levels-from-stdin", action="store_true",
                    help="run one level per concurrency read from stdin, printing its row on stdout (for bench.serve)")
     args = p.parse_args(argv)
@@ -135,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     step_bytes = weight_bytes(runner.model)
 
     def level(c: int) -> dict:
-        row = measure_level(engine, rng, vocab, c, args.input_len, args.output_len, args.sampled)
+        row = measure_level(engine, rng, vocab, c, args.input_len, args.output_len, args.sampled, args.step_parts)
         flops = arithmetic.level_flops([args.input_len] * row["num_prompts"], args.output_len)
         return {**row, "gflop": flops / 1e9, "gemm_kind": kind, "weight_bytes": step_bytes}
 
@@ -163,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["", f"ceiling: the level's FLOPs (bench.model_costs) at this machine's {peak['kind']} peak, "
                   f"{peak['gops']:.1f} G/s (bench.peak_rate), or where longer its fewest steps each streaming the "
                   f"{step_bytes / 1e6:.0f} MB of weights at {bandwidth:.1f} GB/s (bench.read_bandwidth)"]
+    if args.step_parts:
+        lines += ["", "Each step's parts, medians over the level's steps (ms; bench.step_parts):", "", table(rows)]
     return publish(Path(args.out), report, "\n".join(lines))
 
 
