@@ -312,7 +312,10 @@ class MessagesAPI:
     def count_tokens(self, req: CountTokensRequest) -> CountTokensResponse:
         """The prompt's tokens as the chat template renders it (vLLM's /tokenize on the same messages)."""
         self.serving.check_fields(req)
-        probe = MessagesRequest.model_validate({**req.model_dump(exclude_none=True), "max_tokens": 1}).as_chat()
+        # the request's own fields only: an unknown one (kept aside, as everywhere) may be a Messages field of
+        # another type, which rendering through MessagesRequest would refuse
+        fields = req.model_dump(exclude_none=True, include=set(CountTokensRequest.model_fields))
+        probe = MessagesRequest.model_validate({**fields, "max_tokens": 1}).as_chat()
         tokenize = TokenizeChatRequest(model=req.model, messages=probe.messages, tools=probe.tools,
                                        add_generation_prompt=probe.add_generation_prompt,
                                        continue_final_message=probe.continue_final_message,

@@ -47,6 +47,16 @@ def test_a_message_is_the_chat_reply_as_content_blocks(client, server):
     assert counted.input_tokens == prompt
 
 
+def test_count_tokens_counts_the_prompt_whatever_unknown_fields_come_with_it(server):
+    """count_tokens takes no sampling fields: one sent anyway, of any type (a fuzzed `"temperature": []`), is an
+    unknown field set aside as elsewhere, never a 500 from the Messages request the count is rendered through."""
+    body = {"model": "tiny", "messages": USER}
+    plain = httpx.post(f"{server.url}/v1/messages/count_tokens", json=body)
+    odd = httpx.post(f"{server.url}/v1/messages/count_tokens", json={**body, "temperature": [], "max_tokens": "x"})
+    assert plain.status_code == odd.status_code == 200
+    assert odd.json()["input_tokens"] == plain.json()["input_tokens"] > 0
+
+
 def test_a_last_assistant_message_is_a_prefill_the_reply_continues(client, server):
     """Anthropic's prefilled response: the reply goes on from the assistant's text, as chat's continue_final_message
     has it."""
