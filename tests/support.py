@@ -1,5 +1,5 @@
-"""Test helpers shared by several folders: a Config for the tiny model (and its YAML file), a live in-process uvicorn server, pytest
-in a fresh process, waiting for a condition, a runtime whose logits write a scripted reply."""
+"""Test helpers shared by several folders: a Config for the tiny model (and its YAML file), a live in-process uvicorn
+server, pytest in a fresh process, waiting for a condition, a runtime whose logits write a scripted reply."""
 
 from __future__ import annotations
 
