@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import aiohttp
 
@@ -77,6 +78,9 @@ class System:
     # "<name> sampled": the two are compared level by level, and on a VM whose speed drifts over minutes a
     # sampled server measured after the greedy one read up to 9 % slower than the sampler costs
     also_sampled: bool = False
+    # another project's server: one that fails to start is left out of the run (and named in the report) instead of
+    # stopping it (llama-server q8_0 died by SIGILL in its AMX kernel while loading, on a Xeon VM with AMX)
+    peer: bool = False
 
     def num_prompts(self, levels: list[int], rounds: int = 1, sampled_rounds: int = 1) -> int:
         """Distinct prompts its run takes: one to warm it, then each level's `rounds` times (and `sampled_rounds`
@@ -211,7 +215,7 @@ def peer_systems(model_dir: Path, port: int, parallel: int, seq_len: int = 256, 
         if server.is_file() and gguf.is_file():
             systems.append(System(f"llama-server {dtype}{' kv q8_0' if extra else ''}", [
                 str(server), "-m", str(gguf), "-t", str(os.cpu_count()), "-c", str(parallel * (seq_len + 64)),
-                "-np", str(parallel), "--port", str(port), "--log-disable", *extra]))
+                "-np", str(parallel), "--port", str(port), "--log-disable", *extra], peer=True))
     return systems
 
 
@@ -229,7 +233,7 @@ def vllm_systems(model_dir: Path, model_name: str, port: int) -> list[System]:
                "--served-model-name", model_name, "--port", str(port)]
     return [System(f"vllm-cpu {dtype}", command,
                    env={"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
-                        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})]
+                        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}, peer=True)]
 
 
 class EngineTwin:
@@ -297,6 +301,26 @@ class EngineTwin:
             before = after
 
 
+T = TypeVar("T")
+
+
+class StartFailed(RuntimeError):
+    """A system's server exited before it answered /health, or never answered it."""
+
+
+def started_or_left_out(system: System, start: Callable[[], T], left_out: list[str]) -> T | None:
+    """start()'s result; where a peer's server fails to start, None, with why in `left_out` (ours raise)."""
+    try:
+        return start()
+    except StartFailed as failure:
+        if not system.peer:
+            raise
+        note = f"{system.name} did not start and was left out ({failure})."
+        print(note, flush=True)
+        left_out.append(note)
+        return None
+
+
 class Served:
     """A system's server, started and warmed with one unrecorded request (as vllm bench serve does: the first request
     after start-up runs cold); its levels then run on fresh prompts, in any order with other servers' levels."""
@@ -317,13 +341,20 @@ class Served:
             self._log.close()
             raise
         try:
-            exited = f"{self.system.name} exited: see {self.log_path}"
-            wait_healthy(self.url, 600, lambda: None if self._proc.poll() is None else exited)
+            wait_healthy(self.url, 600, self._why_gone)
             run_client(run_level(self.url, self.model, self.prompts[:1], 1, self.output_len, False))
+        except RuntimeError as failure:  # exited, or never healthy
+            self.__exit__()
+            raise StartFailed(str(failure)) from failure
         except BaseException:
             self.__exit__()
             raise
         return self
+
+    def _why_gone(self) -> str | None:
+        """Why the server's process is gone (its exit code, where its log is), or None while it runs."""
+        code = self._proc.poll()
+        return None if code is None else f"{self.system.name} exited with code {code}: see {self.log_path}"
 
     def __exit__(self, *exc) -> None:
         self._proc.terminate()
@@ -367,17 +398,22 @@ def on_port(system: System, port: int) -> System:
 
 
 def measure_in_turns(systems: list[System], model: str, prompts: list[list[list[int]]], levels: list[int],
-                     output_len: int, log_paths: list[Path], rounds: int) -> list[dict]:
+                     output_len: int, log_paths: list[Path], rounds: int, left_out: list[str] | None = None
+                     ) -> list[dict]:
     """Start every system side by side (one after another, each on its own port, so no start-up shares the cores),
     then run each level `rounds` times with the systems in turn, the order rotated each round so that none always
     goes first. On a VM whose pace drifts ±10 % within minutes, the systems of one round are measured within a minute
-    or two of each other, so a ratio taken within a round holds where one taken across a whole run need not."""
+    or two of each other, so a ratio taken within a round holds where one taken across a whole run need not.
+    A peer that fails to start is left out, and why goes in `left_out`."""
     with contextlib.ExitStack() as stack:
         served = []
         for system, system_prompts, log in zip(systems, prompts, log_paths, strict=True):
             port = free_port()
-            served.append(stack.enter_context(Served(on_port(system, port), port, model, system_prompts, output_len,
-                                                     log)))
+            server = Served(on_port(system, port), port, model, system_prompts, output_len, log)
+            started = started_or_left_out(system, lambda: stack.enter_context(server),
+                                          [] if left_out is None else left_out)
+            if started is not None:
+                served.append(started)
         rows: list[dict] = []
         for c in levels:
             for r in range(rounds):
@@ -626,13 +662,14 @@ def main(argv: list[str] | None = None) -> int:
               "input_len": args.input_len, "output_len": args.output_len, "peer_note": peer_note,
               "commands": {s.name: shlex.join(s.command) for s in systems + peers},
               "memory_bandwidth_gbs": read_bandwidth_gbs(2**29), "serve": [], "engine_step": [], "engine_workload": []}
+    left_out: list[str] = []  # peers whose servers did not start
     if args.in_turns:
         every = systems + peers
         prompts = [make_prompts(vocab, s.num_prompts(args.concurrency, args.in_turns, args.in_turns), args.input_len,
                                 args.seed + i) for i, s in enumerate(every)]
         logs = [RESULTS / f"serve-{s.name.replace(' ', '-')}.log" for s in every]
         report["serve"] = measure_in_turns(every, cfg.model.name, prompts, args.concurrency, args.output_len, logs,
-                                           args.in_turns)
+                                           args.in_turns, left_out)
         report["in_turns"], report["round_ratios"] = args.in_turns, round_ratios(report["serve"])
     else:
         for i, system in enumerate(systems + peers):
@@ -642,11 +679,12 @@ def main(argv: list[str] | None = None) -> int:
             log = RESULTS / f"serve-{system.name.replace(' ', '-')}.log"
             measure = (system, port, cfg.model.name, prompts, args.concurrency, args.output_len, log)
             if extra is None:
-                report["serve"] += measure_system(*measure)
+                report["serve"] += started_or_left_out(system, lambda: measure_system(*measure), left_out) or []
                 continue
             with engine_twin(system.name, extra, args.config, args.input_len, args.output_len) as twin:
                 report["serve"] += measure_system(*measure, twin, rounds)
             report["engine_workload"] += twin.rows
+    report["peer_note"] = " ".join([peer_note, *left_out]).strip()
     if systems:
         report["engine_step"] = engine_steps(args.config, args.compressed, args.step_batch_sizes, args.quantization)
     return publish(Path(args.out), report, markdown(report))

@@ -376,6 +376,53 @@ def test_in_turns_every_system_runs_each_level_in_each_round_the_order_rotated(t
     assert sorted(sent) == [*range(1000, 1000 + len(prompts[0])), *range(2000, 2000 + len(prompts[1]))]
 
 
+def test_a_peer_that_does_not_start_is_left_out_and_named_while_the_others_run(tmp_path):
+    script, log = tmp_path / "fake_server.py", tmp_path / "prompts.log"
+    script.write_text(FAKE_SERVER.replace("sys.argv[2]", "sys.argv[3]").replace("sys.argv[1]", "sys.argv[2]"))
+    # a peer that dies while it loads (as llama-server q8_0 does by SIGILL where the VM will not run AMX)
+    dying = [sys.executable, "-c", "import sys; sys.exit(4)", "--port", "0"]
+    systems = [System("neuronmm", [sys.executable, str(script), "--port", "0", str(log)]),
+               System("llama-server q8_0", dying, peer=True),
+               System("llama-server f32", [sys.executable, str(script), "--port", "0", str(log)], peer=True)]
+    levels, rounds = [1], 2
+    prompts = [[[base + i] for i in range(s.num_prompts(levels, rounds, rounds))]
+               for base, s in zip((1000, 2000, 3000), systems)]
+    logs = [tmp_path / f"{i}.log" for i in range(3)]
+    left_out: list[str] = []
+    rows = measure_in_turns(systems, "m", prompts, levels, 3, logs, rounds, left_out)
+    assert [(r["system"], r["round"], r["completed"]) for r in rows] == [
+        ("neuronmm", 0, 4), ("llama-server f32", 0, 4), ("llama-server f32", 1, 4), ("neuronmm", 1, 4)]
+    [note] = left_out
+    assert note.startswith("llama-server q8_0 did not start") and "exited with code 4" in note and str(logs[1]) in note
+    # one of ours that does not start stops the run, with the same reason
+    ours_dying = [System("neuronmm", dying), systems[2]]
+    with pytest.raises(serve.StartFailed, match="neuronmm exited with code 4"):
+        measure_in_turns(ours_dying, "m", prompts[1:], levels, 3, logs[1:], rounds, [])
+
+
+def test_a_peer_left_out_alone_leaves_the_others_rows(tmp_path):
+    left_out: list[str] = []
+    dying = System("vllm-cpu float32", [sys.executable, "-c", "import sys; sys.exit(4)", "--port", "0"], peer=True)
+    port = free_port()
+    run = lambda: measure_system(on_port(dying, port), port, "m", [[1], [2]], [1], 3, tmp_path / "v.log")  # noqa: E731
+    assert serve.started_or_left_out(dying, run, left_out) is None
+    assert len(left_out) == 1 and "vllm-cpu float32 exited with code 4" in left_out[0]
+    with pytest.raises(ZeroDivisionError):  # only a failed start is set aside, not a fault of the run itself
+        serve.started_or_left_out(dying, lambda: 1 / 0, left_out)
+
+
+def test_the_peers_are_marked_as_peers(tmp_path, monkeypatch):
+    monkeypatch.setattr(serve, "PEERS", tmp_path)
+    (tmp_path / "llama-server").write_text("")
+    model_dir = tmp_path / "model"
+    for dtype in ("bf16", "f32"):
+        (tmp_path / f"model-{dtype}.gguf").write_text("")
+    assert [(s.name, s.peer) for s in serve.peer_systems(model_dir, 8000, 16)] == [("llama-server bf16", True),
+                                                                                  ("llama-server f32", True)]
+    ours = neuronmm_systems("c.yaml", "/a", 8000, fp32=True, kv_cache_dtype="float16", quantization="int8")
+    assert len(ours) == 6 and not any(s.peer for s in ours)
+
+
 def test_a_system_moves_to_its_own_port():
     system = System("s", ["serve", "--port", "8000", "--x"], also_sampled=True)
     moved = on_port(system, 8123)
