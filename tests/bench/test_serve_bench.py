@@ -400,7 +400,7 @@ def test_a_peer_that_does_not_start_is_left_out_and_named_while_the_others_run(t
         measure_in_turns(ours_dying, "m", prompts[1:], levels, 3, logs[1:], rounds, [])
 
 
-def test_a_peer_left_out_alone_leaves_the_others_rows(tmp_path):
+def test_outside_turns_a_peer_that_does_not_start_is_left_out_and_other_faults_still_raise(tmp_path):
     left_out: list[str] = []
     dying = System("vllm-cpu float32", [sys.executable, "-c", "import sys; sys.exit(4)", "--port", "0"], peer=True)
     port = free_port()
