@@ -405,13 +405,13 @@ def measure_in_turns(systems: list[System], model: str, prompts: list[list[list[
     goes first. On a VM whose pace drifts ±10 % within minutes, the systems of one round are measured within a minute
     or two of each other, so a ratio taken within a round holds where one taken across a whole run need not.
     A peer that fails to start is left out, and why goes in `left_out`."""
+    left_out = [] if left_out is None else left_out
     with contextlib.ExitStack() as stack:
         served = []
         for system, system_prompts, log in zip(systems, prompts, log_paths, strict=True):
             port = free_port()
             server = Served(on_port(system, port), port, model, system_prompts, output_len, log)
-            started = started_or_left_out(system, lambda: stack.enter_context(server),
-                                          [] if left_out is None else left_out)
+            started = started_or_left_out(system, lambda: stack.enter_context(server), left_out)
             if started is not None:
                 served.append(started)
         rows: list[dict] = []
