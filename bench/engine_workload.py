@@ -30,7 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.harness import ROW_PREFIX, level_size, machine_facts, prompt_id_bound, publish
-from bench.model_costs import TokenArithmetic, ceiling_cell, ceiling_tok_s, min_level_steps, weight_bytes
+from bench.model_costs import (TokenArithmetic, ceiling_cell, ceiling_tok_s, level_kv_bytes, min_level_steps,
+                               weight_bytes)
 from bench.peak_rate import gemm_peak, runner_gemm_kind
 from bench.read_bandwidth import read_bandwidth_gbs
 from bench.step_parts import medians_ms, part_clocks, table
@@ -146,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def level(c: int) -> dict:
         row = measure_level(engine, rng, vocab, c, args.input_len, args.output_len, args.sampled, args.step_parts)
-        flops = arithmetic.level_flops([args.input_len] * row["num_prompts"], args.output_len)
-        return {**row, "gflop": flops / 1e9, "gemm_kind": kind, "weight_bytes": step_bytes}
+        prompts = [args.input_len] * row["num_prompts"]
+        flops = arithmetic.level_flops(prompts, args.output_len)
+        kv = level_kv_bytes(prompts, args.output_len, runner.kv_bytes_per_token())
+        return {**row, "gflop": flops / 1e9, "gemm_kind": kind, "weight_bytes": step_bytes, "kv_bytes": kv}
 
     if args.levels_from_stdin:
         print(ROW_PREFIX + json.dumps({"ready": True}), flush=True)  # loaded (and its GEMM paths timed) by now
@@ -158,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     peak, bandwidth = gemm_peak(kind), read_bandwidth_gbs(2**29)  # after the levels, with nothing beside them
     for r in rows:
         steps = min_level_steps(r["num_prompts"], r["concurrency"], args.output_len)
-        r["ceiling_tok_s"] = ceiling_tok_s(r["output_tokens"], r["gflop"], peak, steps, step_bytes, bandwidth)
+        r["ceiling_tok_s"] = ceiling_tok_s(r["output_tokens"], r["gflop"], peak, steps, step_bytes, bandwidth,
+                                           r["kv_bytes"])
     report = {**machine_facts(), "config": args.config, "compressed": args.compressed, "dtype": runner.precision,
               "kv_cache_dtype": str(runner.cache_dtype).removeprefix("torch."), "input_len": args.input_len,
               "output_len": args.output_len, "arithmetic": dataclasses.asdict(arithmetic),
@@ -172,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     if peak:
         lines += ["", f"ceiling: the level's FLOPs (bench.model_costs) at this machine's {peak['kind']} peak, "
                   f"{peak['gops']:.1f} G/s (bench.peak_rate), or where longer its fewest steps each streaming the "
-                  f"{step_bytes / 1e6:.0f} MB of weights at {bandwidth:.1f} GB/s (bench.read_bandwidth)"]
+                  f"{step_bytes / 1e6:.0f} MB of weights, and its decode steps the KV cache they attend, at "
+                  f"{bandwidth:.1f} GB/s (bench.read_bandwidth)"]
     if args.step_parts:
         lines += ["", "Each step's parts, medians over the level's steps (ms; bench.step_parts):", "", table(rows)]
     return publish(Path(args.out), report, "\n".join(lines))

@@ -1,5 +1,6 @@
-"""What a loaded model's steps cost: the FLOPs a compute floor divides by the peak (bench.peak_rate), and the weight
-bytes a memory floor divides by the read bandwidth (bench.read_bandwidth); a level's ceiling from both.
+"""What a loaded model's steps cost: the FLOPs a compute floor divides by the peak (bench.peak_rate), and the bytes a
+memory floor divides by the read bandwidth (bench.read_bandwidth), its weights and the KV cache its attention reads;
+a level's ceiling from both.
 
 Counted from the modules the engine runs, as each computes: a dense linear in x out multiply-adds a token, a low-rank
 one rank x (in + out), a factored panel call (csrc `factored_linear`) its first GEMM and its second ones. A multiply-add
@@ -89,7 +90,7 @@ class TokenArithmetic:
     def request_flops(self, prompt_len: int, output_len: int) -> float:
         """FLOPs of serving one request: its prompt (causal attention), then output_len - 1 decode steps (the prompt's
         last token makes the first output token)."""
-        positions = prompt_len * (prompt_len + 1) // 2 + sum(range(prompt_len + 1, prompt_len + output_len))
+        positions = prompt_len * (prompt_len + 1) // 2 + decoded_positions(prompt_len, output_len)
         macs = ((prompt_len - 1) * self.prompt_macs + output_len * self.decode_macs
                 + positions * self.attention_macs_per_position)
         return 2.0 * macs
@@ -99,6 +100,17 @@ class TokenArithmetic:
         return sum(self.request_flops(n, output_len) for n in prompt_lens)
 
 
+def decoded_positions(prompt_len: int, output_len: int) -> int:
+    """Cached positions a request's decode steps read: each of its output_len - 1 decode tokens attends every position
+    up to its own."""
+    return sum(range(prompt_len + 1, prompt_len + output_len))
+
+
+def level_kv_bytes(prompt_lens: Sequence[int], output_len: int, kv_bytes_per_position: int) -> float:
+    """Bytes of KV cache a level's decode steps read (its prompts' own attention reads what it just wrote)."""
+    return float(kv_bytes_per_position * sum(decoded_positions(n, output_len) for n in prompt_lens))
+
+
 def min_level_steps(requests: int, concurrency: int, output_len: int) -> int:
     """The fewest steps a level can take: each wave of up to `concurrency` requests needs output_len of them (its
     prompts' step, then one a token)."""
@@ -106,14 +118,14 @@ def min_level_steps(requests: int, concurrency: int, output_len: int) -> int:
 
 
 def ceiling_tok_s(output_tokens: int, gflop: float, peak: dict | None, steps: int = 0, step_bytes: float = 0.0,
-                  bandwidth_gbs: float | None = None) -> float | None:
+                  bandwidth_gbs: float | None = None, kv_bytes: float = 0.0) -> float | None:
     """A level's output tok/s were it bound by its physical limits alone: all its `gflop` at `peak` ({"kind", "gops"}:
-    bench.peak_rate; None: no ceiling), or, where longer, `steps` steps that each stream `step_bytes` of weights at
-    `bandwidth_gbs` (a few requests' levels are bound by the stream; the last-level cache can keep part of the weights
-    between steps, so such a level may pass it by a few %)."""
+    bench.peak_rate; None: no ceiling), or, where longer, `steps` steps that each stream `step_bytes` of weights, and
+    its decode steps' `kv_bytes` of KV cache, at `bandwidth_gbs` (a few requests' levels are bound by the stream; the
+    last-level cache can keep part of the weights between steps, so such a level may pass it by a few %)."""
     if not peak:
         return None
-    stream_s = steps * step_bytes / (bandwidth_gbs * 1e9) if bandwidth_gbs else 0.0
+    stream_s = (steps * step_bytes + kv_bytes) / (bandwidth_gbs * 1e9) if bandwidth_gbs else 0.0
     return output_tokens / max(gflop / peak["gops"], stream_s)
 
 

@@ -1,10 +1,11 @@
 """The arithmetic peak of this machine's vector units on every thread: the compute floor beside the memory floor.
 
-A step's FLOPs over this rate is the shortest time its GEMMs could take, as its weight bytes over the read bandwidth
-(bench.read_bandwidth) is the shortest time its stream could; the larger of the two is the step's physical floor. A
-decode step of a few rows is bound by the stream, one of 16 rows of fp32 by the arithmetic. The probe
-(csrc/peak_rate.cpp) runs independent chains of one instruction on registers on every thread: fp32 FMAs, VDPBF16PS
-(AVX512-BF16) and VPDPBUSD (AVX512-VNNI), as this build has them (under bench.cpu_caps, the capped ISA's).
+A step's FLOPs over this rate is the shortest time its GEMMs could take, as the bytes it reads (its weights and KV
+cache) over the read bandwidth (bench.read_bandwidth) is the shortest time its stream could; the larger of the two is
+the step's physical floor. A decode step of a few rows is bound by the stream, one of 16 rows of fp32 by the
+arithmetic. The probe (csrc/peak_rate.cpp) runs independent chains of one instruction on registers on every thread:
+fp32 FMAs, VDPBF16PS (AVX512-BF16) and VPDPBUSD (AVX512-VNNI), as this build has them (under bench.cpu_caps, the
+capped ISA's).
 
     python -m bench.peak_rate
 """

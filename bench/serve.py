@@ -5,10 +5,9 @@ token prompts (no request shares a prefix, so no prompt cache helps), EOS ignore
 makes exactly --output-len tokens, at each concurrency level. Reports output tok/s, TTFT, TPOT and ITL
 p50/p99 and each level's compute ceiling (its FLOPs at the vector units' measured peak: bench.model_costs,
 bench.peak_rate), then the engine-only decode step of the neuronmm models (`bench.engine_step`) beside its two floors
-(the weights' bytes at the measured memory bandwidth, its FLOPs at the peak), and the same workload run through the
-engine in-process (`bench.engine_workload`, kept running beside the
-server: each level right before and right after the served level): served ITL over its decode step is what the
-serving side adds.
+(the bytes it reads, its weights and KV cache, at the measured memory bandwidth; its FLOPs at the peak), and the same
+workload run through the engine in-process (`bench.engine_workload`, kept running beside the server: each level right
+before and right after the served level): served ITL over its decode step is what the serving side adds.
 
 Systems: neuronmm dense (the config as it is; each level greedy, then sampled on the same server), neuronmm with
 --compressed; and llama-server at bf16 and f32 when `../shared/peers/llama-server.sh` has built it (otherwise the
@@ -44,7 +43,7 @@ import aiohttp
 
 from bench.harness import (NEURONMM, REPO, ROW_PREFIX, free_port, level_size, machine_facts, prompt_id_bound, publish,
                            run_client, run_logged, wait_healthy)
-from bench.model_costs import TokenArithmetic, ceiling_cell, ceiling_tok_s, min_level_steps
+from bench.model_costs import TokenArithmetic, ceiling_cell, ceiling_tok_s, level_kv_bytes, min_level_steps
 from bench.peak_rate import bounding_peak
 from bench.read_bandwidth import read_bandwidth_gbs
 from server.config import load_config
@@ -462,7 +461,8 @@ def engine_steps(config: str, compressed: str | None, batch_sizes: list[int],
         run_logged(cmd, RESULTS / "engine_step.log")
         result = json.loads(out.read_text())
         rows += [{"system": name, "weight_bytes": result["weight_bytes"], "dtype": result["dtype"],
-                  "arithmetic": result["arithmetic"], "gemm_peak": result["gemm_peak"], **r} for r in result["rows"]]
+                  "kv_bytes_per_position": result["kv_bytes_per_position"], "arithmetic": result["arithmetic"],
+                  "gemm_peak": result["gemm_peak"], **r} for r in result["rows"]]
     return rows
 
 
@@ -512,15 +512,16 @@ def level_ceilings(report: dict) -> list[str]:
     lines = ["", f"Each level's ceiling, the same workload for every system: its requests' FLOPs in the dense model "
              f"({dense['dtype']}) at this machine's {peak['kind']} peak, {peak['gops']:.1f} G/s (bench.peak_rate), or "
              f"where longer its fewest steps each streaming the model's {dense['weight_bytes'] / 1e6:.0f} MB of "
-             f"weights at {bw:.1f} GB/s (the last-level cache can keep part of the weights between steps, so a "
-             "stream-bound level may pass it by a few %):", "",
-             "| c | requests | GFLOP | fewest steps | ceiling tok/s |", "|---:|---:|---:|---:|---:|"]
+             f"weights, and its decode steps the KV cache they attend, at {bw:.1f} GB/s (the last-level cache can "
+             "keep part of the weights between steps, so a stream-bound level may pass it by a few %):", "",
+             "| c | requests | GFLOP | fewest steps | KV read GB | ceiling tok/s |", "|---:|---:|---:|---:|---:|---:|"]
     for c in sorted({r["concurrency"] for r in report["serve"]}):
         n, out = level_size(c), report["output_len"]
         gflop = arithmetic.level_flops([report["input_len"]] * n, out) / 1e9
         steps = min_level_steps(n, c, out)
-        ceiling = ceiling_tok_s(n * out, gflop, peak, steps, dense["weight_bytes"], bw)
-        lines.append(f"| {c} | {n} | {gflop:.0f} | {steps} | {ceiling_cell(ceiling)} |")
+        kv = level_kv_bytes([report["input_len"]] * n, out, dense.get("kv_bytes_per_position", 0))
+        ceiling = ceiling_tok_s(n * out, gflop, peak, steps, dense["weight_bytes"], bw, kv)
+        lines.append(f"| {c} | {n} | {gflop:.0f} | {steps} | {kv / 1e9:.2f} | {ceiling_cell(ceiling)} |")
     return lines
 
 
@@ -531,7 +532,7 @@ def twin_ceiling(row: dict, report: dict) -> float | None:
     peak = bounding_peak(row["gemm_kind"], peaks)
     steps = min_level_steps(row["num_prompts"], row["concurrency"], report["output_len"])
     return ceiling_tok_s(row["output_tokens"], row["gflop"], peak, steps, row["weight_bytes"],
-                         report["memory_bandwidth_gbs"])
+                         report["memory_bandwidth_gbs"], row.get("kv_bytes", 0.0))
 
 
 def markdown(report: dict) -> str:
@@ -549,16 +550,18 @@ def markdown(report: dict) -> str:
                      f"{r['itl_ms_p50']:.1f} / {r['itl_ms_p99']:.1f} |")
     lines += level_ceilings(report)
     bw = report["memory_bandwidth_gbs"]
-    lines += ["", f"Engine-only decode step (memory read bandwidth {bw:.1f} GB/s; memory floor = weight bytes / "
-              "bandwidth; compute floor = the step's FLOPs at the peak of the instruction its GEMMs run on, "
-              "bench.peak_rate; the step's physical floor is the larger):", "",
-              "| model | dtype | batch | step p50 ms | step min ms | weights MB | memory floor ms | GFLOP "
-              "| compute floor ms |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", f"Engine-only decode step (memory read bandwidth {bw:.1f} GB/s; memory floor = the bytes a step "
+              "reads, its weights and the KV cache its attention reads, over the bandwidth; compute floor = the step's "
+              "FLOPs at the peak of the instruction its GEMMs run on, bench.peak_rate; the step's physical floor is "
+              "the larger):", "",
+              "| model | dtype | batch | step p50 ms | step min ms | weights MB | KV MB | memory floor ms | GFLOP "
+              "| compute floor ms |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["engine_step"]:
-        compute = r.get("compute_floor_ms")
+        compute, kv = r.get("compute_floor_ms"), r.get("kv_bytes", 0)
         lines.append(f"| {r['system']} | {r['dtype']} | {r['batch_size']} | {r['step_ms_p50']:.1f} | "
-                     f"{r['step_ms_min']:.1f} | {r['weight_bytes'] / 1e6:.0f} | {r['weight_bytes'] / bw / 1e6:.1f} | "
-                     f"{r.get('gflop', float('nan')):.2f} | {'-' if compute is None else f'{compute:.1f}'} |")
+                     f"{r['step_ms_min']:.1f} | {r['weight_bytes'] / 1e6:.0f} | {kv / 1e6:.0f} | "
+                     f"{(r['weight_bytes'] + kv) / bw / 1e6:.1f} | {r.get('gflop', float('nan')):.2f} | "
+                     f"{'-' if compute is None else f'{compute:.1f}'} |")
     served = {(r["system"], r["concurrency"], r.get("round", 0)): r for r in report["serve"]}
     ratios: dict[tuple[str, int], list[tuple[float, float]]] = {}  # per level: (ITL, TPOT) served / engine, each round
     if report.get("engine_workload"):

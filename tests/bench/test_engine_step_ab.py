@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -186,8 +187,17 @@ def test_an_ab_run_states_the_speed_ups_bounds_from_the_two_models_bytes_and_flo
     report = json.loads(out.read_text())
     dense, compressed = (TokenArithmetic(**report["arithmetic"][side]) for side in ("dense", "compressed"))
     assert compressed.decode_macs < dense.decode_macs  # keep 0.5 of the MLP
-    for row in report["rows"]:  # the median timed step: 16 positions attended
-        want = dense.decode_step_flops(row["batch_size"], 16) / compressed.decode_step_flops(row["batch_size"], 16)
+    context = engine_step.median_context(SimpleNamespace(context=8, steps=2))  # the positions the median step attends
+    for row in report["rows"]:
+        want = (dense.decode_step_flops(row["batch_size"], context) /
+                compressed.decode_step_flops(row["batch_size"], context))
         assert row["flops_ratio"] == pytest.approx(want) and row["flops_ratio"] > 1
-    assert report["weight_bytes"]["dense"] > report["weight_bytes"]["compressed"]
+    weights = report["weight_bytes"]
+    assert weights["dense"] > weights["compressed"]
+    for row in report["rows"]:  # the KV cache both read dilutes the weights' ratio, more at the larger batch
+        assert row["kv_bytes"] == row["batch_size"] * context * report["kv_bytes_per_position"] > 0
+        assert row["bytes_ratio"] == pytest.approx((weights["dense"] + row["kv_bytes"]) /
+                                                   (weights["compressed"] + row["kv_bytes"]))
+    one, four = report["rows"]
+    assert weights["dense"] / weights["compressed"] > one["bytes_ratio"] > four["bytes_ratio"] > 1
     assert "the speed-up's bounds" in capsys.readouterr().out

@@ -11,9 +11,10 @@ import pytest
 from bench import engine_workload
 from bench.engine_workload import measure_level, run_level
 from bench.harness import level_size
-from bench.model_costs import TokenArithmetic, min_level_steps
+from bench.model_costs import TokenArithmetic, level_kv_bytes, min_level_steps
 from server.models import fused_ops
 from support import tiny_config_file
+from transformers import AutoConfig
 
 
 class FakeEngine:
@@ -89,7 +90,11 @@ def test_each_level_states_its_flops_and_the_ceiling_they_allow_at_the_measured_
     peak = report["gemm_peak"]
     if fused_ops.load():  # an fp32 model: its GEMMs run on fp32 FMAs, whose peak the probe measured
         steps = min_level_steps(row["num_prompts"], 2, 4)
-        stream_s = steps * report["weight_bytes"] / (report["memory_bandwidth_gbs"] * 1e9)
+        config = AutoConfig.from_pretrained(tiny_model_dir)  # an fp32 cache: K and V of every layer, 4 bytes a value
+        head_dim = config.hidden_size // config.num_attention_heads
+        per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+        assert row["kv_bytes"] == level_kv_bytes([8] * row["num_prompts"], 4, per_position) > 0
+        stream_s = (steps * report["weight_bytes"] + row["kv_bytes"]) / (report["memory_bandwidth_gbs"] * 1e9)
         assert peak["kind"] == "fp32_fma" and row["ceiling_tok_s"] == pytest.approx(
             row["output_tokens"] / max(row["gflop"] / peak["gops"], stream_s))
         assert row["weight_bytes"] == report["weight_bytes"] > 0

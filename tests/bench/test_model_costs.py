@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from bench import engine_step
-from bench.model_costs import TokenArithmetic, ceiling_tok_s, linear_macs, min_level_steps
+from bench.model_costs import (TokenArithmetic, ceiling_tok_s, decoded_positions, level_kv_bytes, linear_macs,
+                               min_level_steps)
 from server.models import fused_ops
 from server.models.llama import StackedPair
 from server.models.lora import projection_widths
@@ -69,3 +70,13 @@ def test_a_ceiling_is_the_tokens_over_the_longer_of_the_flops_at_the_peak_and_th
     assert ceiling_tok_s(512, 252.0, peak, steps=512, step_bytes=168e6, bandwidth_gbs=32.0) == pytest.approx(
         512 / (512 * 168e6 / 32e9))  # one request at a time: 2.69 s of streaming against 1.26 s of FLOPs
     assert ceiling_tok_s(4096, 2048.0, None) is None
+
+
+def test_a_levels_kv_reads_are_the_positions_its_decode_steps_attend_and_they_lengthen_its_stream():
+    # a 3-token prompt and 3 output tokens: the prompt's last token makes the first, two decode tokens attend 4 and 5
+    assert decoded_positions(prompt_len=3, output_len=3) == 4 + 5 and decoded_positions(5, 1) == 0
+    assert level_kv_bytes([3, 3, 5], output_len=3, kv_bytes_per_position=100) == 100 * (9 + 9 + 6 + 7)
+    peak = {"kind": "fp32_fma", "gops": 1e6}  # FLOPs take no time: the stream bounds the level
+    weights_only = ceiling_tok_s(512, 1.0, peak, steps=512, step_bytes=168e6, bandwidth_gbs=32.0)
+    with_kv = ceiling_tok_s(512, 1.0, peak, steps=512, step_bytes=168e6, bandwidth_gbs=32.0, kv_bytes=512 * 42e6)
+    assert with_kv == pytest.approx(512 / (512 * 210e6 / 32e9)) and with_kv == pytest.approx(weights_only * 0.8)

@@ -139,7 +139,7 @@ def test_a_levels_ceiling_is_its_flops_at_the_peak_its_gemms_run_on_and_the_floo
              "output_tokens": 4096, "num_prompts": 32, "gflop": 2048.0, "gemm_kind": "bf16_dot", "weight_bytes": 269e6}
     arithmetic = {"decode_macs": 10**8, "prompt_macs": 8 * 10**7, "attention_macs_per_position": 10**4}
     step = {"system": "neuronmm", "dtype": "float32", "batch_size": 16, "step_ms_p50": 30.0, "step_ms_min": 29.0,
-            "weight_bytes": 500e6, "gflop": 4.3, "compute_floor_ms": 21.5, "arithmetic": arithmetic,
+            "weight_bytes": 500e6, "kv_bytes": 100e6, "gflop": 4.3, "compute_floor_ms": 21.5, "arithmetic": arithmetic,
             "gemm_peak": {"kind": "fp32_fma", "gops": 200.0}}
     bf16_step = {**step, "system": "neuronmm bf16", "dtype": "bfloat16",
                  "gemm_peak": {"kind": "bf16_dot", "gops": 400.0}}
@@ -149,13 +149,17 @@ def test_a_levels_ceiling_is_its_flops_at_the_peak_its_gemms_run_on_and_the_floo
     level_row = next(line for line in lines if line.startswith("| neuronmm | 16 | 300.0"))
     assert level_row.split("|")[4] == " 800 "  # 4,096 tokens in 2,048 GFLOP at bf16's 400 G/s: 5.12 s
     step_row = next(line for line in lines if line.startswith("| neuronmm | float32 | 16"))
-    assert step_row.split("|")[7:10] == [" 20.0 ", " 4.30 ", " 21.5 "]  # memory floor 500 MB / 25 GB/s, then compute
+    # weights 500 MB and KV 100 MB: a memory floor of 600 MB / 25 GB/s, then the compute floor
+    assert step_row.split("|")[6:11] == [" 500 ", " 100 ", " 24.0 ", " 4.30 ", " 21.5 "]
     report["engine_step"] = [step]  # a bf16 model on fp32 FMAs alone: that peak bounds it
     level_row = next(line for line in markdown(report).splitlines() if line.startswith("| neuronmm | 16 | 300.0"))
     assert level_row.split("|")[4] == " 400 "
     report["engine_workload"][0]["weight_bytes"] = 269e7  # 2 x 128 steps of 2.69 GB at 25 GB/s: 27.5 s, not 10.2
     level_row = next(line for line in markdown(report).splitlines() if line.startswith("| neuronmm | 16 | 300.0"))
     assert level_row.split("|")[4] == f" {4096 / (256 * 2.69 / 25):.0f} "
+    report["engine_workload"][0]["kv_bytes"] = 25e9  # and its decode steps read 25 GB of KV cache: 1 s more
+    level_row = next(line for line in markdown(report).splitlines() if line.startswith("| neuronmm | 16 | 300.0"))
+    assert level_row.split("|")[4] == f" {4096 / (256 * 2.69 / 25 + 1):.0f} "
 
 
 def test_each_served_level_states_the_ceiling_of_its_workload_from_the_engine_only_runs_arithmetic():
@@ -163,19 +167,23 @@ def test_each_served_level_states_the_ceiling_of_its_workload_from_the_engine_on
               "ttft_ms_p99": 120, "tpot_ms_p50": 20.0, "tpot_ms_p99": 22.0, "itl_ms_p50": 20.0, "itl_ms_p99": 22.0}
     arithmetic = {"decode_macs": 10**8, "prompt_macs": 8 * 10**7, "attention_macs_per_position": 10**4}
     step = {"system": "neuronmm", "dtype": "float32", "batch_size": 1, "step_ms_p50": 5.0, "step_ms_min": 5.0,
-            "weight_bytes": 400e6, "gflop": 0.2, "compute_floor_ms": 1.0, "arithmetic": arithmetic,
-            "gemm_peak": {"kind": "fp32_fma", "gops": 200.0}}
+            "weight_bytes": 400e6, "kv_bytes_per_position": 10**5, "gflop": 0.2, "compute_floor_ms": 1.0,
+            "arithmetic": arithmetic, "gemm_peak": {"kind": "fp32_fma", "gops": 200.0}}
     report = {"serve": [served], "memory_bandwidth_gbs": 25.0, "engine_step": [step], "engine_workload": [],
               "peer_note": "", "input_len": 16, "output_len": 8}
     # 4 requests (a level's two waves, at least four): 15 pruned prompt tokens and 8 full ones each, plus attention
     positions = sum(range(1, 17)) + sum(range(17, 24))
     gflop = 4 * 2 * (15 * 8e7 + 8 * 1e8 + positions * 1e4) / 1e9
     row = next(line for line in markdown(report).splitlines() if line.startswith("| 2 | 4 |"))
-    # two waves of 8 steps each stream 400 MB at 25 GB/s: 0.256 s, longer than the FLOPs' 0.08 s at 200 G/s
-    assert gflop / 200.0 < 16 * 0.4 / 25 and row == f"| 2 | 4 | {gflop:.0f} | 16 | {4 * 8 / (16 * 0.4 / 25):.0f} |"
-    step["weight_bytes"] = 4e6  # a model that streams in no time: the FLOPs bound the level
+    # two waves of 8 steps each stream 400 MB, and each request's 7 decode steps read 17 + ... + 23 positions of
+    # 100 kB (56 MB in all), at 25 GB/s: 0.258 s, longer than the FLOPs' 0.08 s at 200 G/s
+    kv_gb = 4 * sum(range(17, 24)) * 1e5 / 1e9
+    stream_s = (16 * 0.4 + kv_gb) / 25
+    assert gflop / 200.0 < stream_s
+    assert row == f"| 2 | 4 | {gflop:.0f} | 16 | {kv_gb:.2f} | {4 * 8 / stream_s:.0f} |"
+    step["weight_bytes"], step["kv_bytes_per_position"] = 4e6, 10  # a model that streams in no time: FLOPs bound it
     row = next(line for line in markdown(report).splitlines() if line.startswith("| 2 | 4 |"))
-    assert row == f"| 2 | 4 | {gflop:.0f} | 16 | {4 * 8 / (gflop / 200.0):.0f} |"
+    assert row == f"| 2 | 4 | {gflop:.0f} | 16 | 0.00 | {4 * 8 / (gflop / 200.0):.0f} |"
     report["engine_step"] = []  # no engine-only run, no arithmetic: no ceiling claimed
     assert "Each level's ceiling" not in markdown(report)
 
