@@ -268,9 +268,15 @@ def _run_serve(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from server.config import load_config
     from server.engine.engine_core import EngineCoreClient
+    from server.models.artifact import read_manifest
     from server.models.source import check_max_model_len, resolve_model_dir
 
     cfg = load_config(*serve_overrides(args))
+    # The artifact's manifest (the core reads the factors): a wrong path stops the start, one line, before the
+    # engine core loads anything. Not for Neuron, whose missing SDK must be the first error it reports (its runner
+    # reads the artifact).
+    if cfg.model.compressed and cfg.backend == "torch":
+        read_manifest(cfg.model.compressed)
     _check_port_free(cfg.server.host, cfg.server.port)
     for name in ignored_vllm_flags(args):
         log.info("%s: accepted as vLLM takes it, no effect here (%s)", name, _VLLM_NO_EFFECT[name][1])
@@ -297,13 +303,8 @@ def _serve_with(cfg, core) -> int:
     from server.api.reasoning import get_reasoning_parser
     from server.api.serving import load_chat_template
     from server.api.tool_parsers import get_tool_parser
-    from server.models.artifact import read_manifest
     from server.models.gemm_tuning import check_env as check_gemm_env
 
-    # The artifact's manifest (the core reads the factors): a wrong path stops the start, one line. Not for Neuron,
-    # whose missing SDK must be the first error it reports (its runner reads the artifact).
-    if cfg.model.compressed and cfg.backend == "torch":
-        read_manifest(cfg.model.compressed)
     try:
         get_tool_parser(cfg.server.tool_call_parser)
     except ValueError as exc:

@@ -12,15 +12,16 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from server.errors import ConfigError, first_error
 from server.fileio import atomic_dir, files_sha256
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -159,6 +160,8 @@ def read_manifest(artifact_dir: Path) -> Manifest:
 
 def load_artifact(artifact_dir: Path) -> tuple[Manifest, dict[str, torch.Tensor]]:
     """(manifest, factor tensors); a missing, corrupt or inconsistent artifact is a one-line ConfigError."""
+    from safetensors.torch import load_file  # torch only here: `neuronmm serve` reads the manifest before it
+
     artifact_dir = Path(artifact_dir).expanduser()
     manifest = read_manifest(artifact_dir)
     try:
@@ -202,6 +205,9 @@ def save_artifact(out_dir: Path, manifest: Manifest, tensors: dict[str, torch.Te
     An exception or kill before the rename leaves out_dir as it was (absent or the old artifact); an
     in-place rewrite (carry from out_dir itself) swaps by two renames, never exposing half an artifact.
     """
+    import torch
+    from safetensors.torch import save_file
+
     with atomic_dir(out_dir) as tmp:
         for path in carry:
             shutil.copy2(path, tmp / Path(path).name)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 import server.models.artifact as art
@@ -66,7 +67,7 @@ def test_interrupted_write_leaves_nothing_half_written(tmp_path, monkeypatch):
     def boom(*_a, **_k):
         raise KeyboardInterrupt  # as if the user pressed Ctrl-C mid-write
 
-    monkeypatch.setattr(art, "save_file", boom)
+    monkeypatch.setattr(safetensors.torch, "save_file", boom)  # save_artifact imports it when it writes
     with pytest.raises(KeyboardInterrupt):
         save_artifact(out, _manifest(method="new"), _tensors())
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -78,16 +79,17 @@ def test_interrupted_write_leaves_nothing_half_written(tmp_path, monkeypatch):
 
 _CHILD = textwrap.dedent("""
     import sys, time, torch
+    import safetensors.torch
     import server.models.artifact as art
     from server.models.artifact import Manifest
-    real = art.save_file
+    real = safetensors.torch.save_file
     def slow(tensors, path, metadata=None):
         real(tensors, path, metadata=metadata)
         with open(path, "r+b") as fh:
             fh.truncate(100)  # a half-written factors file
         open(sys.argv[2], "w").close()  # tell the parent we are mid-write
         time.sleep(60)
-    art.save_file = slow
+    safetensors.torch.save_file = slow
     art.save_artifact(sys.argv[1], Manifest(format_version=1, modules={}, method="new"),
                       {"m.A": torch.ones(2, 3)})
 """)

@@ -259,6 +259,25 @@ def test_a_missing_compressed_artifact_stops_the_start_with_one_line(tmp_path):
         assert f"compressed artifact {artifact}: not a compressed artifact" in proc.stderr.strip().splitlines()[-1]
 
 
+def test_a_missing_compressed_artifact_stops_the_start_before_the_engine_core(tmp_path, monkeypatch, capsys):
+    """The manifest is read before the engine core is spawned: a typo in --compressed costs no model load."""
+    from server.engine.engine_core import EngineCoreClient
+
+    spawned = []
+    monkeypatch.setattr(EngineCoreClient, "spawn", lambda self: spawned.append(self))
+    assert main(["serve", "--compressed", str(tmp_path / "nope"), "--port", "0"]) == 2
+    assert spawned == []
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a compressed artifact" in err[0]
+
+
+def test_the_artifact_format_reads_a_manifest_without_torch():
+    """The serve command checks --compressed before it spawns the engine core, so that check imports no torch."""
+    code = "import sys, server.models.artifact; assert 'torch' not in sys.modules, 'torch imported'"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_max_model_len_past_the_models_positions_stops_the_start(tiny_model_dir, capsys):
     """vLLM refuses a max_model_len past max_position_embeddings: checked before the engine core starts, one line."""
     assert main(["serve", str(tiny_model_dir), "--max-model-len", "5000", "--port", "0"]) == 2
