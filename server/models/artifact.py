@@ -160,7 +160,9 @@ def read_manifest(artifact_dir: Path) -> Manifest:
 
 def load_artifact(artifact_dir: Path) -> tuple[Manifest, dict[str, torch.Tensor]]:
     """(manifest, factor tensors); a missing, corrupt or inconsistent artifact is a one-line ConfigError."""
-    from safetensors.torch import load_file  # torch only here: `neuronmm serve` reads the manifest before it
+    # torch is imported here and in save_artifact, not at the top: `neuronmm serve` reads a manifest before it
+    # spawns the engine core, and that check should not wait for torch's import
+    from safetensors.torch import load_file
 
     artifact_dir = Path(artifact_dir).expanduser()
     manifest = read_manifest(artifact_dir)
