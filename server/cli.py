@@ -277,6 +277,7 @@ def _serve(args: argparse.Namespace) -> int:
     # reads the artifact).
     if cfg.model.compressed and cfg.backend == "torch":
         read_manifest(cfg.model.compressed)
+    _check_api_options(cfg)
     _check_port_free(cfg.server.host, cfg.server.port)
     for name in ignored_vllm_flags(args):
         log.info("%s: accepted as vLLM takes it, no effect here (%s)", name, _VLLM_NO_EFFECT[name][1])
@@ -297,13 +298,12 @@ def _serve(args: argparse.Namespace) -> int:
         raise
 
 
-def _serve_with(cfg, core) -> int:
-    """The checks that need the server's modules, then the server, serving from `core` (None: the app spawns one)."""
-    from server.api.app import serve
+def _check_api_options(cfg) -> None:
+    """The tool and reasoning parsers' names and the chat template (ConfigError, one line): modules without torch,
+    read before the engine core spawns, so that a typo costs no model load."""
+    from server.api.chat_templates import load_chat_template
     from server.api.reasoning import get_reasoning_parser
-    from server.api.serving import load_chat_template
     from server.api.tool_parsers import get_tool_parser
-    from server.models.gemm_tuning import check_env as check_gemm_env
 
     try:
         get_tool_parser(cfg.server.tool_call_parser)
@@ -314,6 +314,13 @@ def _serve_with(cfg, core) -> int:
     except ValueError as exc:
         raise ConfigError(f"server.reasoning_parser: {exc}") from None
     load_chat_template(cfg.server.chat_template)
+
+
+def _serve_with(cfg, core) -> int:
+    """The checks that need the server's modules, then the server, serving from `core` (None: the app spawns one)."""
+    from server.api.app import serve
+    from server.models.gemm_tuning import check_env as check_gemm_env
+
     try:  # read again by the engine process when it packs the weights; checked here so a typo stops the start
         check_gemm_env()
     except ValueError as exc:

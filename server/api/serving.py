@@ -12,7 +12,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from fastapi import Request
@@ -28,6 +27,7 @@ from server.api.protocol import (ChatChoice, ChatCompletionRequest, ChatCompleti
                                  StreamChunk, StreamOptions, TextDeltaLines, TokenizeChatRequest,
                                  TokenizeCompletionRequest, TokenizeResponse, ToolCallDelta, UsageInfo)
 from server.api.beam_search import Beam, beam_search
+from server.api.chat_templates import load_chat_template
 from server.api.fim import fim_prompt, fim_tokens
 from server.api.reasoning import END, START, ReasoningParser, ReasoningStream, get_reasoning_parser
 from server.api.tool_parsers import ToolCallStream, get_tool_parser
@@ -43,7 +43,6 @@ RETRY_AFTER_S = "1"
 _DISCONNECT_POLL_S = 0.05
 _CONSTRAINT_NAMES = {"json_schema": "schema", "json_object": "schema", "regex": "regex", "choice": "choices",
                      "grammar": "grammar", "lark": "tools' schemas", "structural_tag": "structural tag"}
-TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
 
 
 def _check_unicode(text: str, param: str) -> None:
@@ -52,17 +51,6 @@ def _check_unicode(text: str, param: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise APIError(400, f"{param} is not valid Unicode (lone surrogate)", param=param) from None
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """server.chat_template: None (the tokenizer's own), a bundled name (templates/NAME.jinja) or a file."""
-    if value is None:
-        return None
-    path = TEMPLATES_DIR / f"{value}.jinja" if (TEMPLATES_DIR / f"{value}.jinja").is_file() else Path(value)
-    if not path.expanduser().is_file():
-        bundled = ", ".join(sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja")))
-        raise ConfigError(f"server.chat_template: no file {value} (bundled templates: {bundled})")
-    return path.expanduser().read_text()
 
 
 _EMBED = SamplingParams(max_tokens=1, temperature=0.0, embed=True)  # a pooling request: no token comes out

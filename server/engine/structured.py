@@ -15,13 +15,10 @@ import llguidance
 import llguidance.hf
 import torch
 
+from server.engine.json_grammar import JSON_OPTIONS
 from server.engine.sampling_params import StructuredOutput
 
 _ANY_OBJECT = '{"type": "object"}'
-# json.dumps-style separators and no free whitespace: what models write, and no room for the endless
-# runs of spaces or newlines that small models fall into when a grammar allows them; keywords
-# llguidance does not implement are ignored rather than refused.
-JSON_OPTIONS = {"lenient": True, "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @functools.lru_cache(maxsize=4)
@@ -33,11 +30,6 @@ def ll_tokenizer(tokenizer, vocab_size: int | None = None) -> llguidance.LLToken
 def token_bytes(tokenizer, token_id: int) -> bytes:
     """The exact bytes a token stands for (a byte-fallback token is part of a UTF-8 character)."""
     return ll_tokenizer(tokenizer).decode_bytes([token_id])
-
-
-def lark_json(schema: dict) -> str:
-    """A Lark fragment matching JSON for `schema`, under the same options as json_schema specs."""
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
 
 
 def structural_tag_grammar(value: str, special_tokens: frozenset[str]) -> str:

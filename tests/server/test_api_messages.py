@@ -9,7 +9,7 @@ import anthropic
 import httpx
 import pytest
 
-from server.api.serving import load_chat_template
+from server.api.chat_templates import load_chat_template
 from server.runtime import load_tokenizer
 from support import live_server, scripted_loader, tiny_config
 

@@ -236,7 +236,12 @@ def test_port_in_use_is_reported_before_the_model_loads(tmp_path, capsys):
     assert len(err) == 1 and f"127.0.0.1:{port}" in err[0] and "missing.gguf" not in err[0]
 
 
-def test_unknown_tool_parser_and_template_are_one_line_errors(capsys):
+def test_unknown_tool_parser_and_template_are_one_line_errors(monkeypatch, capsys):
+    """Each is a one-line error, given before the engine core is spawned: a typo costs no model load."""
+    from server.engine.engine_core import EngineCoreClient
+
+    spawned = []
+    monkeypatch.setattr(EngineCoreClient, "spawn", lambda self: spawned.append(self))
     assert main(["serve", "--tool-call-parser", "nope", "--port", "0"]) == 2
     assert "known: hermes" in capsys.readouterr().err
     assert main(["serve", "--reasoning-parser", "r2", "--port", "0"]) == 2
@@ -244,6 +249,16 @@ def test_unknown_tool_parser_and_template_are_one_line_errors(capsys):
     assert len(err) == 1 and "server.reasoning_parser" in err[0] and "deepseek_r1, qwen3" in err[0]
     assert main(["serve", "--chat-template", "/no/such.jinja", "--port", "0"]) == 2
     assert "hermes_tools" in capsys.readouterr().err
+    assert spawned == []
+
+
+def test_the_serve_commands_early_checks_import_no_torch():
+    """The tool and reasoning parsers' names and the chat template are checked before the engine core spawns, so
+    their modules import neither torch nor transformers (seconds each)."""
+    code = ("import sys, server.api.tool_parsers, server.api.reasoning, server.api.chat_templates; "
+            "heavy = {'torch', 'transformers'} & set(sys.modules); assert not heavy, heavy")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_a_missing_compressed_artifact_stops_the_start_with_one_line(tmp_path):

@@ -12,10 +12,11 @@ import torch
 from transformers import AutoTokenizer
 
 from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.json_grammar import lark_json
 from server.engine.logits_processors import apply_logits_processors
 from server.engine.sampling_params import SamplingParams, StructuredOutput
 from server.engine.sequence import Sequence
-from server.engine.structured import grammar_error, lark_json, token_bytes
+from server.engine.structured import grammar_error, token_bytes
 
 VOCAB = 64
 EOS = 2

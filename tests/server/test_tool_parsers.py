@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from bench.harness import make_tiny_model
 from server.api.protocol import Tool
-from server.api.serving import load_chat_template
+from server.api.chat_templates import load_chat_template
 from server.api.tool_parsers import PARSERS, get_tool_parser, pythonic
 from support import live_server, scripted_loader, tiny_config
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from server.api.protocol import Tool
 from server.api.tool_parsers.base import TaggedToolParser, call_schemas
-from server.engine.structured import lark_json
+from server.engine.json_grammar import lark_json
 
 
 class HermesToolParser(TaggedToolParser):

@@ -7,7 +7,7 @@ import json
 
 from server.api.protocol import Tool, ToolCall
 from server.api.tool_parsers.base import ToolCallStream, ToolParser, call_schemas, json_call
-from server.engine.structured import lark_json
+from server.engine.json_grammar import lark_json
 
 _DECODER = json.JSONDecoder()
 _SEPARATORS = " \t\r\n;"

@@ -9,7 +9,7 @@ import json
 
 from server.api.protocol import Tool, ToolCall
 from server.api.tool_parsers.base import ToolCallStream, ToolParser, call_schemas, json_call, partial_suffix, tool_call
-from server.engine.structured import lark_json
+from server.engine.json_grammar import lark_json
 
 _DECODER = json.JSONDecoder()
 TAG = "[TOOL_CALLS]"

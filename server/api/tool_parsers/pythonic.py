@@ -16,7 +16,7 @@ import tokenize
 
 from server.api.protocol import Tool, ToolCall
 from server.api.tool_parsers.base import ToolCallStream, ToolParser, tool_call
-from server.engine.structured import lark_json
+from server.engine.json_grammar import lark_json
 
 _START, _END = "<|python_start|>", "<|python_end|>"
 _JSON_NAMES = {"true": True, "false": False, "null": None}
