@@ -299,9 +299,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_api_options(cfg) -> None:
-    """The tool and reasoning parsers' names and the chat template (ConfigError, one line): modules without torch,
-    read before the engine core spawns, so that a typo costs no model load."""
+    """The tool and reasoning parsers' names, the chat template and a generation config folder (ConfigError, one
+    line): modules without torch, read before the engine core spawns, so that a typo costs no model load."""
     from server.api.chat_templates import load_chat_template
+    from server.api.generation_defaults import check_sampling_defaults, sampling_defaults
     from server.api.reasoning import get_reasoning_parser
     from server.api.tool_parsers import get_tool_parser
 
@@ -314,6 +315,8 @@ def _check_api_options(cfg) -> None:
     except ValueError as exc:
         raise ConfigError(f"server.reasoning_parser: {exc}") from None
     load_chat_template(cfg.server.chat_template)
+    if cfg.model.generation_config not in ("auto", "vllm"):  # auto: the model's own file, read once it is resolved
+        check_sampling_defaults(sampling_defaults(Path(), cfg.model.generation_config))
 
 
 def _serve_with(cfg, core) -> int:

@@ -49,31 +49,6 @@ def eos_token_ids(model_dir: Path, tokenizer) -> set[int]:
     return ids
 
 
-# generation_config.json's sampling keys -> the request fields they default (vLLM reads the same ones)
-_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                  "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-
-
-def sampling_defaults(model_dir: Path, setting: str) -> dict:
-    """Request-field defaults from a generation_config.json, as vLLM's --generation-config reads them.
-
-    setting: auto, the model folder's file; vllm, none (the API's own defaults); else a folder holding one.
-    """
-    if setting == "vllm":
-        return {}
-    folder = model_dir if setting == "auto" else Path(setting).expanduser()
-    path = folder / "generation_config.json"
-    if not path.is_file():
-        if setting != "auto":
-            raise ConfigError(f"model.generation_config: no generation_config.json in {folder}")
-        return {}
-    try:
-        found = json.loads(path.read_text())
-    except ValueError as exc:
-        raise ConfigError(f"model.generation_config: {path} is not JSON ({exc})") from None
-    return {field: found[key] for key, field in _SAMPLING_KEYS.items() if found.get(key) is not None}
-
-
 def kv_pool_blocks(e: EngineConfig, bytes_per_token: int) -> int:
     """Blocks of the paged KV pool (committed at start-up): `kv_cache_gib` of them, else as many as max_num_seqs
     sequences of max_model_len."""

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api.errors import APIError, error_response
+from server.api.generation_defaults import sampling_defaults
 from server.api.metrics import ServerMetrics
 from server.api.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                  CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
@@ -44,7 +45,7 @@ from server.engine.async_engine import AsyncEngine
 from server.engine.engine_core import EngineCoreClient
 from server.gc_heap import freeze_heap
 from server.models.source import resolve_model_dir
-from server.runtime import Runtime, eos_token_ids, load_runtime, load_tokenizer, sampling_defaults
+from server.runtime import Runtime, eos_token_ids, load_runtime, load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
-from pydantic import ValidationError
 
 from server.api.errors import APIError
 from server.api.lora_adapters import LoraAdapters
@@ -28,6 +27,7 @@ from server.api.protocol import (ChatChoice, ChatCompletionRequest, ChatCompleti
                                  TokenizeCompletionRequest, TokenizeResponse, ToolCallDelta, UsageInfo)
 from server.api.beam_search import Beam, beam_search
 from server.api.chat_templates import load_chat_template
+from server.api.generation_defaults import check_sampling_defaults
 from server.api.fim import fim_prompt, fim_tokens
 from server.api.reasoning import END, START, ReasoningParser, ReasoningStream, get_reasoning_parser
 from server.api.tool_parsers import ToolCallStream, get_tool_parser
@@ -130,12 +130,7 @@ class OpenAIServing:
     @staticmethod
     def _checked_defaults(defaults: dict) -> dict:
         """The model's sampling defaults, checked once as a request's fields are (a bad one stops the start)."""
-        if defaults:
-            try:
-                CompletionRequest.model_validate({"prompt": "x", **defaults})
-            except ValidationError as exc:
-                raise ConfigError(f"model.generation_config: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']} "
-                                  "(--generation-config vllm ignores the model's file)") from None
+        if check_sampling_defaults(defaults):
             log.info("sampling defaults from the model's generation config: %s (--generation-config vllm ignores "
                      "them)", defaults)
         return defaults

@@ -10,10 +10,9 @@ import httpx
 import openai
 import pytest
 
-from server.api.serving import OpenAIServing
+from server.api.generation_defaults import check_sampling_defaults, sampling_defaults
 from server.config import ConfigError
 from server.engine.structured import token_bytes
-from server.runtime import sampling_defaults
 from support import live_server, tiny_config
 from test_api import metric
 
@@ -359,7 +358,7 @@ def test_generation_config_defaults_fill_only_the_fields_a_request_leaves_unset(
     with pytest.raises(ConfigError, match="no generation_config.json"):
         sampling_defaults(tiny_model_dir, str(tmp_path / "absent"))
     with pytest.raises(ConfigError, match="top_p: Input should be less than or equal to 1"):
-        OpenAIServing._checked_defaults({"top_p": 5.0})
+        check_sampling_defaults({"top_p": 5.0})
     cfg = tiny_config(tiny_model_dir, max_model_len=256)
     cfg.model.generation_config = str(tmp_path)
     with live_server(cfg) as live:

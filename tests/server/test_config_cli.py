@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-
+import json
 import subprocess
 import sys
 import textwrap
@@ -252,10 +252,28 @@ def test_unknown_tool_parser_and_template_are_one_line_errors(monkeypatch, capsy
     assert spawned == []
 
 
+def test_a_bad_generation_config_folder_stops_the_start_before_the_engine_core(tmp_path, monkeypatch, capsys):
+    """A folder without generation_config.json, or one whose values no request could take: one line and exit 2,
+    not a server whose model "failed to load" and that stays up answering 503."""
+    from server.engine.engine_core import EngineCoreClient
+
+    spawned = []
+    monkeypatch.setattr(EngineCoreClient, "spawn", lambda self: spawned.append(self))
+    assert main(["serve", "--generation-config", str(tmp_path / "absent"), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no generation_config.json" in err[0]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 5.0}))
+    assert main(["serve", "--generation-config", str(tmp_path), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.generation_config: top_p" in err[0]
+    assert spawned == []
+
+
 def test_the_serve_commands_early_checks_import_no_torch():
     """The tool and reasoning parsers' names and the chat template are checked before the engine core spawns, so
     their modules import neither torch nor transformers (seconds each)."""
-    code = ("import sys, server.api.tool_parsers, server.api.reasoning, server.api.chat_templates; "
+    code = ("import sys, server.api.tool_parsers, server.api.reasoning, server.api.chat_templates, "
+            "server.api.generation_defaults; "
             "heavy = {'torch', 'transformers'} & set(sys.modules); assert not heavy, heavy")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
