@@ -277,7 +277,7 @@ def _serve(args: argparse.Namespace) -> int:
     # reads the artifact).
     if cfg.model.compressed and cfg.backend == "torch":
         read_manifest(cfg.model.compressed)
-    _check_api_options(cfg)
+    _check_serve_inputs(cfg)
     _check_port_free(cfg.server.host, cfg.server.port)
     for name in ignored_vllm_flags(args):
         log.info("%s: accepted as vLLM takes it, no effect here (%s)", name, _VLLM_NO_EFFECT[name][1])
@@ -298,11 +298,13 @@ def _serve(args: argparse.Namespace) -> int:
         raise
 
 
-def _check_api_options(cfg) -> None:
-    """The tool and reasoning parsers' names, the chat template and a generation config folder (ConfigError, one
-    line): modules without torch, read before the engine core spawns, so that a typo costs no model load."""
+def _check_serve_inputs(cfg) -> None:
+    """The tool and reasoning parsers' names, the chat template, a generation config folder and the LoRA adapters'
+    paths (ConfigError, one line): modules without torch, read before the engine core spawns, so that a typo costs
+    no model load."""
     from server.api.chat_templates import load_chat_template
     from server.api.generation_defaults import check_sampling_defaults, sampling_defaults
+    from server.models.lora_paths import adapter_format
     from server.api.reasoning import get_reasoning_parser
     from server.api.tool_parsers import get_tool_parser
 
@@ -317,6 +319,8 @@ def _check_api_options(cfg) -> None:
     load_chat_template(cfg.server.chat_template)
     if cfg.model.generation_config not in ("auto", "vllm"):  # auto: the model's own file, read once it is resolved
         check_sampling_defaults(sampling_defaults(Path(), cfg.model.generation_config))
+    for name, path in cfg.engine.lora_modules.items():
+        adapter_format(name, path)
 
 
 def _serve_with(cfg, core) -> int:

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from server.errors import ConfigError
 from server.models.lora_gguf import read_gguf_adapter
+from server.models.lora_paths import adapter_format
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +114,7 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _read_config(folder: Path) -> dict:
-    file = folder / "adapter_config.json"
-    if not file.is_file():
-        raise ConfigError(f"LoRA adapter {folder}: no adapter_config.json (a PEFT LoRA folder is expected)")
+    file = folder / "adapter_config.json"  # (adapter_format saw it)
     try:
         config = json.loads(file.read_text())
     except ValueError as exc:
@@ -136,12 +135,10 @@ def load_lora_adapter(name: str, folder: Path, model_config, dtype: torch.dtype,
     the served model; a ConfigError names what does not fit (a module other than the seven projections, a shape, a
     rank over max_rank)."""
     folder = Path(folder).expanduser()
-    if folder.is_file() and folder.suffix == ".gguf":
+    if adapter_format(name, folder) == "gguf":
         config, tensors = read_gguf_adapter(folder, model_config)
-    elif folder.is_dir():
-        config, tensors = _read_config(folder), _read_tensors(folder)
     else:
-        raise ConfigError(f"LoRA adapter {name}: {folder} is neither a PEFT folder nor a .gguf file")
+        config, tensors = _read_config(folder), _read_tensors(folder)
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)

@@ -269,11 +269,27 @@ def test_a_bad_generation_config_folder_stops_the_start_before_the_engine_core(t
     assert spawned == []
 
 
+def test_a_lora_module_that_is_no_adapter_stops_the_start_before_the_engine_core(tmp_path, monkeypatch, capsys):
+    """--lora-modules naming a missing path, or a folder that is not a PEFT adapter: one line and exit 2."""
+    from server.engine.engine_core import EngineCoreClient
+
+    spawned = []
+    monkeypatch.setattr(EngineCoreClient, "spawn", lambda self: spawned.append(self))
+    monkeypatch.setattr(cli, "_serve_with", lambda cfg, core: 0)  # past the checks: no server
+    (tmp_path / "empty").mkdir()
+    for path, says in ((tmp_path / "nope", "is neither a PEFT folder nor a .gguf file"),
+                       (tmp_path / "empty", "no adapter_config.json")):
+        assert main(["serve", "--enable-lora", "--lora-modules", f"x={path}", "--port", "0"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+    assert spawned == []
+
+
 def test_the_serve_commands_early_checks_import_no_torch():
     """The tool and reasoning parsers' names and the chat template are checked before the engine core spawns, so
     their modules import neither torch nor transformers (seconds each)."""
     code = ("import sys, server.api.tool_parsers, server.api.reasoning, server.api.chat_templates, "
-            "server.api.generation_defaults; "
+            "server.api.generation_defaults, server.models.lora_paths; "
             "heavy = {'torch', 'transformers'} & set(sys.modules); assert not heavy, heavy")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
