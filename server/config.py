@@ -132,6 +132,15 @@ class EngineConfig(_Strict):
             raise ValueError("lora_modules needs enable_lora (--enable-lora), as vLLM does")
         return self
 
+    @model_validator(mode="after")
+    def _a_token_a_sequence(self) -> "EngineConfig":
+        # a decode step holds one token of each running sequence (vLLM refuses the same)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens {self.max_num_batched_tokens} must be >= max_num_seqs "
+                             f"{self.max_num_seqs}: a step holds a token of each running sequence "
+                             "(--max-num-batched-tokens)")
+        return self
+
 
 class ServerConfig(_Strict):
     """HTTP front."""

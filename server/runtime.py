@@ -130,8 +130,6 @@ def prefill_cap_while_decoding(e: EngineConfig, runner) -> int | None:
 def build_engine(cfg: Config, runner, tokenizer, eos_ids: set[int]) -> LLMEngine:
     """Allocate the KV cache and wrap the runner in an engine; logs the effective limits."""
     e = cfg.engine
-    if e.max_num_batched_tokens < e.max_num_seqs:
-        raise ConfigError("engine.max_num_batched_tokens must be >= engine.max_num_seqs")
     kv = allocate_kv(cfg, runner)
     cap = prefill_cap_while_decoding(e, runner)
     auto = e.max_prefill_tokens_while_decoding == "auto"

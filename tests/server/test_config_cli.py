@@ -285,6 +285,20 @@ def test_a_lora_module_that_is_no_adapter_stops_the_start_before_the_engine_core
     assert spawned == []
 
 
+def test_more_sequences_than_a_steps_token_budget_is_a_config_error(monkeypatch, capsys):
+    """A step holds a token of each running sequence: max_num_batched_tokens below max_num_seqs is refused as the
+    config loads (as vLLM refuses it), not by the engine core after the server is up."""
+    from server.engine.engine_core import EngineCoreClient
+
+    monkeypatch.setattr(EngineCoreClient, "spawn", lambda self: None)
+    monkeypatch.setattr(cli, "_serve_with", lambda cfg, core: 0)  # past the checks: no server
+    with pytest.raises(ConfigError, match="max_num_batched_tokens 512 must be >= max_num_seqs 1024"):
+        load_config(overrides={"engine.max_num_seqs": 1024})
+    assert main(["serve", "--max-num-seqs", "1024", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--max-num-batched-tokens" in err[0], err
+
+
 def test_the_serve_commands_early_checks_import_no_torch():
     """The tool and reasoning parsers' names and the chat template are checked before the engine core spawns, so
     their modules import neither torch nor transformers (seconds each)."""
