@@ -40,7 +40,7 @@ from server.api.responses import DeletedResponse, InputItemList, ResponseObject,
 from server.api.serving import OpenAIServing
 from server.api.shutdown import GracefulServer
 from server.backends import check_backend_available
-from server.config import Config
+from server.config import Config, ConfigError
 from server.engine.async_engine import AsyncEngine
 from server.engine.engine_core import EngineCoreClient
 from server.gc_heap import freeze_heap
@@ -101,6 +101,10 @@ class AppState:
         self.draining = False
         self.num_active = 0  # generation requests inside the app (the drain waits for 0)
         self.load_error: str | None = None
+        # the configuration's mistake that stopped the load, and who ends the server for it (`neuronmm serve`'s;
+        # unset, the server stays up and /health says why)
+        self.config_error: str | None = None
+        self.on_config_error: Callable[[], None] | None = None
         self.runtime: Runtime | None = None  # only when the engine runs in this process
         self.engine: AsyncEngine | EngineCoreClient | None = None
         self.starting_engine: EngineCoreClient | None = None  # an engine core spawned, not yet serving
@@ -556,12 +560,15 @@ def create_app(cfg: Config, loader: Callable[[Config], Runtime] | None = None,
             else:
                 state.start(await asyncio.to_thread(loader or load_runtime, cfg))
             log.info("ready: serving %s on the %s backend", cfg.model.name, cfg.backend)
-        except Exception as exc:  # keep the server up so /health can say why
+        except Exception as exc:  # keep the server up so /health can say why, unless the config is at fault
             state.load_error = f"{exc.__class__.__name__}: {exc}"
             if state.draining:  # the shutdown stopped the engine core while it loaded
                 log.info("start-up stopped by the shutdown")
             else:
                 log.error("model failed to load: %s", state.load_error)
+                if isinstance(exc, ConfigError) and state.on_config_error is not None:
+                    state.config_error = str(exc)
+                    state.on_config_error()
         finally:
             state.settle_heap()  # (the engine-process path settles it earlier, while the core loads)
 
@@ -597,5 +604,13 @@ def serve(cfg: Config, engine_core: EngineCoreClient | None = None) -> int:
     app = create_app(cfg, freeze_startup_heap=True, engine_core=engine_core)
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level,
                             access_log=cfg.server.access_log)
-    GracefulServer(config, app.state.neuronmm, cfg.server.shutdown_grace_s).run()
+    state = app.state.neuronmm
+    server = GracefulServer(config, state, cfg.server.shutdown_grace_s)
+    # A mistake in the config that only the loaded model shows (a KV pool too small for one sequence, an adapter
+    # that does not fit): the server ends and `neuronmm serve` exits 2 with it, as vLLM exits when its engine
+    # cannot start, rather than staying up to answer 503.
+    state.on_config_error = lambda: server.begin_drain("configuration error")
+    server.run()
+    if state.config_error is not None:
+        raise ConfigError(state.config_error)
     return 0

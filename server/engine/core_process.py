@@ -9,7 +9,7 @@ import logging
 import select
 import signal
 
-from server.config import Config
+from server.config import Config, ConfigError
 from server.engine.async_engine import run_engine_call
 from server.engine.engine_core import SHUTDOWN_SIGNALS, AddRequest, StepReport
 from server.engine.sequence import SeqOutput
@@ -33,6 +33,9 @@ def core_main(cfg: Config, conn) -> None:
     try:
         with startup_heap("engine core"):
             runtime = load_runtime(cfg)
+    except ConfigError as exc:  # the configuration's mistake: the parent stops `neuronmm serve` with it
+        conn.send(("config_error", str(exc)))
+        return
     except Exception as exc:  # the parent reports it on /health
         conn.send(("load_error", f"{exc.__class__.__name__}: {exc}"))
         return

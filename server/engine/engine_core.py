@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 from multiprocessing import resource_tracker
 from operator import attrgetter
 
-from server.config import Config
+from server.config import Config, ConfigError
 from server.engine.async_engine import EngineDeadError, QueueFullError, RequestStream, settle
 from server.engine.sampling_params import SamplingParams
 from server.engine.sequence import SeqOutput
@@ -150,7 +150,8 @@ class EngineCoreClient:
         atexit.register(self._kill)
 
     def wait_ready(self, loop: asyncio.AbstractEventLoop, timeout_s: float | None = None) -> None:
-        """Block until the spawned core's model is loaded and warm (RuntimeError if it fails).
+        """Block until the spawned core's model is loaded and warm (ConfigError for the configuration's mistake,
+        RuntimeError for any other failure).
 
         Its reports are then read by `loop` itself, when the pipe is readable: a reader thread would wake
         once per step and hand each step to the loop through its self-pipe, two more wake-ups per token,
@@ -163,6 +164,8 @@ class EngineCoreClient:
             if deadline and time.monotonic() > deadline:
                 raise RuntimeError("engine core did not become ready in time")
         kind, payload = self._conn.recv()
+        if kind == "config_error":
+            raise ConfigError(payload)
         if kind != "ready":
             raise RuntimeError(payload)
         self._loop = loop

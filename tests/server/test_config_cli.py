@@ -416,3 +416,18 @@ def test_vllm_flags_without_effect_here_are_accepted_and_named():
     assert _serve_config(["--trust-remote-code", "--swap-space", "4"]) == _serve_config([])  # the config unchanged
     assert _serve_config(["--disable-uvicorn-access-log"]).server.access_log is False
     assert _serve_config([]).server.access_log is True
+
+
+def test_a_config_error_the_engine_core_finds_ends_the_server_with_one_line(tiny_model_dir, tmp_path):
+    """A limit only the loaded model can check (here a KV pool too small for one sequence) stops `neuronmm serve`
+    with the one-line error and exit 2, as vLLM exits when its engine cannot start: not a server that stays up
+    answering 503 (in a child process with a timeout, so a regression fails rather than serves)."""
+    from support import tiny_config_file
+
+    config = tiny_config_file(tiny_model_dir, tmp_path, kv_cache_gib=1e-6)
+    proc = subprocess.run([sys.executable, "-c", "from server.cli import main; import sys; "
+                           f"sys.exit(main(['serve', '--config', '{config}', '--port', '0']))"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("neuronmm serve: error: engine.kv_cache_gib:") and "cannot hold one sequence" in last, last
