@@ -304,9 +304,9 @@ def _check_serve_inputs(cfg) -> None:
     no model load."""
     from server.api.chat_templates import load_chat_template
     from server.api.generation_defaults import check_sampling_defaults, sampling_defaults
-    from server.models.lora_paths import adapter_format
     from server.api.reasoning import get_reasoning_parser
     from server.api.tool_parsers import get_tool_parser
+    from server.models.lora_paths import adapter_format
 
     try:
         get_tool_parser(cfg.server.tool_call_parser)
