@@ -27,8 +27,8 @@ from server.api.protocol import (ChatChoice, ChatCompletionRequest, ChatCompleti
                                  TokenizeCompletionRequest, TokenizeResponse, ToolCallDelta, UsageInfo)
 from server.api.beam_search import Beam, beam_search
 from server.api.chat_templates import load_chat_template
-from server.api.generation_defaults import check_sampling_defaults
 from server.api.fim import fim_prompt, fim_tokens
+from server.api.generation_defaults import check_sampling_defaults
 from server.api.reasoning import END, START, ReasoningParser, ReasoningStream, get_reasoning_parser
 from server.api.tool_parsers import ToolCallStream, get_tool_parser
 from server.config import Config, ConfigError
