@@ -299,13 +299,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_serve_inputs(cfg) -> None:
-    """The tool and reasoning parsers' names, the chat template, a generation config folder and the LoRA adapters'
-    paths (ConfigError, one line): modules without torch, read before the engine core spawns, so that a typo costs
-    no model load."""
+    """The tool and reasoning parsers' names, the chat template, a generation config folder, the LoRA adapters' paths
+    and the GEMM thresholds' variables (ConfigError, one line): modules without torch, read before the engine core
+    spawns, so that a typo costs no model load."""
     from server.api.chat_templates import load_chat_template
     from server.api.generation_defaults import check_sampling_defaults, sampling_defaults
     from server.api.reasoning import get_reasoning_parser
     from server.api.tool_parsers import get_tool_parser
+    from server.models.gemm_tuning import check_env as check_gemm_env
     from server.models.lora_paths import adapter_format
 
     try:
@@ -321,17 +322,13 @@ def _check_serve_inputs(cfg) -> None:
         check_sampling_defaults(sampling_defaults(Path(), cfg.model.generation_config))
     for name, path in cfg.engine.lora_modules.items():
         adapter_format(name, path)
+    check_gemm_env()  # read again by the engine core when it packs the weights
 
 
 def _serve_with(cfg, core) -> int:
-    """The checks that need the server's modules, then the server, serving from `core` (None: the app spawns one)."""
+    """The server, serving from `core` (None: the app spawns one)."""
     from server.api.app import serve
-    from server.models.gemm_tuning import check_env as check_gemm_env
 
-    try:  # read again by the engine process when it packs the weights; checked here so a typo stops the start
-        check_gemm_env()
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
     return serve(cfg, core)
 
 

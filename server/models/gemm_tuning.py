@@ -9,6 +9,9 @@ faster than VDPBF16PS from 4 rows, and on a Xeon with AMX the tiles run 5-6 x fa
 weight at start-up (~50 ms; the paths in turns, each by its fastest rep, so that a busy neighbour cannot pick for
 it) and sets the row counts from which the FMA and the AMX paths are used.
 `NEURONMM_BF16_FMA_ROWS` and `NEURONMM_BF16_AMX_ROWS` fix them instead (0: never), for A/B runs.
+
+torch is imported inside the functions that time or set the kernels: `neuronmm serve` checks the two variables
+before it spawns the engine core, without torch's seconds of import.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
+from server.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +85,16 @@ def threshold_from(timings: dict[int, tuple[float, float]]) -> int:
 
 def amx_available() -> bool:
     """Whether this build of the panel GEMMs has AMX and the kernel lets this process use it."""
+    import torch
+
     return bool(torch.ops.neuronmm.bf16_amx_available())
 
 
 def _time_paths(paths: dict[str, Callable[[], None]]) -> dict[str, dict[int, float]]:
     """µs of a decode-sized bf16 panel GEMM (a small model's 1536 x 576 MLP matrix) per path and candidate row
     count; each path is the call that makes every row count take it."""
+    import torch
+
     op = torch.ops.neuronmm
     gen = torch.Generator().manual_seed(0)
     panels = op.pack_panels(torch.randn(1536, 576, generator=gen).bfloat16())
@@ -102,6 +109,8 @@ def _time_paths(paths: dict[str, Callable[[], None]]) -> dict[str, dict[int, flo
 
 def _timings(amx: bool) -> dict[str, dict[int, float]]:
     """µs per bf16 path (dot, fma and, where usable, amx) and candidate row count."""
+    import torch
+
     op = torch.ops.neuronmm
 
     def use(fma_from: int, amx_from: int) -> Callable[[], None]:
@@ -122,17 +131,17 @@ def kernels_from(timings: dict[str, dict[int, float]]) -> Bf16Kernels:
 
 
 def rows_from_env(name: str) -> int | None:
-    """The threshold the variable `name` fixes (None when unset); ValueError for anything but a count >= 0."""
+    """The threshold the variable `name` fixes (None when unset); ConfigError for anything but a count >= 0."""
     value = os.environ.get(name, "").strip()
     if not value:
         return None
     if not value.isdigit():
-        raise ValueError(f"{name} must be a row count >= 0 (0: never use that path), got {value!r}")
+        raise ConfigError(f"{name} must be a row count >= 0 (0: never use that path), got {value!r}")
     return int(value)
 
 
 def check_env() -> None:
-    """Raise ValueError for a bad NEURONMM_BF16_FMA_ROWS / NEURONMM_BF16_AMX_ROWS (`serve` checks early)."""
+    """ConfigError for a bad NEURONMM_BF16_FMA_ROWS / NEURONMM_BF16_AMX_ROWS (`serve` checks them early)."""
     for name in (FMA_ENV, AMX_ENV):
         rows_from_env(name)
 
@@ -142,11 +151,13 @@ def tune_bf16_kernels() -> Bf16Kernels:
     global _chosen
     if _chosen is not None:
         return _chosen
+    import torch
+
     op = torch.ops.neuronmm
     fixed_fma, fixed_amx = rows_from_env(FMA_ENV), rows_from_env(AMX_ENV)
     amx = amx_available()
     if fixed_amx and not amx:
-        raise ValueError(f"{AMX_ENV}={fixed_amx}, but this CPU (or this build) has no usable AMX")
+        raise ConfigError(f"{AMX_ENV}={fixed_amx}, but this CPU (or this build) has no usable AMX")
     detail = f"{FMA_ENV}/{AMX_ENV}"
     if fixed_fma is None or (fixed_amx is None and amx):
         timings = _timings(amx)

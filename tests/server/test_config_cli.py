@@ -303,7 +303,7 @@ def test_the_serve_commands_early_checks_import_no_torch():
     """The tool and reasoning parsers' names and the chat template are checked before the engine core spawns, so
     their modules import neither torch nor transformers (seconds each)."""
     code = ("import sys, server.api.tool_parsers, server.api.reasoning, server.api.chat_templates, "
-            "server.api.generation_defaults, server.models.lora_paths; "
+            "server.api.generation_defaults, server.models.lora_paths, server.models.gemm_tuning; "
             "heavy = {'torch', 'transformers'} & set(sys.modules); assert not heavy, heavy")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -368,11 +368,17 @@ def test_check_max_model_len(config, ok):
 
 @pytest.mark.parametrize("var", ["NEURONMM_BF16_FMA_ROWS", "NEURONMM_BF16_AMX_ROWS"])
 def test_bad_gemm_thresholds_stop_the_start_with_one_line(capsys, monkeypatch, var):
-    """The engine process reads the GEMM thresholds when it packs the weights; serve checks them before loading."""
+    """The engine process reads the GEMM thresholds when it packs the weights; serve checks them before it spawns
+    the engine core."""
+    from server.engine.engine_core import EngineCoreClient
+
+    spawned = []
+    monkeypatch.setattr(EngineCoreClient, "spawn", lambda self: spawned.append(self))
     monkeypatch.setenv(var, "-1")
     assert main(["serve", "--port", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{var} must be a row count >= 0" in err[0]
+    assert spawned == []
 
 
 def test_serve_spawns_the_engine_core_before_it_imports_the_server(tiny_model_dir):
