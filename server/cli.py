@@ -268,15 +268,9 @@ def _run_serve(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from server.config import load_config
     from server.engine.engine_core import EngineCoreClient
-    from server.models.artifact import read_manifest
     from server.models.source import check_max_model_len, resolve_model_dir
 
     cfg = load_config(*serve_overrides(args))
-    # The artifact's manifest (the core reads the factors): a wrong path stops the start, one line, before the
-    # engine core loads anything. Not for Neuron, whose missing SDK must be the first error it reports (its runner
-    # reads the artifact).
-    if cfg.model.compressed and cfg.backend == "torch":
-        read_manifest(cfg.model.compressed)
     _check_serve_inputs(cfg)
     _check_port_free(cfg.server.host, cfg.server.port)
     for name in ignored_vllm_flags(args):
@@ -299,16 +293,21 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_serve_inputs(cfg) -> None:
-    """The tool and reasoning parsers' names, the chat template, a generation config folder, the LoRA adapters' paths
-    and the GEMM thresholds' variables (ConfigError, one line): modules without torch, read before the engine core
-    spawns, so that a typo costs no model load."""
+    """The compressed artifact's manifest, the tool and reasoning parsers' names, the chat template, a generation
+    config folder, the LoRA adapters' paths and the GEMM thresholds' variables (ConfigError, one line): modules
+    without torch, read before the engine core spawns, so that a typo costs no model load."""
     from server.api.chat_templates import load_chat_template
     from server.api.generation_defaults import check_sampling_defaults, sampling_defaults
     from server.api.reasoning import get_reasoning_parser
     from server.api.tool_parsers import get_tool_parser
+    from server.models.artifact import read_manifest
     from server.models.gemm_tuning import check_env as check_gemm_env
     from server.models.lora_paths import adapter_format
 
+    # The core reads the artifact's factors. Not for Neuron, whose missing SDK must be the first error it reports
+    # (its runner reads the artifact).
+    if cfg.model.compressed and cfg.backend == "torch":
+        read_manifest(cfg.model.compressed)
     try:
         get_tool_parser(cfg.server.tool_call_parser)
     except ValueError as exc:

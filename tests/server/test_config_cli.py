@@ -236,12 +236,20 @@ def test_port_in_use_is_reported_before_the_model_loads(tmp_path, capsys):
     assert len(err) == 1 and f"127.0.0.1:{port}" in err[0] and "missing.gguf" not in err[0]
 
 
-def test_unknown_tool_parser_and_template_are_one_line_errors(monkeypatch, capsys):
-    """Each is a one-line error, given before the engine core is spawned: a typo costs no model load."""
+@pytest.fixture
+def spawned(monkeypatch) -> list:
+    """The engine cores `neuronmm serve` spawns, recorded instead of started; past its checks it serves nothing
+    (returns 0), so a check that regresses fails the test rather than serving."""
     from server.engine.engine_core import EngineCoreClient
 
-    spawned = []
-    monkeypatch.setattr(EngineCoreClient, "spawn", lambda self: spawned.append(self))
+    cores: list = []
+    monkeypatch.setattr(EngineCoreClient, "spawn", lambda self: cores.append(self))
+    monkeypatch.setattr(cli, "_serve_with", lambda cfg, core: 0)
+    return cores
+
+
+def test_unknown_tool_parser_and_template_are_one_line_errors(spawned, capsys):
+    """Each is a one-line error, given before the engine core is spawned: a typo costs no model load."""
     assert main(["serve", "--tool-call-parser", "nope", "--port", "0"]) == 2
     assert "known: hermes" in capsys.readouterr().err
     assert main(["serve", "--reasoning-parser", "r2", "--port", "0"]) == 2
@@ -252,13 +260,9 @@ def test_unknown_tool_parser_and_template_are_one_line_errors(monkeypatch, capsy
     assert spawned == []
 
 
-def test_a_bad_generation_config_folder_stops_the_start_before_the_engine_core(tmp_path, monkeypatch, capsys):
+def test_a_bad_generation_config_folder_stops_the_start_before_the_engine_core(tmp_path, spawned, capsys):
     """A folder without generation_config.json, or one whose values no request could take: one line and exit 2,
     not a server whose model "failed to load" and that stays up answering 503."""
-    from server.engine.engine_core import EngineCoreClient
-
-    spawned = []
-    monkeypatch.setattr(EngineCoreClient, "spawn", lambda self: spawned.append(self))
     assert main(["serve", "--generation-config", str(tmp_path / "absent"), "--port", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no generation_config.json" in err[0]
@@ -269,13 +273,8 @@ def test_a_bad_generation_config_folder_stops_the_start_before_the_engine_core(t
     assert spawned == []
 
 
-def test_a_lora_module_that_is_no_adapter_stops_the_start_before_the_engine_core(tmp_path, monkeypatch, capsys):
+def test_a_lora_module_that_is_no_adapter_stops_the_start_before_the_engine_core(tmp_path, spawned, capsys):
     """--lora-modules naming a missing path, or a folder that is not a PEFT adapter: one line and exit 2."""
-    from server.engine.engine_core import EngineCoreClient
-
-    spawned = []
-    monkeypatch.setattr(EngineCoreClient, "spawn", lambda self: spawned.append(self))
-    monkeypatch.setattr(cli, "_serve_with", lambda cfg, core: 0)  # past the checks: no server
     (tmp_path / "empty").mkdir()
     for path, says in ((tmp_path / "nope", "is neither a PEFT folder nor a .gguf file"),
                        (tmp_path / "empty", "no adapter_config.json")):
@@ -285,13 +284,9 @@ def test_a_lora_module_that_is_no_adapter_stops_the_start_before_the_engine_core
     assert spawned == []
 
 
-def test_more_sequences_than_a_steps_token_budget_is_a_config_error(monkeypatch, capsys):
+def test_more_sequences_than_a_steps_token_budget_is_a_config_error(spawned, capsys):
     """A step holds a token of each running sequence: max_num_batched_tokens below max_num_seqs is refused as the
     config loads (as vLLM refuses it), not by the engine core after the server is up."""
-    from server.engine.engine_core import EngineCoreClient
-
-    monkeypatch.setattr(EngineCoreClient, "spawn", lambda self: None)
-    monkeypatch.setattr(cli, "_serve_with", lambda cfg, core: 0)  # past the checks: no server
     with pytest.raises(ConfigError, match="max_num_batched_tokens 512 must be >= max_num_seqs 1024"):
         load_config(overrides={"engine.max_num_seqs": 1024})
     assert main(["serve", "--max-num-seqs", "1024", "--port", "0"]) == 2
@@ -322,12 +317,8 @@ def test_a_missing_compressed_artifact_stops_the_start_with_one_line(tmp_path):
         assert f"compressed artifact {artifact}: not a compressed artifact" in proc.stderr.strip().splitlines()[-1]
 
 
-def test_a_missing_compressed_artifact_stops_the_start_before_the_engine_core(tmp_path, monkeypatch, capsys):
+def test_a_missing_compressed_artifact_stops_the_start_before_the_engine_core(tmp_path, spawned, capsys):
     """The manifest is read before the engine core is spawned: a typo in --compressed costs no model load."""
-    from server.engine.engine_core import EngineCoreClient
-
-    spawned = []
-    monkeypatch.setattr(EngineCoreClient, "spawn", lambda self: spawned.append(self))
     assert main(["serve", "--compressed", str(tmp_path / "nope"), "--port", "0"]) == 2
     assert spawned == []
     err = capsys.readouterr().err.strip().splitlines()
@@ -367,13 +358,9 @@ def test_check_max_model_len(config, ok):
 
 
 @pytest.mark.parametrize("var", ["NEURONMM_BF16_FMA_ROWS", "NEURONMM_BF16_AMX_ROWS"])
-def test_bad_gemm_thresholds_stop_the_start_with_one_line(capsys, monkeypatch, var):
+def test_bad_gemm_thresholds_stop_the_start_with_one_line(capsys, monkeypatch, spawned, var):
     """The engine process reads the GEMM thresholds when it packs the weights; serve checks them before it spawns
     the engine core."""
-    from server.engine.engine_core import EngineCoreClient
-
-    spawned = []
-    monkeypatch.setattr(EngineCoreClient, "spawn", lambda self: spawned.append(self))
     monkeypatch.setenv(var, "-1")
     assert main(["serve", "--port", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
