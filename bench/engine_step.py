@@ -22,7 +22,8 @@ Each round records the core-to-core round trip before it (bench.core_latency): a
 placements that share an L3 or not, and the speed-up differs between them (docs/BENCHMARKS.md).
 
 `--region-times` adds, per batch size, where the GEMM and attention regions lose time to their threads (fork, tail,
-join) and how much of a step runs outside them (the Python of the step, the small ops).
+join, and in a low-rank call's two-phase region the threads' skew at its barrier) and how much of a step runs outside
+them (the Python of the step, the small ops).
 
     python -m bench.engine_step --batch-sizes 1 16 --region-times
 
@@ -103,8 +104,8 @@ def step_times(runner, batch_size: int, context: int, steps: int, seed: int, blo
 
 def region_times(runner, batch_size: int, context: int, steps: int, seed: int, block_size: int) -> dict:
     """Per decode step (after 5 untimed ones), where the balanced parallel regions' wall time goes beyond their
-    threads' work (csrc/work_split.h RegionTimes: fork, tail, join), their wall time, and the step's time outside
-    them; the region clocks run only over these steps, not over the timed ones."""
+    threads' work (csrc/work_split.h RegionTimes: fork, tail, join, barrier), their wall time, and the step's time
+    outside them; the region clocks run only over these steps, not over the timed ones."""
     step, release = _filled(runner, batch_size, context, steps, seed, block_size)
     for i in range(5):
         step(i)
@@ -112,11 +113,12 @@ def region_times(runner, batch_size: int, context: int, steps: int, seed: int, b
     try:
         total = sum(step(i) for i in range(5, steps))
     finally:
-        regions, fork, tail, join, wall = torch.ops.neuronmm.region_times(False)
+        regions, fork, tail, join, wall, barrier = torch.ops.neuronmm.region_times(False)
         release()
     n = steps - 5
     per_step = {"regions": regions / n, "fork_ms": fork / n / 1e6, "tail_ms": tail / n / 1e6,
-                "join_ms": join / n / 1e6, "in_regions_ms": wall / n / 1e6, "step_ms": 1000 * total / n}
+                "join_ms": join / n / 1e6, "barrier_ms": barrier / n / 1e6, "in_regions_ms": wall / n / 1e6,
+                "step_ms": 1000 * total / n}
     per_step["outside_regions_ms"] = per_step["step_ms"] - per_step["in_regions_ms"]
     return per_step
 
@@ -283,12 +285,13 @@ def main(argv: list[str] | None = None) -> int:
         held = rows[-1]["held"]
         print(f"\nheld: {held['steps']} steps of batch {rows[-1]['batch_size']}, p50 {held['step_ms_p50']:.1f} ms")
     if args.region_times:
-        print("\n| batch | regions a step | fork ms | tail ms | join ms | in regions ms | outside ms | step ms |\n"
-              "|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("\n| batch | regions a step | fork ms | tail ms | join ms | barrier ms | in regions ms | outside ms | "
+              "step ms |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             t = r["regions"]
             print(f"| {r['batch_size']} | {t['regions']:.0f} | {t['fork_ms']:.3f} | {t['tail_ms']:.3f} | "
-                  f"{t['join_ms']:.3f} | {t['in_regions_ms']:.2f} | {t['outside_regions_ms']:.2f} | {t['step_ms']:.2f} |")
+                  f"{t['join_ms']:.3f} | {t['barrier_ms']:.3f} | {t['in_regions_ms']:.2f} | "
+                  f"{t['outside_regions_ms']:.2f} | {t['step_ms']:.2f} |")
     _save(args.out, result)
     return 0
 

@@ -86,9 +86,23 @@ def test_region_times_are_recorded_only_while_switched_on(two_threads):
     times = torch.ops.neuronmm.region_times
     times(True)  # on, and whatever an earlier test left is cleared
     torch.ops.neuronmm.balanced_for_owners(torch.full((64,), 5, dtype=torch.long), 20_000)
-    regions, fork, tail, join, wall = times(False)
+    regions, fork, tail, join, wall, barrier = times(False)
     assert regions == 1
     assert tail >= 15_000_000 and wall >= tail
     assert 0 <= fork <= wall and 0 <= join <= wall
+    assert barrier == 0  # one phase: no barrier
     torch.ops.neuronmm.balanced_for_owners(torch.full((64,), 5, dtype=torch.long), 0)
-    assert times(False) == [0, 0, 0, 0, 0]
+    assert times(False) == [0, 0, 0, 0, 0, 0]
+
+
+def test_a_two_phase_regions_barrier_holds_the_skew_of_its_threads_arrivals(two_threads):
+    """One first-phase item sleeps 20 ms; the other thread takes every other item, reaches the barrier first and waits
+    there for the sleeper: the barrier time holds that wait, and the region's tail does not."""
+    times = torch.ops.neuronmm.region_times
+    times(True)
+    torch.ops.neuronmm.balanced_for_then_owners(torch.full((64,), 5, dtype=torch.long),
+                                                torch.full((64,), 5, dtype=torch.long), 20_000)
+    regions, fork, tail, join, wall, barrier = times(False)
+    assert regions == 1
+    assert 15_000_000 <= barrier <= wall
+    assert tail < 15_000_000

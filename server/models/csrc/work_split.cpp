@@ -84,13 +84,13 @@ at::Tensor balanced_for_then_owners(const at::Tensor& first, const at::Tensor& s
   return owners;
 }
 
-// The balanced regions' times summed since the last call ([regions, fork, tail, join, wall], ns; see RegionTimes),
-// then reset; `on` switches the recording on or off from here.
+// The balanced regions' times summed since the last call ([regions, fork, tail, join, wall, barrier], ns; see
+// RegionTimes), then reset; `on` switches the recording on or off from here.
 std::vector<int64_t> region_times(bool on) {
   auto& times = neuronmm::region_times();
   times.on.store(on);
   return {times.regions.exchange(0), times.fork_ns.exchange(0), times.tail_ns.exchange(0), times.join_ns.exchange(0),
-          times.wall_ns.exchange(0)};
+          times.wall_ns.exchange(0), times.barrier_ns.exchange(0)};
 }
 
 }  // namespace

@@ -118,10 +118,11 @@ class Stretches {
 // Where the balanced regions' wall time goes beyond their threads' work, summed over regions while switched on
 // (neuronmm::region_times, bench.engine_step --region-times): fork, from the call until its last thread starts;
 // tail, from the first thread's end to the last's (the others wait); join, from the last thread's end until the
-// call returns. Off (the default) it costs a relaxed load per region.
+// call returns; barrier, in a two-phase region (balanced_for_then), from the first thread's arrival at the barrier
+// to the last's. Off (the default) it costs a relaxed load per region.
 struct RegionTimes {
   std::atomic<bool> on{false};
-  std::atomic<int64_t> regions{0}, fork_ns{0}, tail_ns{0}, join_ns{0}, wall_ns{0};
+  std::atomic<int64_t> regions{0}, fork_ns{0}, tail_ns{0}, join_ns{0}, wall_ns{0}, barrier_ns{0};
 };
 
 inline RegionTimes& region_times() {
@@ -142,6 +143,10 @@ class RegionClock {
   void end(int64_t t) {
     if (on_) end_[t] = now();
   }
+  // thread t reached a two-phase region's barrier
+  void arrive(int64_t t) {
+    if (on_) arrive_[t] = now(), two_phase_ = true;
+  }
   ~RegionClock() {
     if (!on_) return;
     const int64_t exit = now();
@@ -157,6 +162,10 @@ class RegionClock {
     times.tail_ns.fetch_add(last_end - first_end, std::memory_order_relaxed);
     times.join_ns.fetch_add(exit - last_end, std::memory_order_relaxed);
     times.wall_ns.fetch_add(exit - enter_, std::memory_order_relaxed);
+    if (two_phase_) {
+      const auto [first, last] = std::minmax_element(arrive_, arrive_ + threads_);
+      times.barrier_ns.fetch_add(*last - *first, std::memory_order_relaxed);
+    }
   }
 
  private:
@@ -168,7 +177,8 @@ class RegionClock {
   int64_t threads_;
   bool on_;
   int64_t enter_;
-  int64_t begin_[kMax] = {}, end_[kMax] = {};
+  int64_t begin_[kMax] = {}, end_[kMax] = {}, arrive_[kMax] = {};
+  bool two_phase_ = false;
 };
 
 // Runs body(next) once per thread over items [0, count): `next(item)` gives the thread its next item, false when
@@ -218,6 +228,7 @@ void balanced_for_then(const First& first, const Second& second) {
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) clock.begin(t);
     for (int64_t t = b; t < e; ++t) first.body(one.next_for(t));
+    for (int64_t t = b; t < e; ++t) clock.arrive(t);
     // Counted per stretch, not per thread: a region given fewer threads than stretches runs several in turn on
     // one thread, which must not wait for itself.
     arrived.fetch_add(e - b, std::memory_order_acq_rel);
