@@ -47,7 +47,7 @@ def streamed_gbs(nbytes: int, repeats: int = 5) -> float | None:
     thread its share (None where the fused ops cannot be built)."""
     if not fused_ops.load():
         return None
-    data = huge_page_buffer(max(nbytes, 64 * torch.get_num_threads()))
+    data = huge_page_buffer(max(nbytes, 128 * torch.get_num_threads()))
     data.fill_(1)  # backs every page before the timed passes
     return torch.ops.neuronmm.stream_read_rate(data, repeats) / 1e9
 

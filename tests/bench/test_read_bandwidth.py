@@ -48,5 +48,5 @@ def test_the_streamed_read_runs_and_refuses_what_it_cannot_read():
         op(torch.ones(64, 64, dtype=torch.uint8).t(), 1)
     with pytest.raises(RuntimeError, match="repeats must be positive"):
         op(torch.ones(2**16, dtype=torch.uint8), 0)
-    with pytest.raises(RuntimeError, match="a 64-byte line per thread"):
-        op(torch.ones(8, dtype=torch.uint8), 1)
+    with pytest.raises(RuntimeError, match="two 64-byte lines per thread"):
+        op(torch.ones(64 * torch.get_num_threads(), dtype=torch.uint8), 1)  # a line a thread: too little

@@ -97,13 +97,14 @@ double peak_rate(const std::string& kind, int64_t rounds) {
   TORCH_CHECK(false, "peak_rate: this build has no '", kind, "' (it has: ", c10::Join(", ", peak_kinds()), ")");
 }
 
-// The memory floor's rate: bytes per second at which every thread reads its share of `data` (contiguous, its
-// share a whole number of 64-byte lines) front to back, best of `repeats` passes after one untimed one. Each line
-// is one vector load (two on AVX2), and each load is matched by a software prefetch of the line 8 KB ahead, as the
-// GEMM tiles stream their weights. A core's own draw from memory caps a stream, and prefetches keep more of its
-// lines on their way: over 512 MB on the Emerald Rapids VM, two threads read 27.1-35.8 GB/s this way where
-// torch.sum's loop, prefetched by the hardware alone, read 15.6-25.1 in the same runs (bench.read_bandwidth), and
-// the AMX tiles streamed a step's weights at ~27.7: the sum alone put the memory floor below what ran.
+// The memory floor's rate: bytes per second at which every thread reads its share of `data` front to back, best
+// of `repeats` passes after one untimed one (`data` contiguous; a share is a whole number of 128-byte line pairs,
+// and what is left over is not read). Each line is one vector load (two on AVX2), matched by a software prefetch
+// of the line 8 KB ahead, as the GEMM tiles stream their weights. A core's own draw from memory caps a stream,
+// and prefetches keep more of its lines on their way: over 512 MB on the Emerald Rapids VM, two threads read
+// 27.1-35.8 GB/s this way where torch.sum's loop, prefetched by the hardware alone, read 15.6-25.1 in the same runs
+// (bench.read_bandwidth), and the AMX tiles streamed a step's weights at ~27.7: the sum alone put the memory floor
+// below what ran.
 constexpr int64_t kStreamAhead = 8192;  // bytes
 
 uint64_t read_lines(const char* p, int64_t bytes) {
@@ -136,8 +137,8 @@ uint64_t read_lines(const char* p, int64_t bytes) {
 double stream_read_rate(const at::Tensor& data, int64_t repeats) {
   TORCH_CHECK(data.device().is_cpu() && data.is_contiguous(), "stream_read_rate: a contiguous CPU tensor expected");
   TORCH_CHECK(repeats > 0, "stream_read_rate: repeats must be positive");
-  const int64_t threads = at::get_num_threads(), lines = data.nbytes() / 64 / threads;
-  TORCH_CHECK(lines > 0, "stream_read_rate: the tensor must hold at least a 64-byte line per thread");
+  const int64_t threads = at::get_num_threads(), lines = data.nbytes() / 128 / threads * 2;  // (pairs: read_lines)
+  TORCH_CHECK(lines > 0, "stream_read_rate: the tensor must hold at least two 64-byte lines per thread");
   const char* base = static_cast<const char*>(data.data_ptr());
   std::vector<uint64_t> sink(threads * 8, 0);  // a line a thread: the sums leave the loop, so it is not elided
   double best = 0;
