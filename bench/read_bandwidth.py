@@ -6,8 +6,8 @@ sweep larger than an LRU cache misses on every line) and the step runs at DRAM s
 resident tensor of each size with all threads: `torch.sum`, which leaves the prefetching to the hardware, and
 the fused ops' streamed read (csrc/peak_rate.cpp), which prefetches 8 KB ahead as the GEMM tiles do. A core's own
 draw from memory caps each stream, and the software prefetch keeps more lines on their way: over 512 MB on an
-Emerald Rapids Xeon the streamed read ran 1.05-2.3 x as fast as the sum in the same runs, at the pace the GEMMs
-stream their weights. The memory floors divide by the faster of the two.
+Emerald Rapids Xeon the streamed read ran 0.98-2.3 x as fast as the sum in the same runs (faster in nine of ten),
+at the pace the GEMMs stream their weights. The memory floors divide by the faster of the two.
 
     python -m bench.read_bandwidth --sizes-mb 16 64 128 256 512
 """
