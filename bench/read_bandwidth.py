@@ -52,10 +52,15 @@ def streamed_gbs(nbytes: int, repeats: int = 5) -> float | None:
     return torch.ops.neuronmm.stream_read_rate(data, repeats) / 1e9
 
 
+def readings(nbytes: int, repeats: int = 5) -> dict:
+    """Both readers' GB/s over a working set of `nbytes` (streamed: None without the fused ops) and the faster."""
+    summed, streamed = summed_gbs(nbytes, repeats), streamed_gbs(nbytes, repeats)
+    return {"summed_gbs": summed, "streamed_gbs": streamed, "gbs": max(summed, streamed or 0.0)}
+
+
 def read_bandwidth_gbs(nbytes: int, repeats: int = 5) -> float:
     """The memory floors' rate over a working set of `nbytes`: the faster of the summed and the streamed read."""
-    streamed = streamed_gbs(nbytes, repeats)
-    return max(summed_gbs(nbytes, repeats), streamed or 0.0)
+    return readings(nbytes, repeats)["gbs"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,10 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if any(mb <= 0 for mb in args.sizes_mb):
         p.error("--sizes-mb: sizes must be positive")
-    rows = []
-    for mb in args.sizes_mb:
-        summed, streamed = summed_gbs(mb * 2**20, args.repeats), streamed_gbs(mb * 2**20, args.repeats)
-        rows.append({"mb": mb, "summed_gbs": summed, "streamed_gbs": streamed, "gbs": max(summed, streamed or 0.0)})
+    rows = [{"mb": mb, **readings(mb * 2**20, args.repeats)} for mb in args.sizes_mb]
     print("| working set MB | torch.sum GB/s | streamed GB/s | read GB/s |\n|---:|---:|---:|---:|")
     for row in rows:
         streamed = "-" if row["streamed_gbs"] is None else f"{row['streamed_gbs']:.1f}"

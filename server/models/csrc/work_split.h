@@ -130,13 +130,14 @@ inline RegionTimes& region_times() {
   return times;
 }
 
-// One region's clock: begin(t) / end(t) on each thread t, the sums added at destruction (on the calling thread,
-// after the region). Records nothing when off, or for regions of more threads than it holds.
+// One region's clock: begin(t) / end(t) on each thread t (and arrive(t) at a two-phase region's barrier), the sums
+// added at destruction (on the calling thread, after the region). Records nothing when off, or for regions of more
+// threads than it holds.
 class RegionClock {
  public:
-  explicit RegionClock(int64_t threads)
+  explicit RegionClock(int64_t threads, bool two_phase = false)
       : threads_(threads), on_(threads <= kMax && region_times().on.load(std::memory_order_relaxed)),
-        enter_(on_ ? now() : 0) {}
+        two_phase_(two_phase), enter_(on_ ? now() : 0) {}
   void begin(int64_t t) {
     if (on_) begin_[t] = now();
   }
@@ -145,7 +146,7 @@ class RegionClock {
   }
   // thread t reached a two-phase region's barrier
   void arrive(int64_t t) {
-    if (on_) arrive_[t] = now(), two_phase_ = true;
+    if (on_) arrive_[t] = now();
   }
   ~RegionClock() {
     if (!on_) return;
@@ -175,10 +176,9 @@ class RegionClock {
         .count();
   }
   int64_t threads_;
-  bool on_;
+  bool on_, two_phase_;  // (set at construction: the threads only write their own slots)
   int64_t enter_;
   int64_t begin_[kMax] = {}, end_[kMax] = {}, arrive_[kMax] = {};
-  bool two_phase_ = false;
 };
 
 // Runs body(next) once per thread over items [0, count): `next(item)` gives the thread its next item, false when
@@ -224,7 +224,7 @@ void balanced_for_then(const First& first, const Second& second) {
   if (threads <= 0) return;
   Stretches one(threads, first.count, first.cost_before), two(threads, second.count, second.cost_before);
   std::atomic<int64_t> arrived{0};
-  RegionClock clock(threads);
+  RegionClock clock(threads, /*two_phase=*/true);
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) clock.begin(t);
     for (int64_t t = b; t < e; ++t) first.body(one.next_for(t));
