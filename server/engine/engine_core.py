@@ -26,6 +26,7 @@ from operator import attrgetter
 
 from server.config import Config, ConfigError
 from server.engine.async_engine import EngineDeadError, QueueFullError, RequestStream, settle
+from server.engine.loop_pipe import LoopPipe
 from server.engine.sampling_params import SamplingParams
 from server.engine.sequence import SeqOutput
 from server.engine.step_stats import KVStats, LoraStats, StepStats
@@ -122,6 +123,7 @@ class EngineCoreClient:
         self._num_sent_since_report = 0
         self._proc = None
         self._conn = None
+        self._pipe: LoopPipe | None = None  # the loop's end of _conn's socket, once the core is ready
         self._loop: asyncio.AbstractEventLoop | None = None  # reads the core's reports (from start on)
         self._reading = False  # until the core's pipe closes
         self._stopping = False
@@ -153,7 +155,7 @@ class EngineCoreClient:
         """Block until the spawned core's model is loaded and warm (ConfigError for the configuration's mistake,
         RuntimeError for any other failure).
 
-        Its reports are then read by `loop` itself, when the pipe is readable: a reader thread would wake
+        Its reports are then read by `loop` itself, when the pipe is readable (a LoopPipe): a reader thread would wake
         once per step and hand each step to the loop through its self-pipe, two more wake-ups per token,
         each of which preempts an engine thread on a machine whose cores the engine keeps busy.
         """
@@ -170,7 +172,11 @@ class EngineCoreClient:
             raise RuntimeError(payload)
         self._loop = loop
         self._reading = True
-        loop.call_soon_threadsafe(loop.add_reader, self._conn.fileno(), self._on_readable)
+        loop.call_soon_threadsafe(self._attach)
+
+    def _attach(self) -> None:
+        if self._reading and self._pipe is None:
+            self._pipe = LoopPipe(self._conn.fileno(), self._loop, self._on_message, self._on_closed)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the core: told to, once it serves (its loop reads "stop" between steps); killed if it is still
@@ -179,14 +185,15 @@ class EngineCoreClient:
             return
         self._stopping = True
         serving = self._loop is not None
-        if self._reading:
-            self._loop.remove_reader(self._conn.fileno())
-            self._reading = False
-        if serving:
+        if serving and self._reading:
             try:
                 self._send(("stop", None))
             except EngineDeadError:
                 pass
+        self._reading = False
+        if self._pipe is not None:
+            self._pipe.close()  # (writes what the socket had not taken yet: the "stop" among it)
+        if serving:
             self._proc.join(timeout)
         self._kill(timeout)
 
@@ -249,28 +256,29 @@ class EngineCoreClient:
 
     def _send(self, message) -> None:
         try:
-            self._conn.send(message)
+            if self._pipe is not None:
+                self._pipe.send(message)
+            else:  # (before the loop took the pipe over)
+                self._conn.send(message)
         except (OSError, ValueError) as exc:
             raise EngineDeadError(f"engine core is gone: {exc}") from exc
 
     # ---- reading the core's reports (in the event loop) --------------------------------------
-    def _on_readable(self) -> None:
-        # One message a call: the loops watch the pipe level-triggered (asyncio's selectors, uvloop's epoll), so
-        # one that came meanwhile calls this again, and no poll syscall asks after each message whether one did.
-        try:
-            kind, report = self._conn.recv()
-            if kind == "step":
-                self._deliver(StepReport.from_wire(report))
-            elif kind == "reply":  # (token, result, exception)
-                token, result, error = report
-                if token in self._calls:
-                    settle(self._calls[token], result, error)
-        except (EOFError, OSError):
-            self._loop.remove_reader(self._conn.fileno())
-            self._reading = False
-            if not self._stopping:
-                log.error("engine core exited (code %s); failing in-flight requests", self._proc.exitcode)
-            self._fail_all("engine error: the engine process exited")
+    def _on_message(self, message) -> None:
+        kind, report = message
+        if kind == "step":
+            self._deliver(StepReport.from_wire(report))
+        elif kind == "reply":  # (token, result, exception)
+            token, result, error = report
+            if token in self._calls:
+                settle(self._calls[token], result, error)
+
+    def _on_closed(self, exc: BaseException | None) -> None:
+        self._reading = False
+        if not self._stopping:
+            log.error("engine core exited (code %s%s); failing in-flight requests", self._proc.exitcode,
+                      f", {exc}" if exc else "")
+        self._fail_all("engine error: the engine process exited")
 
     def _deliver(self, report: StepReport) -> None:
         self.num_waiting, self.num_running = report.num_waiting, report.num_running
