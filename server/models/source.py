@@ -56,6 +56,19 @@ def gguf_path(cfg: ModelConfig) -> Path:
     return path
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf(path: Path, field: str = "model.path") -> None:
+    """ConfigError (one line) unless `path` starts as a GGUF file does: an empty or foreign file otherwise fails deep
+    in transformers' reader with a traceback."""
+    with open(path, "rb") as f:
+        head = f.read(len(GGUF_MAGIC))
+    if head != GGUF_MAGIC:
+        what = "it is empty" if not head else f"it starts with {head!r}, not {GGUF_MAGIC!r}"
+        raise ConfigError(f"{field}: {path} is not a GGUF file ({what})")
+
+
 _SPECIAL_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
                 "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
 
@@ -164,10 +177,16 @@ def resolve_model_dir(cfg: ModelConfig, cache_dir: Path) -> Path:
         except Exception as exc:  # offline machines, unknown ids
             raise ConfigError(f"model.hf_id: cannot fetch {cfg.hf_id!r} ({exc.__class__.__name__})") from None
     src = gguf_path(cfg)
+    field = "model.path" if cfg.path else "model.resource"
+    check_gguf(src, field)
     sha = file_sha256(src)
     dest = cache_dir / "models" / f"{src.stem}-{sha[:16]}{_converter_suffix()}"
     if not (dest / _COMPLETE_MARKER).is_file():
         if dest.exists():  # an older layout or a foreign folder: never trust it half-way
             shutil.rmtree(dest)
-        _convert_gguf(src, dest, sha)
+        try:
+            _convert_gguf(src, dest, sha)
+        except Exception as exc:  # a truncated file, an architecture transformers does not read: the file's fault
+            detail = str(exc).splitlines()[0] if str(exc) else ""
+            raise ConfigError(f"{field}: cannot convert {src} ({exc.__class__.__name__}: {detail})") from exc
     return dest

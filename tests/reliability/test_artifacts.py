@@ -128,6 +128,19 @@ def ggufs(tmp_path_factory):
     return write_small_gguf(root / "old.gguf", 0), write_small_gguf(root / "new.gguf", 1)
 
 
+def test_a_truncated_gguf_is_one_config_error_and_leaves_no_folder(tmp_path, ggufs):
+    """A file cut short (a download that stopped) fails in transformers' reader; the user gets one line naming the
+    file, and the cache holds nothing of it."""
+    from server.config import ConfigError
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(ggufs[0].read_bytes()[:4096])
+    cache = tmp_path / "cache"
+    with pytest.raises(ConfigError, match=rf"model.path: cannot convert {cut}"):
+        resolve_model_dir(ModelConfig(name="x", source="gguf", path=str(cut)), cache)
+    assert not (cache / "models").exists() or not any((cache / "models").iterdir())
+
+
 def test_killed_conversions_leave_the_old_artifact_or_none(tmp_path, ggufs):
     old, new = ggufs
     rng = random.Random(5)

@@ -64,6 +64,16 @@ def test_cli_missing_package_exits_2(tmp_path, capsys):
     assert "no-such-dist-xyz" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("content", [b"", b"notagguf" * 4], ids=["empty", "foreign"])
+def test_a_file_that_is_no_gguf_exits_2_with_one_line(tmp_path, capsys, content):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    assert main(["serve", str(path), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"neuronmm serve: error: model.path: {path} is not a GGUF file"), err
+    assert "Traceback" not in "\n".join(err)
+
+
 def test_neuron_backend_without_sdk_is_one_line(tmp_path, tiny_model_dir):
     path = tmp_path / "neuron.yaml"
     path.write_text(f"model: {{name: x, source: safetensors, path: {tiny_model_dir}}}\nbackend: neuron\n")
