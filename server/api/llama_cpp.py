@@ -2,7 +2,8 @@
 middle, server/api/fim.py) and POST /apply-template, as llama-server's clients call them, on the completions path: a
 script written for llama-server runs against this server unchanged.
 
-A request's llama.cpp fields map onto an OpenAI completion's (n_predict → max_tokens, -1 to the end of the context;
+A request's llama.cpp fields map onto an OpenAI completion's (n_predict → max_tokens, -1 to the end of the context,
+0 the prompt evaluated into the prefix cache and no token returned;
 repeat_penalty → repetition_penalty; n_probs → logprobs; grammar and json_schema → structured outputs), with
 llama.cpp's sampling defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05). The answer is llama.cpp's:
 `content`, `tokens` (with return_tokens), `stop_type` (eos, word, limit) and `stopping_word`, `tokens_predicted`,
@@ -36,7 +37,8 @@ class LlamaCompletionRequest(RequestPart):
     and need nothing: the prefix cache serves every request)."""
 
     prompt: str | list[int]
-    n_predict: int = Field(-1, ge=-1, description="tokens to generate (-1: until the context is full)")
+    n_predict: int = Field(-1, ge=-1, description="tokens to generate (-1: until the context is full; 0: none, the "
+                                                  "prompt only evaluated into the cache)")
     temperature: float = Field(0.8, ge=0.0, le=2.0, allow_inf_nan=False)
     top_k: int = Field(40, description="0 or less: off")
     top_p: float = Field(0.95, gt=0.0, le=1.0, allow_inf_nan=False)
@@ -65,7 +67,7 @@ class LlamaCompletionRequest(RequestPart):
             "repetition_penalty": self.repeat_penalty, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "ignore_eos": self.ignore_eos, "return_token_ids": True,
             "return_tokens_as_token_ids": True,
-            "max_tokens": self.n_predict if self.n_predict > 0 else max(1, max_model_len - len(prompt_ids))}
+            "max_tokens": self._max_tokens(len(prompt_ids), max_model_len)}
         if self.seed not in _RANDOM_SEEDS:
             body["seed"] = self.seed
         if self.n_probs:
@@ -80,6 +82,11 @@ class LlamaCompletionRequest(RequestPart):
             return CompletionRequest.model_validate(body)
         except ValidationError as exc:
             raise RequestValidationError(exc.errors()) from None
+
+    def _max_tokens(self, prompt_len: int, max_model_len: int) -> int:
+        if self.n_predict == 0:  # the prompt's pass alone; the one token it yields is not returned (_Reply)
+            return 1
+        return self.n_predict if self.n_predict > 0 else max(1, max_model_len - prompt_len)
 
     def _bias(self) -> dict[str, float]:
         pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
@@ -127,7 +134,8 @@ class ApplyTemplateResponse(BaseModel):
 class _Reply:
     """A reply's pieces gathered from the completion's chunks, and its clock."""
 
-    def __init__(self, prompt_tokens: int):
+    def __init__(self, prompt_tokens: int, evaluate_only: bool = False):
+        self.evaluate_only = evaluate_only  # n_predict 0: the pieces are dropped, the reply ends at its limit
         self.start = time.perf_counter()
         self.first: float | None = None  # when the first piece came (the prompt's pass ended)
         self.content, self.tokens, self.probabilities = "", [], []
@@ -152,7 +160,7 @@ class LlamaCppAPI:
             ids = self.serving.prompt_ids(req.prompt)
         chunks = await self.serving.completions(req.as_completion(ids, self.serving.max_model_len), raw,
                                                 as_chunks=True)
-        reply = _Reply(len(ids))
+        reply = _Reply(len(ids), evaluate_only=req.n_predict == 0)
         if req.stream:
             return self._events(req, ids, chunks, reply)
         work = asyncio.ensure_future(self._gathered(chunks, reply))
@@ -200,6 +208,9 @@ class LlamaCppAPI:
                     continue
                 choice = chunk.choices[0]
                 reply.first = reply.first or time.perf_counter()
+                if reply.evaluate_only:
+                    reply.finish_reason = "length"
+                    continue
                 reply.content += choice.text
                 reply.tokens += choice.token_ids or []
                 reply.finish_reason = choice.finish_reason or reply.finish_reason

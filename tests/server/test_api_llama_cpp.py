@@ -71,6 +71,20 @@ def test_stop_words_eos_and_the_whole_context(server):
     assert full["stop_type"] == "limit" and full["tokens_predicted"] + full["tokens_evaluated"] == 256
 
 
+def test_n_predict_0_evaluates_the_prompt_and_returns_no_token(server):
+    """llama-server's n_predict 0: the prompt goes into the cache, nothing is generated (it once meant "no limit" here
+    and ran to the end of the context). A later request with that prompt finds it cached."""
+    prompt = "A prompt that is only evaluated, " * 6
+    body = {"prompt": prompt, "n_predict": 0, "return_tokens": True, "n_probs": 2}
+    done = httpx.post(f"{server.url}/completion", json=body).json()
+    assert done["content"] == "" and done["tokens"] == [] and done["tokens_predicted"] == 0
+    assert done["stop_type"] == "limit" and done["completion_probabilities"] == []
+    events = _events(f"{server.url}/completion", {**body, "stream": True})
+    assert len(events) == 1 and events[0]["stop"] is True and events[0]["tokens_predicted"] == 0
+    again = httpx.post(f"{server.url}/completion", json={"prompt": prompt, "n_predict": 1}).json()
+    assert again["tokens_cached"] > 0 and again["tokens_predicted"] == 1
+
+
 def test_n_probs_give_each_tokens_logprob_and_alternatives(server):
     done = httpx.post(f"{server.url}/completion", json={"prompt": "Hello", "n_predict": 4, "temperature": 0,
                                                         "n_probs": 3, "return_tokens": True}).json()
