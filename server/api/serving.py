@@ -45,6 +45,11 @@ _CONSTRAINT_NAMES = {"json_schema": "schema", "json_object": "schema", "regex": 
                      "grammar": "grammar", "lark": "tools' schemas", "structural_tag": "structural tag"}
 
 
+def _engine_error(out: SeqOutput) -> APIError:
+    """The APIError a sequence's error means: the engine's fault (500), or the request's (400: its grammar)."""
+    return APIError(out.error_status, out.error, code="engine_error" if out.error_status >= 500 else "grammar_error")
+
+
 def _check_unicode(text: str, param: str) -> None:
     """400 for text JSON can carry but UTF-8 cannot (lone surrogates such as "\\ud800")."""
     try:
@@ -325,7 +330,7 @@ class OpenAIServing:
         async def drain(offset: int, gen) -> None:
             async for out in gen:
                 if out.error:
-                    raise APIError(500, out.error, code="engine_error")
+                    raise _engine_error(out)
                 c = choices[offset + out.index]
                 c.text += out.text
                 c.token_ids.extend(out.token_ids)
@@ -759,8 +764,8 @@ class OpenAIServing:
         try:
             async for offset, item in outputs:
                 if isinstance(item, Exception) or item.error:
-                    err = item if isinstance(item, APIError) else APIError(
-                        500, item.error if isinstance(item, SeqOutput) else str(item), code="engine_error")
+                    err = item if isinstance(item, APIError) else _engine_error(item) if isinstance(
+                        item, SeqOutput) else APIError(500, str(item), code="engine_error")
                     yield err.body()
                     return
                 choice = (offset, item.index)

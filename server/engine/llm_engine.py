@@ -13,6 +13,7 @@ from server.backends.base import ModelRunner, SeqChunk
 from server.config import SpeculativeConfig
 from server.engine.block_manager import PagedKV, SlotKV
 from server.engine.detokenizer import IncrementalDetokenizer
+from server.engine.logits_processors import grammar_error
 from server.engine.ngram import propose
 from server.engine.predicted import PREDICTION_DRAFT_TOKENS, PredictedOutput
 from server.engine.sampler import check_draft, sample
@@ -240,6 +241,10 @@ class LLMEngine:
     def _advance(self, chunk: ScheduledTokens, tokens: list[int], logprobs: list, now: float) -> SeqOutput:
         """Append this step's tokens (one, or a checked draft's and the next), up to the first that ends the seq."""
         seq = chunk.seq
+        if (error := grammar_error(seq)) is not None:  # the token sampled is the EOS its matcher forced
+            return self.fail(seq, f"structured output: the grammar engine gave up on this request's grammar after "
+                                  f"{len(seq.output_ids)} tokens ({error}); a simpler schema or grammar may do",
+                             status=400)
         seq.first_token_time = seq.first_token_time or now
         seq.last_itl = None if seq.last_token_time is None else (now - seq.last_token_time) / len(tokens)
         seq.last_token_time = now
@@ -271,7 +276,7 @@ class LLMEngine:
             return "length"
         return None
 
-    def _output(self, seq: Sequence, error: str | None = None, num_new: int = 1) -> SeqOutput:
+    def _output(self, seq: Sequence, error: str | None = None, num_new: int = 1, error_status: int = 500) -> SeqOutput:
         finished = seq.is_finished
         token_ids = seq.output_ids[-num_new:] if seq.output_ids and num_new else []
         lps = seq.pending_logprobs or None
@@ -283,7 +288,7 @@ class LLMEngine:
                         seq.finish_reason if finished else None, len(seq.prompt_ids), len(seq.output_ids), error,
                         seq.num_cached_tokens, prompt_lps,
                         None if seq.prediction is None else (seq.prediction.accepted, seq.prediction.rejected),
-                        seq.embedding, seq.stop_reason if finished else None)
+                        seq.embedding, seq.stop_reason if finished else None, error_status)
         if finished and all(s.is_finished for s in self.seqs.get(seq.request_id, [])):
             self.seqs.pop(seq.request_id, None)
         return out
@@ -295,10 +300,10 @@ class LLMEngine:
         if slot >= 0:
             self.runner.release_slot(slot)
 
-    def fail(self, seq: Sequence, message: str) -> SeqOutput:
-        """End one sequence with an error its client will see."""
+    def fail(self, seq: Sequence, message: str, status: int = 500) -> SeqOutput:
+        """End one sequence with an error its client will see (`status`: the HTTP status it means)."""
         self._finish(seq, "error")
-        return self._output(seq, error=message)
+        return self._output(seq, error=message, error_status=status)
 
     def fail_running(self, message: str) -> list[SeqOutput]:
         """End every request with a running sequence (a step failed outside the forward, leaving the batch

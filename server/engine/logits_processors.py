@@ -27,7 +27,7 @@ class LogitsState:
     prompt_ids: torch.Tensor | None = None  # unique prompt token ids (repetition penalty)
     banned_outside: torch.Tensor | None = None  # bool [vocab]: True for tokens allowed_token_ids leaves out
     grammar: GrammarMatcher | None = None
-    reported_error: bool = False
+    grammar_error: str | None = None  # why the matcher gave up on the grammar (the engine then fails the sequence)
 
 
 def _state(seq: Sequence, vocab_size: int) -> LogitsState:
@@ -90,12 +90,19 @@ def _min_p(row: torch.Tensor, seq: Sequence) -> None:
 def _grammar(row: torch.Tensor, seq: Sequence, state: LogitsState) -> None:
     grammar = state.grammar
     grammar.advance(seq.output_ids)
-    if grammar.matcher.is_error() and not state.reported_error:
-        state.reported_error = True
-        log.warning("request %s left its grammar (%s); ending it", seq.request_id, grammar.matcher.get_error())
+    if grammar.matcher.is_error() and state.grammar_error is None:
+        state.grammar_error = grammar.matcher.get_error() or "the grammar engine stopped"
+        log.warning("request %s left its grammar (%s); ending it", seq.request_id, state.grammar_error)
     grammar.mask(row)
     if torch.isneginf(row).all():  # min_tokens banned the only token the grammar allows: end anyway
         row[grammar.eos] = 0.0
+
+
+def grammar_error(seq: Sequence) -> str | None:
+    """Why the sequence's grammar matcher gave up (a parser limit it reached, a token it could not take), if it did:
+    its forced EOS is then no answer to give as a normal stop."""
+    state = seq.logits_state
+    return state.grammar_error if isinstance(state, LogitsState) else None
 
 
 def apply_logits_processors(logits: torch.Tensor, seqs: list[Sequence]) -> None:

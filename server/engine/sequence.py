@@ -51,6 +51,7 @@ class SeqOutput:
     prediction_tokens: tuple[int, int] | None = None
     embedding: list[float] | None = None  # a pooling request's: the prompt's last hidden state
     stop_reason: int | str | None = None  # with a "stop" finish: the stop token id or string (None: EOS)
+    error_status: int = 500  # the HTTP status an error means (400: the request asked what cannot be done)
 
     def followed_by(self, later: SeqOutput) -> SeqOutput:
         """This output and the same sequence's next one as one delta (the API's --stream-interval sends them so)."""
@@ -63,7 +64,7 @@ class SeqOutput:
                          num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens),
                          prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None
                          else later.prompt_logprobs, prediction_tokens=later.prediction_tokens,
-                         embedding=later.embedding, stop_reason=later.stop_reason)
+                         embedding=later.embedding, stop_reason=later.stop_reason, error_status=later.error_status)
 
 
 @dataclass

@@ -316,6 +316,24 @@ def test_bad_schema_and_unknown_named_tool_are_400(server):
     assert no_template.status_code == 400 and no_template.json()["error"]["code"] == "tools_not_supported"
 
 
+def test_a_grammar_the_engine_gives_up_on_is_a_400_not_a_stop(server):
+    """A schema that refers to itself with nothing to end it (every object must hold another) runs llguidance's parser
+    past its limits a few tokens in. Its forced EOS then read as a normal stop with a reply of `{"`; the request
+    now fails with the grammar engine's reason, streamed or not, and the server serves on."""
+    url = f"{server.url}/v1/chat/completions"
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": endless}}}
+    resp = httpx.post(url, json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "grammar_error" and error["type"] == "invalid_request_error"
+    assert "grammar engine gave up" in error["message"]
+    events = _sse(url, {**body, "stream": True})
+    assert events[-1]["error"]["code"] == "grammar_error"
+    assert httpx.post(url, json={**body, "response_format": None}).status_code == 200
+
+
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
     body = {"model": "tiny", "prompt": "Hi", "max_tokens": 4, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
