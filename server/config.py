@@ -358,10 +358,15 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         raise ConfigError(f"{path}: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
-    for key, value in (overrides or {}).items():
-        if value is not None:
-            _set_dotted(data, key, value)
-    return validate_section(Config, data, str(path))
+    given = {key: value for key, value in (overrides or {}).items() if value is not None}
+    for key, value in given.items():
+        _set_dotted(data, key, value)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:  # named by where the bad value came from: the file, or an override (a flag)
+        loc = ".".join(str(p) for p in exc.errors()[0]["loc"])
+        overridden = any(loc == key or loc.startswith(key + ".") for key in given)
+        raise ConfigError(f"{'the command line' if overridden else path}: {first_error(exc)}") from None
 
 
 def validate_section(cls: type[_Section], data: dict[str, Any], where: str) -> _Section:

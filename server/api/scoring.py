@@ -34,6 +34,9 @@ class ScoreRequest(RequestPart):
         first, second = _texts(self.text_1), _texts(self.text_2)
         if not first or not second:
             raise ValueError("text_1 and text_2 must not be empty")
+        for name, texts in (("text_1", first), ("text_2", second)):
+            if not all(texts):  # (checked here: the embedding pass would name its own field, `input`)
+                raise ValueError(f"{name} must not hold an empty text")
         if len(first) > 1 and len(first) != len(second):
             raise ValueError(f"text_1 ({len(first)} texts) and text_2 ({len(second)}) pair one by one: give them "
                              "the same length, or text_1 one text")
@@ -75,6 +78,12 @@ class RerankRequest(RequestPart):
     return_documents: bool = Field(True, description="Cohere's: each result carries its document's text")
     truncate_prompt_tokens: int | None = Field(None, ge=1)
     user: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if not self.query or not all(self.documents):
+            raise ValueError("query and documents must not hold an empty text")
+        return self
 
 
 class RerankDocument(BaseModel):

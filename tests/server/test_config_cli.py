@@ -57,6 +57,17 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path, capsys):
     assert len(err) == 1 and "model.path" in err[0] and "/nonexistent/model.gguf" in err[0]
 
 
+def test_a_bad_flag_value_is_named_as_the_command_lines_not_the_files(tmp_path, capsys):
+    assert main(["serve", "--port", "99999"]) == 2
+    assert capsys.readouterr().err.strip() == ("neuronmm serve: error: the command line: server.port must be <= 65535, "
+                                               "got 99999")
+    path = tmp_path / "c.yaml"
+    path.write_text(DEFAULT_CONFIG.read_text().replace("port: 8000", "port: 99999"))
+    assert "port: 99999" in path.read_text()
+    assert main(["serve", "--config", str(path)]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"neuronmm serve: error: {path}: server.port must be <= 65535")
+
+
 def test_cli_missing_package_exits_2(tmp_path, capsys):
     path = tmp_path / "pkg.yaml"
     path.write_text("model: {name: x, source: gguf, package: no-such-dist-xyz, resource: a.gguf}\n")

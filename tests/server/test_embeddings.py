@@ -129,6 +129,8 @@ def test_score_is_the_cosine_similarity_of_the_embeddings(server, expected):
     assert pairwise["usage"]["prompt_tokens"] == pairwise["usage"]["total_tokens"] > 0
     mismatched = httpx.post(f"{server.url}/score", json={"text_1": TEXTS[:2], "text_2": TEXTS})
     assert mismatched.status_code == 400 and "same length" in mismatched.json()["error"]["message"]
+    blank = httpx.post(f"{server.url}/score", json={"text_1": "x", "text_2": ["y", ""]})
+    assert blank.status_code == 400 and "text_2 must not hold an empty text" in blank.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("route", ["/rerank", "/v1/rerank", "/v2/rerank"])
@@ -148,3 +150,5 @@ def test_rerank_orders_the_documents_by_similarity(server, expected, route):
     assert all(r["document"] is None for r in every["results"]) and every["usage"]["total_tokens"] > 0
     empty = httpx.post(f"{server.url}{route}", json={"query": "x", "documents": []})
     assert empty.status_code == 400
+    blank = httpx.post(f"{server.url}{route}", json={"query": "x", "documents": ["y", ""]})
+    assert blank.status_code == 400 and "empty text" in blank.json()["error"]["message"]
