@@ -4,19 +4,24 @@ intermediate channels in blocks (--method prune), into an artifact directory."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import resource
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 from pydantic import ValidationError
 
-from compression.compress import CompressSettings, compress_model
+from compression.compress import CompressSettings, check_sensitivity_cache, compress_model
 from compression.prune_artifact import check_prune_settings, prune_compress_model
 from compression.recovery import recover_artifact
+from compression.recovery.recover import check_seqlen, pick_device
 from server.config import Config, RecoveryConfig, load_config, validate_section
 from server.errors import ConfigError, first_error
+from server.models.artifact import check_artifact_out
 from server.models.source import resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -71,7 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "the dense model + 0.5 x the next-token loss (`neuronmm recover` defaults; see its --help)")
     p.add_argument("--recover-train", choices=["lora", "factors"],
                    help="with --recover distill: train LoRA adapters (default) or the factors themselves")
-    p.add_argument("--recover-steps", type=int, default=200, help="with --recover: training steps")
+    p.add_argument("--recover-steps", type=int, help=f"with --recover: training steps (default {RECOVER_STEPS})")
     p.add_argument("--recover-windows", type=int, help="with --recover: distinct training windows (default steps x "
                                                         "batch size); fewer are revisited, see `neuronmm recover`")
     p.add_argument("--recover-ce-weight", type=float, help="with --recover distill: weight of the next-token "
@@ -83,6 +88,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-threads", type=int, default=2, help="torch threads (the CPU is shared)")
     p.add_argument("--out", required=True, help="artifact directory to write (replaced atomically)")
     p.set_defaults(func=_run)
+
+
+RECOVER_STEPS = 200  # --recover's training steps unless --recover-steps says
+
+
+def check_rank_multiple(rank_multiple: int, model_dir: Path) -> None:
+    """ConfigError (one line) where no rank of that multiple saves parameters on the model's MLP matrices: the run
+    would calibrate for minutes and write an artifact that factors nothing."""
+    config = json.loads((model_dir / "config.json").read_text())
+    m, n = config.get("hidden_size"), config.get("intermediate_size")
+    if m and n and rank_multiple * (m + n) >= m * n:
+        raise ConfigError(f"--rank-multiple {rank_multiple}: no rank of that multiple saves parameters on the MLP's "
+                          f"{m} x {n} matrices (it must stay under {m * n // (m + n)})")
 
 
 def settings_from(args: argparse.Namespace, cfg: Config) -> CompressSettings:
@@ -107,7 +125,7 @@ def settings_from(args: argparse.Namespace, cfg: Config) -> CompressSettings:
 
 
 # `--recover-<name>` flags that map 1:1 onto RecoveryConfig fields, and what their error says they need
-_RECOVER_FLAGS = {"lr": "", "windows": "", "hidden_loss": " distill", "ce_weight": " distill"}
+_RECOVER_FLAGS = {"steps": "", "lr": "", "windows": "", "hidden_loss": " distill", "ce_weight": " distill"}
 
 
 def recovery_settings(args: argparse.Namespace, cfg: Config) -> RecoveryConfig | None:
@@ -123,26 +141,45 @@ def recovery_settings(args: argparse.Namespace, cfg: Config) -> RecoveryConfig |
     if args.recover == "lora" and args.recover_train not in (None, "lora"):
         raise ConfigError("--recover-train factors needs --recover distill (--recover lora trains LoRA adapters)")
     flags = {"objective": "next_token" if args.recover == "lora" else "distill", "train": args.recover_train or "lora",
-             "steps": args.recover_steps, "num_threads": max(1, args.num_threads)}
+             "steps": RECOVER_STEPS, "num_threads": args.num_threads}
     flags.update({name: value for name, value in optional.items() if value is not None})
     return validate_section(RecoveryConfig, {**cfg.recovery.model_dump(), **flags}, f"--recover {args.recover}")
 
 
 def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    if args.num_threads < 1:
+        raise ConfigError(f"--num-threads: expected a positive integer, got {args.num_threads}")
     cfg = load_config(args.config)
     settings = settings_from(args, cfg)
     rcfg = recovery_settings(args, cfg)  # checked before the (minutes-long) compression, not after
-    torch.set_num_threads(max(1, args.num_threads))
-    model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
-    out = Path(args.out).expanduser()
-    cache = Path(args.sensitivity_cache).expanduser() if args.sensitivity_cache else None
-    if settings.method == "prune":
-        manifest = prune_compress_model(model_dir, settings, out, model_id=cfg.model.name)
-    else:
-        manifest = compress_model(model_dir, settings, out, model_id=cfg.model.name, sensitivity_cache=cache)
     if rcfg is not None:
-        recover_artifact(out, model_dir, rcfg)
+        pick_device(rcfg.device)
+    out = check_artifact_out(Path(args.out))  # so are the files it writes
+    cache = check_sensitivity_cache(Path(args.sensitivity_cache)) if args.sensitivity_cache else None
+    torch.set_num_threads(args.num_threads)
+    model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
+    if settings.method != "prune":
+        check_rank_multiple(settings.rank_multiple, model_dir)
+    if rcfg is not None:
+        check_seqlen(rcfg, model_dir)
+    # With --recover the compressed artifact is staged beside --out and only the recovered one is published there:
+    # an interrupted recovery must not leave an unrecovered artifact that looks finished.
+    staging = None
+    if rcfg is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.unrecovered-", dir=out.parent))
+    try:
+        first = staging / "artifact" if staging else out
+        if settings.method == "prune":
+            manifest = prune_compress_model(model_dir, settings, first, model_id=cfg.model.name)
+        else:
+            manifest = compress_model(model_dir, settings, first, model_id=cfg.model.name, sensitivity_cache=cache)
+        if rcfg is not None:
+            recover_artifact(first, model_dir, rcfg, out_dir=out)
+    finally:
+        if staging:
+            shutil.rmtree(staging, ignore_errors=True)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     counts = manifest.parameters
     unit = "block" if settings.method == "prune" else "rank multiple"

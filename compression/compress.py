@@ -29,7 +29,7 @@ from compression.statistics import (MLP, batched_gram, capture_layer0_inputs, cr
 from compression.whiten import activation_rel_error, damped_cholesky, plain_factors, whitened_factors
 from server.config import CompressionConfig, data_path
 from server.errors import ConfigError
-from server.fileio import file_sha256, write_json_atomic
+from server.fileio import check_out_file, file_sha256, write_json_atomic
 from server.models.artifact import (FORMAT_VERSION, CalibrationRecord, Manifest, ModuleRecord, ParameterCounts,
                                     SourceRecord, factor_keys, save_artifact, weights_sha256)
 from server.models.lowrank import LowRankLinear
@@ -228,6 +228,21 @@ def _spectra_key(settings: CompressSettings, source_sha: str, calib_sha: str) ->
     """Everything the dense pre-pass depends on: a cache file is reused only when all of it matches."""
     keys = ("method", "sensitivity", "fisher_windows", "calib_samples", "calib_seqlen", "seed", "batch_size")
     return {"source_sha256": source_sha, "calib_sha256": calib_sha, **{k: getattr(settings, k) for k in keys}}
+
+
+def check_sensitivity_cache(path: Path) -> Path:
+    """The --sensitivity-cache file, checked before the work (ConfigError, one line): absent, empty, or a cache this
+    tool wrote; any other file is refused rather than overwritten."""
+    path = check_out_file(path, "--sensitivity-cache")
+    if path.is_file() and path.stat().st_size:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = None
+        if not isinstance(data, dict) or not {"key", "spectra", "measured"} & data.keys():
+            raise ConfigError(f"--sensitivity-cache {path}: exists and is not a sensitivity cache (nothing was "
+                              f"overwritten; name a new file)")
+    return path
 
 
 def _read_cache(path: Path | None) -> dict:

@@ -304,16 +304,20 @@ def data_dir() -> Path:
 
 def data_path(value: str | Path, what: str) -> Path:
     """A data file named by a config key or flag (`what`, for the error): `../shared/data/...` lies under
-    data_dir(), another relative path under the checkout; a missing file is a ConfigError."""
+    data_dir(); another relative path is taken from the current folder where a file is there (a flag's), else
+    from the checkout (a config file's); a missing file is a ConfigError."""
     text = str(value)
     if text.startswith(_SHARED_DATA):
         path = data_dir() / text[len(_SHARED_DATA):]
-    else:
-        path = Path(text).expanduser()
-        path = path if path.is_absolute() else _CHECKOUT / path
-    if not path.is_file():
-        raise ConfigError(f"{what} not found: {path} (set NEURONMM_DATA_DIR)")
-    return path.resolve()
+        if not path.is_file():
+            raise ConfigError(f"{what} not found: {path} (set NEURONMM_DATA_DIR)")
+        return path.resolve()
+    path = Path(text).expanduser()
+    candidates = [path] if path.is_absolute() else [Path.cwd() / path, _CHECKOUT / path]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.resolve()
+    raise ConfigError(f"{what} not found: {' or '.join(str(c) for c in dict.fromkeys(candidates))}")
 
 
 def data_file(*parts: str, what: str = "evaluation data") -> Path:
@@ -348,10 +352,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """Read a YAML config and apply dotted-key overrides (e.g. {"server.port": 8001})."""
     path = Path(path) if path else DEFAULT_CONFIG
+    if path.is_dir():
+        raise ConfigError(f"config file {path}: is a folder")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text (UTF-8) file") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({exc.__class__.__name__})") from exc
     except ConfigError as exc:

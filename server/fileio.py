@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -51,6 +51,7 @@ def atomic_file(path: Path) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())  # (mkstemp's 0600 would keep other users, a server's among them, out)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -62,6 +63,44 @@ def write_json_atomic(path: Path, data) -> Path:
     with atomic_file(path) as tmp:
         tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     return Path(path)
+
+
+def _check_can_create(path: Path, what: str) -> None:
+    """ConfigError unless `path` could be made: its nearest existing ancestor is a folder we can create entries in
+    (tried, not judged by permission bits: root passes those where /proc, say, still refuses)."""
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{what} {path}: {parent} is a file, not a folder")
+    try:
+        tempfile.TemporaryDirectory(prefix=".neuronmm-check-", dir=parent).cleanup()
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: cannot write in {parent} ({exc.strerror or exc})") from None
+
+
+def check_out_dir(path: Path, what: str, replaceable: Callable[[Path], bool]) -> Path:
+    """The folder a long job will write at `path` (absolute), checked before the job starts: a ConfigError (one line)
+    where it could not be written, or where it would replace anything but an empty folder or one that
+    `replaceable(path)` accepts (an earlier output of the same kind): an output path never deletes a user's files."""
+    path = Path(path).expanduser().resolve()
+    if path.exists():
+        if not path.is_dir():
+            raise ConfigError(f"{what} {path}: exists and is a file (nothing was replaced)")
+        if any(path.iterdir()) and not replaceable(path):
+            raise ConfigError(f"{what} {path}: exists and holds other files; it would be replaced whole, so nothing "
+                              f"was done (name a new folder, or remove it first)")
+    _check_can_create(path, what)
+    return path
+
+
+def check_out_file(path: Path, what: str) -> Path:
+    """The file a long job will write at `path`, checked before the job starts (ConfigError, one line)."""
+    path = Path(path).expanduser().resolve()
+    if path.is_dir():
+        raise ConfigError(f"{what} {path}: is a folder")
+    _check_can_create(path, what)
+    return path
 
 
 def swap_in_dir(tmp: Path, out_dir: Path) -> None:
@@ -76,6 +115,23 @@ def swap_in_dir(tmp: Path, out_dir: Path) -> None:
         os.rename(tmp, out_dir)
 
 
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def _as_umask_allows(folder: Path) -> None:
+    """Give a finished temp folder and what it holds the modes a plain mkdir and open would have: mkdtemp makes the
+    folder 0700 and safetensors writes its files 0600, so a server running as another user could not read them."""
+    umask = _umask()
+    for path in (folder, *folder.rglob("*")):
+        if path.is_dir() and not path.is_symlink():
+            path.chmod(0o777 & ~umask)
+        elif path.is_file() and not path.is_symlink():
+            path.chmod((0o777 if os.access(path, os.X_OK) else 0o666) & ~umask)
+
+
 @contextmanager
 def atomic_dir(out_dir: Path) -> Iterator[Path]:
     """Yield a temp folder beside out_dir to fill; a clean exit swaps it in, an error removes it."""
@@ -84,6 +140,7 @@ def atomic_dir(out_dir: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         yield tmp
+        _as_umask_allows(tmp)
         swap_in_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

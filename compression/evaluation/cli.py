@@ -19,7 +19,7 @@ from compression.evaluation.tasks import TASKS, get_task
 from compression.evaluation.zeroshot import evaluate_task
 from server.config import load_config
 from server.errors import ConfigError
-from server.fileio import write_json_atomic
+from server.fileio import atomic_file, check_out_file, write_json_atomic
 from server.models.artifact import read_manifest
 from server.models.int8_linear import quantize_linears_ref
 
@@ -111,6 +111,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.compressed and not Path(args.compressed).expanduser().is_dir():
         raise ConfigError(f"--compressed: not a directory: {args.compressed}")
 
+    out = results_paths(Path(args.out)) if args.out else None  # checked before the (minutes-long) evaluation
     cfg = load_config(args.config)
     manifest = read_manifest(Path(args.compressed)).to_dict() if args.compressed else None
     result = evaluate(cfg, args.compressed, tasks, ppl_limits, seqlen, task_limit, batch_size, threads,
@@ -120,11 +121,20 @@ def run_eval(args: argparse.Namespace) -> int:
     result["manifest"] = manifest
     table = markdown_table([result]) + "\n\n" + table_legend([result]) + "\n"
     print(table)
-    if args.out:
-        out = write_json_atomic(Path(args.out), result)
-        out.with_suffix(".md").write_text(table)
-        log.info("results written to %s", out)
+    if out:
+        json_path, md_path = out
+        write_json_atomic(json_path, result)
+        with atomic_file(md_path) as tmp:
+            tmp.write_text(table)
+        log.info("results written to %s and %s", json_path, md_path)
     return 0
+
+
+def results_paths(out: Path) -> tuple[Path, Path]:
+    """Where --out puts the results' JSON and their markdown table (beside it, .md), both checked writable: an --out
+    that names the .md itself gets its JSON beside it rather than overwritten by the table."""
+    json_path = out.with_suffix(".json") if out.suffix == ".md" else out
+    return check_out_file(json_path, "--out"), check_out_file(json_path.with_suffix(".md"), "--out")
 
 
 def evaluate(cfg, compressed: str | None, tasks: list[str], ppl_limits: dict[str, int | None], seqlen: int,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import resource
 import sys
@@ -26,10 +27,28 @@ log = logging.getLogger(__name__)
 DEFAULT_DATA = Path("c4") / "c4-validation-sample.jsonl"
 
 
-def _pick_device(name: str) -> torch.device:
+def pick_device(name: str) -> torch.device:
+    """The device recovery trains on: auto (CUDA where there is one), cpu, or cuda[:N] (ConfigError, one line, for
+    another name or a CUDA device this machine lacks)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"recovery.device: {name!r} is not auto, cpu or cuda[:N]")
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ConfigError(f"recovery.device: {name}, but this machine's torch sees no such CUDA device")
+    return device
+
+
+def check_seqlen(rcfg: RecoveryConfig, model_dir: Path) -> None:
+    """ConfigError (one line) for training windows longer than the model's positions (a step would grind for minutes
+    first)."""
+    positions = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    if positions and rcfg.seqlen > positions:
+        raise ConfigError(f"recovery.seqlen: {rcfg.seqlen} exceeds the model's {positions} positions")
 
 
 def _peak_rss_mib() -> float:
@@ -121,8 +140,9 @@ def recover_artifact(artifact_dir: Path, model_dir: Path, cfg: RecoveryConfig | 
         raise ConfigError(f"recover {artifact_dir}: the artifact has no low-rank or pruned modules to train (all "
                           f"kept dense)")
     check_model_hash(manifest, Path(model_dir), f"recover {artifact_dir}")
+    check_seqlen(rcfg, Path(model_dir))
     torch.set_num_threads(rcfg.num_threads)
-    device = _pick_device(rcfg.device)
+    device = pick_device(rcfg.device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     path = Path(data_path) if data_path else data_dir() / DEFAULT_DATA
     calibration = calibration_document_ids(manifest, path, tokenizer)

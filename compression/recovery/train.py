@@ -65,6 +65,8 @@ def train_adapters(model: nn.Module, windows: torch.Tensor, cfg: RecoveryConfig,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     start, losses, wall_before = 0, [], 0.0
     state = load_checkpoint(ckpt_path) if resume else None
+    if resume and state is None:
+        log.warning("--resume: no checkpoint at %s; training from the first step", ckpt_path)
     if state is not None:
         if state["config"] != cfg.fingerprint():
             raise ConfigError(f"{ckpt_path}: checkpoint was written with other recovery settings; drop --resume")

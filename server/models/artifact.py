@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import SafetensorError
 
 from server.errors import ConfigError, first_error
-from server.fileio import atomic_dir, files_sha256
+from server.fileio import atomic_dir, check_out_dir, files_sha256
 
 if TYPE_CHECKING:
     import torch
@@ -200,6 +200,17 @@ def _check_consistent(artifact_dir: Path, manifest: Manifest, tensors: dict[str,
                           f"({sorted(extra)[:3]})")
 
 
+def is_artifact(path: Path) -> bool:
+    """Whether a folder holds an artifact (its manifest): one an output path may replace."""
+    return (Path(path) / MANIFEST).is_file()
+
+
+def check_artifact_out(path: Path, what: str = "--out") -> Path:
+    """An artifact's output folder, checked before the work that fills it (server.fileio.check_out_dir): it may
+    replace an earlier artifact or an empty folder, nothing else."""
+    return check_out_dir(path, what, is_artifact)
+
+
 def save_artifact(out_dir: Path, manifest: Manifest, tensors: dict[str, torch.Tensor],
                   carry: tuple[Path, ...] = ()) -> Path:
     """Write manifest + fp32 tensors (+ copies of the `carry` files) into a temp folder, then swap it in.
@@ -210,6 +221,7 @@ def save_artifact(out_dir: Path, manifest: Manifest, tensors: dict[str, torch.Te
     import torch
     from safetensors.torch import save_file
 
+    check_artifact_out(out_dir, "artifact")  # (the commands check first; this keeps any other caller from a loss)
     with atomic_dir(out_dir) as tmp:
         for path in carry:
             shutil.copy2(path, tmp / Path(path).name)

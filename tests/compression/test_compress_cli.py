@@ -21,6 +21,19 @@ def test_missing_calibration_data_is_one_line_exit_2(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_a_relative_data_path_is_read_from_the_current_folder_first(tmp_path, monkeypatch):
+    """A flag's relative path means the shell's folder (it once meant the checkout's alone); a config file's
+    `../shared/data/...` still means the shared data."""
+    from server.config import data_path
+
+    (tmp_path / "mine.jsonl").write_text('{"text": "x"}\n')
+    monkeypatch.chdir(tmp_path)
+    assert data_path("mine.jsonl", "calib_data") == tmp_path / "mine.jsonl"
+    assert data_path("pyproject.toml", "x").name == "pyproject.toml"  # (not here: the checkout's)
+    with pytest.raises(Exception, match=f"calib_data not found: {tmp_path}/nope.jsonl or "):
+        data_path("nope.jsonl", "calib_data")
+
+
 def _compress_args(argv):
     import argparse
 
@@ -88,6 +101,60 @@ def test_compress_with_recover_lora_writes_a_recovered_artifact(tmp_path, tiny_m
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["recovery"]["steps"] == 2 and manifest["recovery"]["method"] == "lora-on-factors"
     assert manifest["allocation"]["method"] == "uniform" and not (out / "recovery-checkpoint.pt").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # (the staged artifact is gone)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (out, *out.iterdir())}
+    assert all(mode & 0o044 == 0o044 for mode in modes.values()), modes  # readable by others under umask 022
+
+
+def test_an_out_path_that_holds_other_files_is_never_replaced(tmp_path, capsys):
+    """--out replaces an earlier artifact (its swap is atomic), never a user's folder or file: it once renamed either
+    aside and deleted it. Refused before any work, as are paths that could not be written and a sensitivity cache
+    that is some other file."""
+    folder, file, notes = tmp_path / "docs", tmp_path / "notes.txt", tmp_path / "cache.json"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "keep.txt").write_text("precious")
+    file.write_text("precious")
+    notes.write_text("my notes")
+    for argv, needle in [(["--out", str(folder)], "holds other files"), (["--out", str(file)], "is a file"),
+                         (["--out", str(file / "x")], "is a file, not a folder"),
+                         (["--out", str(tmp_path / "new"), "--sensitivity-cache", str(notes)],
+                          "is not a sensitivity cache"),
+                         (["--out", str(tmp_path / "new"), "--sensitivity-cache", str(folder)], "is a folder")]:
+        assert main(["compress", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], (argv, err)
+    assert (folder / "keep.txt").read_text() == "precious" and (folder / "sub").is_dir()
+    assert file.read_text() == "precious" and notes.read_text() == "my notes"
+    assert not (tmp_path / "new").exists()
+
+
+def test_compress_with_recover_publishes_only_the_recovered_artifact(tmp_path, tiny_model_dir, monkeypatch):
+    """An interrupted recovery leaves --out as it was (here absent) and no staged artifact beside it: the compressed
+    artifact it started from once sat at --out, looking finished."""
+    import compression.cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(compression.cli, "recover_artifact", interrupted)
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(f"model: {{name: tiny, source: safetensors, path: {tiny_model_dir}}}\n")
+    out = tmp_path / "outs" / "art"
+    assert main(["compress", "--config", str(cfg), "--keep-ratio", "0.5", "--rank-multiple", "8", "--allocation",
+                 "uniform", "--calib-samples", "2", "--calib-seqlen", "32", "--recover", "lora", "--recover-steps", "2",
+                 "--num-threads", "1", "--out", str(out)]) == 130
+    assert list((tmp_path / "outs").iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--recover-steps", "-1"], "--recover-steps needs --recover"),
+    (["--num-threads", "0"], "--num-threads: expected a positive integer, got 0"),
+    (["--rank-multiple", "100000"], "--rank-multiple 100000: no rank of that multiple saves parameters"),
+])
+def test_flags_that_would_be_ignored_or_do_nothing_are_refused_first(argv, needle, tmp_path, capsys):
+    out = tmp_path / "art"
+    assert main(["compress", *argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0] and not out.exists()
 
 
 def test_bad_recover_steps_fail_before_compressing(tmp_path, capsys):

@@ -59,6 +59,8 @@ def test_eval_int8_runs_the_served_quantisation(tiny_yaml, tmp_path):
     (["--compressed", "/nonexistent/artifact"], "--compressed: not a directory"),
     (["--tasks", "none", "--ppl", "none"], "nothing to evaluate"),
     (["--ppl", "ptb", "--ppl-limit", "c4=3"], "'c4' is not among the --ppl corpora"),
+    (["--tasks", "none", "--ppl", "ptb", "--out", "/proc/neuronmm-results.json"], "--out /proc/neuronmm-results.json"),
+    (["--tasks", "none", "--ppl", "ptb", "--out", "/"], "is a folder"),
 ])
 def test_bad_args_are_one_line_errors(tiny_yaml, capsys, argv, fragment):
     assert main(["eval", "--config", str(tiny_yaml), *argv]) == 2

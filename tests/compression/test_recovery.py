@@ -193,12 +193,16 @@ def test_recovery_text_excludes_calibration_documents(tiny_model_dir):
     (["--artifact", "{art}", "--steps", "0"], "steps must be >= 1"),
     (["--artifact", "{art}", "--lr", "-1"], "lr must be a positive"),
     (["--artifact", "{tmp}"], "not a compressed artifact"),
+    (["--artifact", "{art}", "--device", "tpu"], "'tpu' is not auto, cpu or cuda[:N]"),
+    (["--artifact", "{art}", "--seqlen", "100000"], "exceeds the model's"),
+    (["--artifact", "{art}", "--out", "{tmp}/../notes.txt"], "exists and is a file"),
 ])
 def test_bad_arguments_are_one_line_errors(argv, needle, artifact, tmp_path, capsys):
     from server.cli import main
 
     empty = tmp_path / "empty"
     empty.mkdir()
+    (tmp_path / "notes.txt").write_text("precious")
     argv = [a.format(art=artifact, tmp=empty) for a in argv]
     assert main(["recover", *argv]) == 2
     err = capsys.readouterr().err.strip()

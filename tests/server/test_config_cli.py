@@ -68,6 +68,15 @@ def test_a_bad_flag_value_is_named_as_the_command_lines_not_the_files(tmp_path, 
     assert capsys.readouterr().err.strip().startswith(f"neuronmm serve: error: {path}: server.port must be <= 65535")
 
 
+def test_a_config_that_is_a_folder_or_not_text_is_one_line(tmp_path):
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ConfigError, match="not a text"):
+        load_config(binary)
+    with pytest.raises(ConfigError, match="is a folder"):
+        load_config(tmp_path)
+
+
 def test_cli_missing_package_exits_2(tmp_path, capsys):
     path = tmp_path / "pkg.yaml"
     path.write_text("model: {name: x, source: gguf, package: no-such-dist-xyz, resource: a.gguf}\n")
