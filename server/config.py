@@ -179,7 +179,7 @@ class ServerConfig(_Strict):
 class CompressionConfig(_Strict):
     """Defaults for `neuronmm compress` (the offline step)."""
 
-    keep_ratio: float = Field(0.8, gt=0, le=1)
+    keep_ratio: float = Field(0.8, gt=0, le=1, allow_inf_nan=False)
     method: Literal["whitened", "plain", "prune"] = "whitened"  # prune: structured, MLP channels in blocks
     targets: Literal["mlp", "mlp+attn"] = "mlp"
     rank_multiple: int = Field(128, ge=1)

@@ -5,11 +5,12 @@ import pytest
 from server.cli import main
 
 
-def test_bad_keep_ratio_is_one_line_exit_2(tmp_path, capsys):
+@pytest.mark.parametrize("value, needle", [("1.5", "must be <= 1"), ("nan", "finite number")])
+def test_bad_keep_ratio_is_one_line_exit_2(tmp_path, capsys, value, needle):
     out = tmp_path / "art"
-    assert main(["compress", "--keep-ratio", "1.5", "--out", str(out)]) == 2
+    assert main(["compress", "--keep-ratio", value, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--keep-ratio" in err[0]
+    assert len(err) == 1 and "--keep-ratio" in err[0] and needle in err[0]
     assert not out.exists()
 
 
