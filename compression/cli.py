@@ -86,7 +86,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--recover-lr", type=float, help="with --recover: peak learning rate (default as `neuronmm "
                                                     "recover`'s: 1e-3 for LoRA, 1e-4 for the factors)")
     p.add_argument("--num-threads", type=int, default=2, help="torch threads (the CPU is shared)")
-    p.add_argument("--out", required=True, help="artifact directory to write (replaced atomically)")
+    p.add_argument("--out", required=True, help="artifact directory to write: an earlier artifact there is replaced "
+                                                "atomically; any other folder or file is refused")
     p.set_defaults(func=_run)
 
 
