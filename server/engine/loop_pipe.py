@@ -23,7 +23,7 @@ from multiprocessing.reduction import ForkingPickler
 
 log = logging.getLogger(__name__)
 
-_READ_CHUNK = 1 << 18
+_READ_CHUNK = 1 << 16
 _SHORT, _LONG = struct.Struct("!i"), struct.Struct("!Q")
 
 
@@ -44,6 +44,10 @@ class LoopPipe:
         self._fd, self._loop = fd, loop
         self._on_message, self._on_closed = on_message, on_closed
         self._in = bytearray()
+        # Read into one buffer kept for the pipe's life: os.read(n) allocates n bytes a call, and past malloc's mmap
+        # threshold that is an mmap and a munmap a message (a few hundred bytes at c=1).
+        self._chunk = bytearray(_READ_CHUNK)
+        self._chunk_view = memoryview(self._chunk)
         self._out = bytearray()  # frames the socket has not taken yet, in order
         self._open = True
         os.set_blocking(fd, False)
@@ -100,16 +104,16 @@ class LoopPipe:
         # Level-triggered: what is left unread now calls this again, so one read a call keeps a long report from
         # holding the loop while other work waits.
         try:
-            chunk = os.read(self._fd, _READ_CHUNK)
+            count = os.readv(self._fd, [self._chunk])
         except BlockingIOError:
             return
         except OSError as exc:
             self._closed(exc)
             return
-        if not chunk:
+        if not count:
             self._closed(None)
             return
-        self._in += chunk
+        self._in += self._chunk_view[:count]
         for message in self._whole_messages():
             if not self._open:  # (a handler closed the pipe)
                 return
