@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -13,7 +12,7 @@ from server.config import Config
 from server.errors import ConfigError
 from server.models.artifact import MANIFEST
 from server.models.compressed import apply_artifact_to_hf
-from server.models.source import resolve_model_dir
+from server.models.source import model_positions, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +38,7 @@ def load_eval_model(cfg: Config, compressed: str | Path | None = None, num_threa
 
 def max_positions(cfg: Config) -> int:
     """The model's position limit, read from its config.json without loading weights."""
-    config = json.loads((resolve_model_dir(cfg.model, cfg.cache_path) / "config.json").read_text())
-    return int(config.get("max_position_embeddings", 2048))
+    return int(model_positions(resolve_model_dir(cfg.model, cfg.cache_path), 2048))
 
 
 def count_parameters(model: torch.nn.Module) -> int:

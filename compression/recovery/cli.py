@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from compression.recovery.recover import check_seqlen, pick_device, recover_artifact
+from compression.recovery.recover import recover_artifact
 from server.config import RecoveryConfig, load_config, validate_section
 from server.errors import ConfigError
 from server.models.artifact import check_artifact_out
@@ -56,11 +56,9 @@ def _run(args: argparse.Namespace) -> int:
             "adapter_rank", "warmup_steps", "checkpoint_every", "seed", "num_threads", "device")
     overrides = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     rcfg = validate_section(RecoveryConfig, {**cfg.recovery.model_dump(), **overrides}, "recovery")
-    pick_device(rcfg.device)  # these before the model and the data load
     if args.out:
-        check_artifact_out(Path(args.out))
+        check_artifact_out(Path(args.out))  # (recover_artifact checks the device and the windows before its loads)
     model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
-    check_seqlen(rcfg, model_dir)
     block = recover_artifact(artifact, model_dir, rcfg, out_dir=Path(args.out) if args.out else None,
                              resume=args.resume, data_path=Path(args.data) if args.data else None)
     print(f"recovered {args.out or artifact} ({block['method']}): loss {block['initial_loss']:.3f} -> "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import resource
 import sys
@@ -21,6 +20,7 @@ from server.config import RecoveryConfig, data_dir
 from server.errors import ConfigError
 from server.models.artifact import FACTORS, MANIFEST, Manifest, check_model_hash, load_artifact, save_artifact
 from server.models.compressed import artifact_tensors, swap_in_artifact
+from server.models.source import model_positions
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def pick_device(name: str) -> torch.device:
 def check_seqlen(rcfg: RecoveryConfig, model_dir: Path) -> None:
     """ConfigError (one line) for training windows longer than the model's positions (a step would grind for minutes
     first)."""
-    positions = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    positions = model_positions(model_dir)
     if positions and rcfg.seqlen > positions:
         raise ConfigError(f"recovery.seqlen: {rcfg.seqlen} exceeds the model's {positions} positions")
 
@@ -134,15 +134,15 @@ def recover_artifact(artifact_dir: Path, model_dir: Path, cfg: RecoveryConfig | 
     from transformers import AutoTokenizer
 
     rcfg = cfg or RecoveryConfig()
+    check_seqlen(rcfg, Path(model_dir))  # both before the artifact and the data load
+    device = pick_device(rcfg.device)
     artifact_dir, out_dir = Path(artifact_dir), Path(out_dir or artifact_dir)
     manifest, tensors = load_artifact(artifact_dir)
     if not manifest.replaced_modules():
         raise ConfigError(f"recover {artifact_dir}: the artifact has no low-rank or pruned modules to train (all "
                           f"kept dense)")
     check_model_hash(manifest, Path(model_dir), f"recover {artifact_dir}")
-    check_seqlen(rcfg, Path(model_dir))
     torch.set_num_threads(rcfg.num_threads)
-    device = pick_device(rcfg.device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     path = Path(data_path) if data_path else data_dir() / DEFAULT_DATA
     calibration = calibration_document_ids(manifest, path, tokenizer)

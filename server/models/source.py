@@ -26,6 +26,12 @@ log = logging.getLogger(__name__)
 _COMPLETE_MARKER = "neuronmm-converted.json"
 
 
+def model_positions(model_dir: Path, default: int | None = None) -> int | None:
+    """The positions a model folder's config.json says it was trained for (max_position_embeddings), else `default`."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return config.get("max_position_embeddings", default)
+
+
 def check_max_model_len(config: dict, max_model_len: int) -> None:
     """A ConfigError when engine.max_model_len passes the positions the model was trained for (config.json's
     max_position_embeddings), as vLLM refuses it; a config that scales RoPE sets its own reach and is not checked."""
