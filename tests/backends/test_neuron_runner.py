@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -35,6 +36,12 @@ class FakeTnx:
         for r in range(rows):
             out[r, (int(input_ids[r, -1]) + int(cache_ids[r, -1])) % VOCAB] = 1.0
         return out
+
+
+@pytest.fixture(autouse=True)
+def _no_outside_compile_cache(monkeypatch):
+    """runner.load() sets NEURON_COMPILE_CACHE_URL for the SDK: undone after each test."""
+    monkeypatch.delenv("NEURON_COMPILE_CACHE_URL", raising=False)
 
 
 @pytest.fixture
@@ -142,6 +149,17 @@ def test_compressed_artifact_is_prepared_once_at_load(model_dir, tmp_path):
     f = seen["factors"][1]
     assert f.gate_u.shape == (64, 128) and f.gate_v.shape == (128, 256) and f.down_v.shape == (128, 64)
     assert (tmp_path / "cache").is_dir()
+
+
+def test_the_configs_compile_cache_is_the_sdks(model_dir, tmp_path, monkeypatch, caplog):
+    """One compile cache: an outside NEURON_COMPILE_CACHE_URL would send the SDK's NEFFs to one folder and the
+    pruned checkpoints (and the mkdir) to the config's."""
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(tmp_path / "elsewhere"))
+    with caplog.at_level("WARNING", logger="server.backends.neuron.runner"):
+        _runner(model_dir, tmp_path)
+    assert os.environ["NEURON_COMPILE_CACHE_URL"] == str(tmp_path / "cache")
+    assert (tmp_path / "cache").is_dir() and not (tmp_path / "elsewhere").exists()
+    assert "elsewhere" in caplog.text and "replaced by the config's" in caplog.text
 
 
 def test_serve_without_sdk_is_one_line_exit_2():

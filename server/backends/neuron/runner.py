@@ -90,7 +90,10 @@ class NeuronRunner:
 
     def load(self) -> None:
         for key, value in self.args.env.items():
-            os.environ.setdefault(key, value)
+            # one compile cache: the SDK's and the one the pruned checkpoints below go into
+            if os.environ.get(key, value) != value:
+                log.warning("%s=%s in the environment is replaced by the config's %s", key, os.environ[key], value)
+            os.environ[key] = value
         Path(self.args.env["NEURON_COMPILE_CACHE_URL"]).mkdir(parents=True, exist_ok=True)
         factors, tnx_dir = {}, self.model_dir
         if self.compressed and read_manifest(self.compressed).pruned_modules():
