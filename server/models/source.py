@@ -167,6 +167,22 @@ def _converter_suffix() -> str:
     return "" if major == "5" else f"-transformers{major}"
 
 
+# Files of a Hub repo that no backend here reads: other formats of the same weights (meta-llama's `original/`
+# holds a second full copy as consolidated .pth), and other frameworks' exports.
+_HF_NOT_READ = ["original/*", "*.pth", "*.pt", "*.ckpt", "*.h5", "*.msgpack", "*.onnx", "onnx/*", "*.gguf", "*.tflite"]
+
+
+def _download_hf(hf_id: str) -> Path:
+    """The Hub snapshot, with one copy of the weights: the safetensors, or PyTorch's .bin where a repo has no
+    safetensors (as vLLM picks), never both."""
+    from huggingface_hub import snapshot_download
+
+    folder = Path(snapshot_download(hf_id, ignore_patterns=[*_HF_NOT_READ, "*.bin"]))
+    if not any(folder.glob("*.safetensors")):
+        folder = Path(snapshot_download(hf_id, ignore_patterns=_HF_NOT_READ))
+    return folder
+
+
 def resolve_model_dir(cfg: ModelConfig, cache_dir: Path) -> Path:
     """A local HF-format folder for the model, converting a GGUF on first use."""
     if cfg.source == "safetensors":
@@ -176,10 +192,8 @@ def resolve_model_dir(cfg: ModelConfig, cache_dir: Path) -> Path:
         return path
     if cfg.source == "hf":
         os.environ.setdefault("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "0"))
-        from huggingface_hub import snapshot_download
-
         try:
-            return Path(snapshot_download(cfg.hf_id))
+            return _download_hf(cfg.hf_id)
         except Exception as exc:  # offline machines, unknown ids
             raise ConfigError(f"model.hf_id: cannot fetch {cfg.hf_id!r} ({exc.__class__.__name__})") from None
     src = gguf_path(cfg)
