@@ -1,4 +1,4 @@
-"""`neuronmm` command line: serve | compress | eval | bench."""
+"""`neuronmm` command line: serve | compress | eval | recover | bench."""
 
 from __future__ import annotations
 
@@ -338,9 +338,17 @@ def _version() -> str:
         return "0+unknown"
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse that answers a bad flag with one line, as a bad config gets, not the full usage (serve's is ~30
+    lines) above it. Subcommand parsers inherit it (add_subparsers makes them of the parent's class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(plugins: bool = True) -> argparse.ArgumentParser:
     """The CLI parser: serve, and (with `plugins`) the subcommands of the installed plugin modules."""
-    parser = argparse.ArgumentParser(prog="neuronmm", description=__doc__)
+    parser = OneLineErrors(prog="neuronmm", description=__doc__)
     parser.add_argument("--version", action="version", version=f"neuronmm {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)

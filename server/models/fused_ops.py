@@ -33,6 +33,7 @@ SOURCES = (CSRC / "fused_ops.cpp", CSRC / "small_gemm.cpp", CSRC / "int8_gemm.cp
 HEADERS = (CSRC / "work_split.h", CSRC / "panel_parts.h", CSRC / "row_stores.h", CSRC / "step_ops.h",
            CSRC / "prefill_attention.h", CSRC / "vec8.h")
 _loaded: bool | None = None
+_library: Path | None = None
 
 
 def cxxflags() -> list[str]:
@@ -80,7 +81,7 @@ def _compile(target: Path) -> None:
 
 def load(cache_dir: Path | None = None) -> bool:
     """Make torch.ops.neuronmm available (building it if needed); False when it cannot be built here."""
-    global _loaded
+    global _loaded, _library
     if _loaded is not None:
         return _loaded
     cache_dir = cache_dir or Path(os.environ.get("NEURONMM_CACHE_DIR", "~/.cache/neuronmm")).expanduser()
@@ -91,7 +92,7 @@ def load(cache_dir: Path | None = None) -> bool:
                      cxxflags()[1].split("=")[1])
             _compile(target)
         torch.ops.load_library(str(target))
-        _loaded = True
+        _loaded, _library = True, target
     except (RuntimeError, OSError) as exc:
         log.warning("fused CPU ops unavailable, using the torch reference path: %s", str(exc).splitlines()[0])
         _loaded = False
@@ -99,6 +100,11 @@ def load(cache_dir: Path | None = None) -> bool:
 
 
 # ---- references: the same maths in plain torch (tests compare against these; CUDA runs them) --------
+
+def library_dir() -> Path | None:
+    """The folder of the library load() loaded: one a build of the sources for one CPU (None before, or without it)."""
+    return _library.parent if _library is not None else None
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF LlamaRMSNorm: normalise in fp32, round to x's dtype, multiply by the weight in that dtype."""

@@ -6,8 +6,11 @@ rows of x every path streams the weight at memory bandwidth; with more rows the 
 and which one is faster depends on the core: on the Emerald Rapids Xeons we measured the FMA path runs ~1.6 x
 faster than VDPBF16PS from 4 rows, and on a Xeon with AMX the tiles run 5-6 x faster than either from 16 rows
 (docs/BENCHMARKS.md). Rather than guess from the CPU model, `tune_bf16_kernels` times each on a decode-sized
-weight at start-up (~50 ms; the paths in turns, each by its fastest rep, so that a busy neighbour cannot pick for
-it) and sets the row counts from which the FMA and the AMX paths are used.
+weight at the first start on a machine (~50 ms; the paths in turns, each by its fastest rep, so that a busy
+neighbour cannot pick for it) and sets the row counts from which the FMA and the AMX paths are used. The choice is
+kept beside the fused ops' build for this CPU (`bf16_kernels.json`) and read by every later start: each path sums a
+row's products in its own order, so a start that timed its way to other thresholds could answer a greedy request
+with other tokens at a near-tie. Delete the file to time again.
 `NEURONMM_BF16_FMA_ROWS` and `NEURONMM_BF16_AMX_ROWS` fix them instead (0: never), for A/B runs.
 
 torch is imported inside the functions that time or set the kernels: `neuronmm serve` checks the two variables
@@ -16,13 +19,17 @@ before it spawns the engine core, without torch's seconds of import.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
 
 from server.errors import ConfigError
+from server.fileio import write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +37,7 @@ CANDIDATE_ROWS = (2, 4, 8, 16)
 MIN_GAIN = 0.95  # a path must take under 95 % of the time of the one it replaces to be chosen at a row count
 FMA_ENV = "NEURONMM_BF16_FMA_ROWS"
 AMX_ENV = "NEURONMM_BF16_AMX_ROWS"
+CHOICE_FILE = "bf16_kernels.json"
 
 
 @dataclass(frozen=True)
@@ -130,6 +138,38 @@ def kernels_from(timings: dict[str, dict[int, float]]) -> Bf16Kernels:
     return Bf16Kernels(fma_rows, threshold_from({r: (vector[r], timings["amx"][r]) for r in dot}))
 
 
+def _cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return "unknown"
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
+
+
+def read_choice(path: Path, amx: bool) -> Bf16Kernels | None:
+    """The thresholds an earlier start on this CPU timed (None: no file, another CPU model or AMX state, or a file
+    that does not read as one)."""
+    try:
+        saved = json.loads(path.read_text())
+        rows = (saved["fma_rows"], saved["amx_rows"])
+        if saved["cpu"] != _cpu_model() or saved["amx"] != amx or not all(
+                isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rows):
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return Bf16Kernels(*rows)
+
+
+def save_choice(path: Path, kernels: Bf16Kernels, amx: bool, timings: dict[str, dict[int, float]]) -> None:
+    """Keep the timed thresholds for later starts on this CPU; a folder that cannot take it only costs a new timing."""
+    try:
+        timed_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        write_json_atomic(path, {"fma_rows": kernels.fma_rows, "amx_rows": kernels.amx_rows, "amx": amx,
+                                 "cpu": _cpu_model(), "timed_at": timed_at, "us_by_rows": timings})
+    except OSError as exc:
+        log.warning("could not keep the bf16 kernel choice in %s: %s", path, exc)
+
+
 def rows_from_env(name: str) -> int | None:
     """The threshold the variable `name` fixes (None when unset); ConfigError for anything but a count >= 0."""
     value = os.environ.get(name, "").strip()
@@ -146,8 +186,10 @@ def check_env() -> None:
         rows_from_env(name)
 
 
-def tune_bf16_kernels() -> Bf16Kernels:
-    """Set (once a process) and return the row counts from which bf16 panel GEMMs use fp32 FMAs and AMX."""
+def tune_bf16_kernels(choice_file: Path | None = None) -> Bf16Kernels:
+    """Set (once a process) and return the row counts from which bf16 panel GEMMs use fp32 FMAs and AMX: what
+    `choice_file` (CHOICE_FILE beside the fused ops' build, for the server) kept from an earlier start, else timed
+    now and kept there (without a file: timed each process)."""
     global _chosen
     if _chosen is not None:
         return _chosen
@@ -160,13 +202,19 @@ def tune_bf16_kernels() -> Bf16Kernels:
         raise ConfigError(f"{AMX_ENV}={fixed_amx}, but this CPU (or this build) has no usable AMX")
     detail = f"{FMA_ENV}/{AMX_ENV}"
     if fixed_fma is None or (fixed_amx is None and amx):
-        timings = _timings(amx)
-        tuned = kernels_from(timings)
+        tuned = read_choice(choice_file, amx) if choice_file is not None else None
+        if tuned is not None:
+            detail = f"timed at an earlier start on this CPU: {choice_file}; delete it to time again"
+        else:
+            timings = _timings(amx)
+            tuned = kernels_from(timings)
+            if choice_file is not None:
+                save_choice(choice_file, tuned, amx, timings)
+            detail = "µs on 1536x576 by rows, " + "; ".join(
+                f"{mode} " + "/".join(f"{us:.0f}" for us in by_rows.values()) for mode, by_rows in timings.items())
+            detail += " at " + "/".join(map(str, CANDIDATE_ROWS))
         fixed_fma = tuned.fma_rows if fixed_fma is None else fixed_fma
         fixed_amx = tuned.amx_rows if fixed_amx is None else fixed_amx
-        detail = "µs on 1536x576 by rows, " + "; ".join(
-            f"{mode} " + "/".join(f"{us:.0f}" for us in by_rows.values()) for mode, by_rows in timings.items())
-        detail += " at " + "/".join(map(str, CANDIDATE_ROWS))
     _chosen = Bf16Kernels(fixed_fma, fixed_amx or 0)
     op.set_bf16_fma_rows(_chosen.fma_rows)
     op.set_bf16_amx_rows(_chosen.amx_rows)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from server.models import fused_ops
-from server.models.gemm_tuning import tune_bf16_kernels
+from server.models.gemm_tuning import CHOICE_FILE, tune_bf16_kernels
 from server.models.gguf_blocks import GgufBlocks, pack_block_panels
 from server.models.hugepages import into_huge_pages
 from server.models.int8_linear import fits_int8, pack_int8_panels
@@ -275,7 +275,8 @@ def pack_linears(model: nn.Module, use_panels: bool = False, panel_dtype: torch.
         for layer, group in zip(panel_layers, panels):
             layer.set_panel_tensors([next(placed) for _ in group])
         if any(layer.x_dtype == torch.bfloat16 for layer in panel_layers):  # the bf16 GEMM's paths, timed here
-            tune_bf16_kernels()
+            library = fused_ops.library_dir()  # once a CPU: kept beside the fused ops' build for it
+            tune_bf16_kernels(library / CHOICE_FILE if library is not None else None)
     if int8:
         quantised = sum("int8" in layer.layout for layer in panel_layers)
         log.info("int8 weights in %d of %d panel GEMM layers%s", quantised, len(panel_layers),

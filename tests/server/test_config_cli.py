@@ -68,6 +68,18 @@ def test_a_bad_flag_value_is_named_as_the_command_lines_not_the_files(tmp_path, 
     assert capsys.readouterr().err.strip().startswith(f"neuronmm serve: error: {path}: server.port must be <= 65535")
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["serve", "--dtype", "foo"], "neuronmm serve: error: argument --dtype: invalid choice: 'foo'"),
+    (["compress", "--keep-ratio", "x"], "neuronmm compress: error: argument --keep-ratio: invalid float value: 'x'"),
+    (["serve", "--no-such-flag"], "neuronmm: error: unrecognized arguments: --no-such-flag"),
+])
+def test_a_bad_flag_is_one_line_not_the_usage(argv, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith(says) and err[0].endswith("--help)")
+
+
 def test_a_config_that_is_a_folder_or_not_text_is_one_line(tmp_path):
     binary = tmp_path / "model.bin"
     binary.write_bytes(b"\xff\xfe\x00binary")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -367,6 +368,43 @@ def test_thresholds_from_the_environment(monkeypatch, bf16_paths):
     monkeypatch.setattr(gemm_tuning, "_chosen", None)
     monkeypatch.setenv("NEURONMM_BF16_AMX_ROWS", "0")
     assert gemm_tuning.tune_bf16_kernels() == gemm_tuning.Bf16Kernels(8, 0)
+
+
+def test_the_timed_choice_is_kept_for_later_starts(monkeypatch, tmp_path, bf16_paths):
+    """The first start times the paths and keeps the thresholds; a later start reads them instead of timing (the
+    same kernels, the same greedy tokens); a file from another CPU model, or one that does not read, is timed over."""
+    if bf16_paths is None:
+        pytest.skip("no bf16 panel GEMMs in this build")
+    for name in (gemm_tuning.FMA_ENV, gemm_tuning.AMX_ENV):
+        monkeypatch.delenv(name, raising=False)
+    amx = gemm_tuning.amx_available()
+    timed = {path: {r: 100.0 for r in gemm_tuning.CANDIDATE_ROWS} for path in ("dot", "fma", "amx")}
+    timed["fma"] = {2: 99.0, 4: 50.0, 8: 40.0, 16: 30.0}  # the FMA path from 4 rows
+    if not amx:
+        del timed["amx"]
+    runs = []
+    monkeypatch.setattr(gemm_tuning, "_timings", lambda amx_: runs.append(amx_) or timed)
+    choice = tmp_path / "ext" / gemm_tuning.CHOICE_FILE
+
+    monkeypatch.setattr(gemm_tuning, "_chosen", None)
+    first = gemm_tuning.tune_bf16_kernels(choice)
+    assert first.fma_rows == 4 and len(runs) == 1 and choice.is_file()
+    assert gemm_tuning.read_choice(choice, amx) == first
+
+    monkeypatch.setattr(gemm_tuning, "_chosen", None)
+    assert gemm_tuning.tune_bf16_kernels(choice) == first and len(runs) == 1  # read, not timed
+
+    saved = json.loads(choice.read_text())
+    choice.write_text(json.dumps({**saved, "cpu": "another CPU"}))
+    assert gemm_tuning.read_choice(choice, amx) is None
+    for broken in ("{", json.dumps({**saved, "fma_rows": -1}), json.dumps({**saved, "amx_rows": "4"})):
+        choice.write_text(broken)
+        assert gemm_tuning.read_choice(choice, amx) is None
+    assert gemm_tuning.read_choice(choice.with_name("absent.json"), amx) is None
+    assert gemm_tuning.read_choice(tmp_path / "x.json", not amx) is None
+    monkeypatch.setattr(gemm_tuning, "_chosen", None)
+    gemm_tuning.tune_bf16_kernels(choice)
+    assert len(runs) == 2 and gemm_tuning.read_choice(choice, amx) == first  # timed again and kept again
 
 
 _AVX2_CHECK = """
