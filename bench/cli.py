@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import sys
 from pathlib import Path
 
+from server import cli as server_cli
 from server.errors import ConfigError
 
 
@@ -30,3 +32,12 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"unknown benchmark {args.name!r} (available: {', '.join(_available())})")
     module = importlib.import_module(f"bench.{args.name}")
     return int(module.main(args.args) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.cli NAME [args]`: the same as `neuronmm bench NAME [args]` (its errors and exit codes too)."""
+    return server_cli.main(["bench", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

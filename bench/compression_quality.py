@@ -19,7 +19,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from bench.harness import NEURONMM, REPO, run_logged, save_report
+from bench.harness import (NEURONMM, REPO, check_out, comma_list, int_at_least, keep_ratio, machine_facts, one_of,
+                           positive_int, run_cli, run_logged, save_report)
 from compression.evaluation.report import TASK_TITLES, mean_accuracy
 from compression.rank import block_rank, saves_parameters
 from server.fileio import files_sha256
@@ -69,12 +70,11 @@ def _evaluate(args, work: Path, label: str, compressed: Path | None) -> dict:
 
 
 def _settings(args) -> list[tuple[int, str, float]]:
-    return [(int(m), method, float(k)) for m in args.multiples.split(",") for method in args.methods.split(",")
-            for k in args.keeps.split(",")]
+    return [(m, method, k) for m in args.multiples for method in args.methods for k in args.keeps]
 
 
 def _header(args) -> dict:
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    return {**machine_facts(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), torch threads {args.num_threads}",
             "limits": {"seqlen": args.seqlen, "ppl_windows": args.ppl_limit, "task_items": args.task_limit},
             "command": shlex.join([sys.executable, "-m", "bench.compression_quality", *sys.argv[1:]])}
@@ -161,22 +161,25 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry: run all settings, write JSON + markdown."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/smollm2-135m.yaml")
-    p.add_argument("--keeps", default="0.9,0.8,0.6")
-    p.add_argument("--methods", default="whitened,plain")
-    p.add_argument("--multiples", default="128,32")
-    p.add_argument("--seqlen", type=int, default=512)
+    # the lists are read here, so that a bad item stops the run before the dense evaluation, not after it
+    p.add_argument("--keeps", type=comma_list(keep_ratio), default=[0.9, 0.8, 0.6], help="comma-separated")
+    p.add_argument("--methods", type=comma_list(one_of("whitened", "plain")), default=["whitened", "plain"],
+                   help="comma-separated")
+    p.add_argument("--multiples", type=comma_list(positive_int), default=[128, 32], help="comma-separated")
+    p.add_argument("--seqlen", type=int_at_least(2), default=512)
     p.add_argument("--ppl", default="wikitext2,ptb,c4")
     p.add_argument("--ppl-limit", default="wikitext2=40,ptb=10,c4=10")
     p.add_argument("--tasks", default="all")
-    p.add_argument("--task-limit", type=int, default=40)
-    p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--task-limit", type=positive_int, default=40)
+    p.add_argument("--num-threads", type=positive_int, default=1)
     p.add_argument("--work-dir", default="/tmp/neuronmm-compression-quality")
     p.add_argument("--reuse", action="store_true", help="reuse artifacts and eval JSON already in --work-dir")
     p.add_argument("--out", default="bench/results/compression_quality.json")
     args = p.parse_args(argv)
+    check_out(REPO / args.out)  # _checkpoint writes it there after each row
     print(markdown(run(args)))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

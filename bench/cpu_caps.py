@@ -46,13 +46,29 @@ def caps_in_force() -> dict[str, str]:
     return {name: os.environ[name] for name in CAP_VARIABLES if name in os.environ}
 
 
+USAGE = f"usage: python -m bench.cpu_caps {{{','.join(CAPS)}}} COMMAND [ARG...]"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: `cpu_caps CAP COMMAND...` replaces this process with COMMAND under CAP's environment."""
+    """CLI entry: `cpu_caps CAP COMMAND...` replaces this process with COMMAND under CAP's environment.
+
+    Not argparse: everything after CAP is the command's own, its flags included. Exit codes as a shell's: 2 for a
+    bad usage, 127 for a command not found, 126 for one that cannot be run."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{USAGE}\n\n{__doc__.strip()}")
+        return 0
     if len(argv) < 2 or argv[0] not in CAPS:
-        print(f"usage: python -m bench.cpu_caps {{{','.join(CAPS)}}} COMMAND [ARG...]", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
-    os.execvpe(argv[1], argv[1:], {**os.environ, **CAPS[argv[0]]})
+    try:
+        os.execvpe(argv[1], argv[1:], {**os.environ, **CAPS[argv[0]]})
+    except FileNotFoundError:
+        print(f"bench.cpu_caps: error: {argv[1]}: command not found", file=sys.stderr)
+        return 127
+    except OSError as exc:  # a folder, no execute permission, a bad executable
+        print(f"bench.cpu_caps: error: {argv[1]}: cannot run it ({exc.strerror or exc})", file=sys.stderr)
+        return 126
 
 
 if __name__ == "__main__":

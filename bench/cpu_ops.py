@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import machine_facts, publish
+from bench.harness import check_out, machine_facts, positive_int, publish, run_cli
 from server.models import fused_ops
 from server.models.gguf_blocks import decode_blocks, pack_block_panels
 from server.models.hugepages import into_huge_pages
@@ -276,11 +276,11 @@ def markdown(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: time the ops, print a table, save JSON and markdown."""
     p = argparse.ArgumentParser(prog="bench.cpu_ops", description=__doc__.split("\n")[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 128, 512])
-    p.add_argument("--step-rows", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--step-layers", type=int, default=LAYERS)
-    p.add_argument("--positions", type=int, default=320)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 4, 16, 32, 128, 512])
+    p.add_argument("--step-rows", type=positive_int, nargs="+", default=[1, 16])
+    p.add_argument("--step-layers", type=positive_int, default=LAYERS)
+    p.add_argument("--positions", type=positive_int, default=320)
+    p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--prefill-chunks", nargs="+", default=["0:128", "1536:512"], metavar="PREFIX:TOKENS",
                    help="prompt chunks whose attention to time (TOKENS new positions after PREFIX cached ones)")
     p.add_argument("--gguf-blocks", action="store_true",
@@ -294,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError
     except ValueError:
         p.error("--prefill-chunks takes PREFIX:TOKENS pairs, e.g. 0:128 (PREFIX >= 0, TOKENS >= 1)")
+    out = check_out(args.out)
     if not fused_ops.load():
         p.exit(2, "bench.cpu_ops: the fused CPU ops could not be built here (see the log above)\n")
     report = {**machine_facts(), "torch_threads": torch.get_num_threads(), "gemm": gemm_rows(args.rows, args.repeats),
@@ -305,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
               "prefill_attention": [prefill_attention_ms(prefix, tokens, args.repeats, cache_dtype)
                                     for prefix, tokens in chunks for cache_dtype in (torch.float32, torch.float16)],
               "sampler": sampler_us(args.repeats)}
-    return publish(Path(args.out), report, markdown(report))
+    return publish(out, report, markdown(report))
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

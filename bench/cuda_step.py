@@ -21,7 +21,7 @@ from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.engine_step import RESULTS, step_times
-from bench.harness import machine_facts, publish
+from bench.harness import MODEL_DTYPES, check_out, machine_facts, positive_int, publish, run_cli, torch_device
 from server.backends.torch_runner import TorchRunner
 from server.config import load_config
 from server.models.source import resolve_model_dir
@@ -58,17 +58,18 @@ def rows_for(model_dir: Path, args, dtype: str, graphs: bool, block_size: int) -
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: time decode steps per dtype, graphs on and off, print a table, save JSON and markdown."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="bench.cuda_step", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/smollm2-135m.yaml")
     p.add_argument("--model-config", help="a folder with config.json and the tokenizer (default: the config's model)")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtypes", nargs="+", default=["auto", "float32"])
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
-    p.add_argument("--context", type=int, default=128)
-    p.add_argument("--steps", type=int, default=60, help="timed steps per batch size (first 5 dropped)")
+    p.add_argument("--device", type=torch_device, default="cuda", metavar="{cpu,cuda,cuda:N}")
+    p.add_argument("--dtypes", nargs="+", choices=MODEL_DTYPES, default=["auto", "float32"])
+    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--context", type=positive_int, default=128)
+    p.add_argument("--steps", type=positive_int, default=60, help="timed steps per batch size (first 5 dropped)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS / "cuda_step.json"))
     args = p.parse_args(argv)
+    out = check_out(args.out)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("no CUDA device: this benchmark times the CUDA path (--device cpu runs the same steps on the CPU)")
     cfg = load_config(args.config)
@@ -91,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         ratio = eager[(r["dtype"], r["batch_size"])] / r["step_ms_p50"]
         md.append(f"| {r['dtype']} | {r['batch_size']} | {mode} | {r['step_ms_p50']:.2f} | {r['step_ms_min']:.2f} | "
                   f"{r['tok_s']:.0f} | {ratio:.2f} x |")
-    return publish(Path(args.out), report, "\n".join(md) + "\n")
+    return publish(out, report, "\n".join(md) + "\n")
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

@@ -50,17 +50,20 @@ import torch
 from tqdm import tqdm
 
 from bench.core_latency import core_round_trip_ns
-from bench.harness import machine_facts
+from bench.harness import (KV_CACHE_DTYPES, check_out, machine_facts, nonnegative_float, nonnegative_int,
+                           positive_int, run_cli)
 from bench.model_costs import TokenArithmetic, weight_bytes
 from bench.peak_rate import gemm_peak, runner_gemm_kind
 from server.backends import gguf_source
 from server.backends.base import SeqChunk
 from server.backends.torch_runner import TorchRunner
 from server.config import load_config
+from server.errors import ConfigError
+from server.fileio import write_json_atomic
 from server.gc_heap import startup_heap
 from server.models import fused_ops
 from server.models.gemm_tuning import bf16_kernels
-from server.models.source import resolve_model_dir
+from server.models.source import check_max_model_len, model_positions, resolve_model_dir
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -154,8 +157,24 @@ def paired_step_times(first, second, batch_size: int, context: int, steps: int, 
     return times
 
 
+def _max_len(args) -> int:
+    """The positions a run needs: its context, then its steps (or a held run's cycle) and the 5 untimed ones."""
+    return args.context + max(args.steps, HOLD_CYCLE if args.hold else 0) + 6
+
+
+def _check_context(model_dir: Path, args) -> None:
+    """A ConfigError naming --context, before the model loads, where the positions the run needs pass the ones the
+    model was trained for (the runner's own error names a max_model_len the user never gave)."""
+    try:
+        check_max_model_len(json.loads((model_dir / "config.json").read_text()), _max_len(args))
+    except ConfigError:
+        raise ConfigError(f"--context {args.context} is over the model's limit: the run needs {_max_len(args)} "
+                          f"positions (the context, then its steps), the model has {model_positions(model_dir)} "
+                          "(max_position_embeddings)") from None
+
+
 def _load_runner(model_dir: Path, cfg, args, compressed: str | None) -> TorchRunner:
-    max_len = args.context + max(args.steps, HOLD_CYCLE if args.hold else 0) + 6
+    max_len = _max_len(args)
     runner = TorchRunner(model_dir, max_len, cfg.model.dtype, cfg.device,
                          Path(compressed) if compressed else None, num_threads=args.num_threads,
                          panel_gemm=not args.no_panel_gemm, kv_cache_dtype=cfg.engine.kv_cache_dtype,
@@ -196,20 +215,20 @@ def ab_rows(dense: TorchRunner, compressed: TorchRunner, args, block_size: int) 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: time decode steps per batch size, print a table, save JSON."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="bench.engine_step", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/smollm2-135m.yaml")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 32])
-    p.add_argument("--context", type=int, default=128)
-    p.add_argument("--steps", type=int, default=30, help="timed steps per batch size (first 5 dropped)")
-    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 4, 16, 32])
+    p.add_argument("--context", type=positive_int, default=128)
+    p.add_argument("--steps", type=positive_int, default=30, help="timed steps per batch size (first 5 dropped)")
+    p.add_argument("--num-threads", type=positive_int, default=None)
     p.add_argument("--compressed", help="a compressed artifact folder to apply (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-cache-dtype", help="override the config's engine.kv_cache_dtype (e.g. fp8)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="override the config's engine.kv_cache_dtype")
     p.add_argument("--quantization", choices=["int8", "gguf", "none"], help="override the config's model.quantization")
     p.add_argument("--no-panel-gemm", action="store_true", help="oneDNN's packed GEMM even where the panel GEMM applies")
     p.add_argument("--python-layers", action="store_true",
                    help="run the layers through the Python loop even where the C++ layer loop (csrc/decoder.cpp) applies")
-    p.add_argument("--ab-rounds", type=int, default=0,
+    p.add_argument("--ab-rounds", type=nonnegative_int, default=0,
                    help="with --compressed: time dense and compressed in this many alternating rounds (one process)")
     p.add_argument("--ab-paired", action="store_true",
                    help="with --ab-rounds: each round alternates the two models step by step (ABBA), its speed-up the "
@@ -217,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--region-times", action="store_true",
                    help="after the timed steps, as many again with the parallel regions' clocks on: per step, the "
                         "fork, tail and join of the GEMM and attention regions, and the time outside them")
-    p.add_argument("--hold", type=float, default=0.0, metavar="SECONDS",
+    p.add_argument("--hold", type=nonnegative_float, default=0.0, metavar="SECONDS",
                    help="then keep stepping the last batch size this long at a fixed context, for a profiler to "
                         "attach (the process id is printed first)")
     p.add_argument("--out", default=str(RESULTS / "engine_step.json"))
@@ -228,12 +247,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--ab-paired needs --ab-rounds (the number of rounds)")
     if args.region_times and args.ab_rounds:
         p.error("--region-times times one model's steps: leave out --ab-rounds")
-    if args.hold < 0:
-        p.error("--hold must be a number of seconds, 0 or more")
     if args.hold and args.ab_rounds:
         p.error("--hold steps one model: leave out --ab-rounds")
     if args.region_times and not fused_ops.load():
         p.error("--region-times needs the fused CPU ops (csrc/), which this machine cannot build")
+    args.out = check_out(args.out, markdown=False)
 
     cfg = load_config(args.config)
     if args.kv_cache_dtype:
@@ -241,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quantization:
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"quantization": args.quantization})})
     model_dir = resolve_model_dir(cfg.model, Path(cfg.cache_dir).expanduser())
+    _check_context(model_dir, args)
     compressed = args.compressed or cfg.model.compressed
     with startup_heap("engine step"):  # the server's engine core runs with its start-up heap frozen (server.gc_heap)
         runner = _load_runner(model_dir, cfg, args, compressed)
@@ -321,9 +340,8 @@ def _facts(args, runner: TorchRunner, compressed: str | None, block_size: int) -
             "context": args.context, "block_size": block_size, "steps_per_round": args.steps}
 
 
-def _save(out: str, result: dict) -> None:
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+def _save(out: Path, result: dict) -> None:
+    write_json_atomic(out, result)
     print(f"saved {out}")
 
 
@@ -359,4 +377,4 @@ def _main_ab(args, cfg, model_dir: Path, compressed: TorchRunner, block_size: in
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

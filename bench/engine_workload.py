@@ -29,7 +29,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.harness import ROW_PREFIX, level_size, machine_facts, prompt_id_bound, publish
+from bench.harness import (KV_CACHE_DTYPES, MODEL_DTYPES, ROW_PREFIX, check_out, level_size, machine_facts,
+                           positive_int, prompt_id_bound, publish, run_cli)
 from bench.model_costs import (TokenArithmetic, ceiling_cell, ceiling_tok_s, level_kv_bytes, min_level_steps,
                                weight_bytes)
 from bench.peak_rate import gemm_peak, runner_gemm_kind
@@ -51,6 +52,8 @@ def run_level(engine, prompts: list[list[int]], concurrency: int, output_len: in
     The level begins as a served one does: the client sends its first wave at once, but the requests reach the
     engine one by one and its first step starts with the first alone; the others wait for the next step, by which
     time that one is decoding (so a prefill cap beside decodes takes them one chunk a step, as served)."""
+    if concurrency < 1:  # no request would ever be admitted: the loop would spin forever
+        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
     next_prompt, live, out_tokens = 0, 0, 0
     decode_steps, other_steps = [], []
     first_at, last_at, tokens = {}, {}, {}  # per request: when its first and its latest token came, and how many
@@ -109,12 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.engine_workload", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/smollm2-135m.yaml")
     p.add_argument("--compressed", help="a compressed artifact folder to apply (default: the config's)")
-    p.add_argument("--dtype", help="override the config's model dtype (e.g. float32)")
-    p.add_argument("--kv-cache-dtype", help="override the config's engine.kv_cache_dtype (e.g. float16)")
+    p.add_argument("--dtype", choices=MODEL_DTYPES, help="override the config's model dtype (e.g. float32)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                   help="override the config's engine.kv_cache_dtype (e.g. float16)")
     p.add_argument("--quantization", choices=["int8", "gguf", "none"], help="override the config's model.quantization")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--input-len", type=positive_int, default=128)
+    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 16])
     p.add_argument("--sampled", action="store_true", help="temperature 0.7, seeded per request (else greedy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS / "engine_workload.json"))
@@ -124,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--levels-from-stdin", action="store_true",
                    help="run one level per concurrency read from stdin, printing its row on stdout (for bench.serve)")
     args = p.parse_args(argv)
+    out = None if args.levels_from_stdin else check_out(args.out)  # that mode writes no report
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     cfg = load_config(args.config)
@@ -180,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{bandwidth:.1f} GB/s (bench.read_bandwidth)"]
     if args.step_parts:
         lines += ["", "Each step's parts, medians over the level's steps (ms; bench.step_parts):", "", table(rows)]
-    return publish(Path(args.out), report, "\n".join(lines))
+    return publish(out, report, "\n".join(lines))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

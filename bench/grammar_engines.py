@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.harness import save_report
+from bench.harness import check_out, machine_facts, run_cli, save_report
 from server.config import load_config
 from server.engine.structured import grammar_for, ll_tokenizer
 from server.engine.sampling_params import StructuredOutput
@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="configs/smollm2-135m.yaml")
     p.add_argument("--out", default=str(RESULTS / "grammar_engines.json"))
     args = p.parse_args(argv)
+    out = check_out(args.out)
     cfg = load_config(args.config)
     model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
     tokenizer = load_tokenizer(model_dir)
@@ -145,13 +146,12 @@ def main(argv: list[str] | None = None) -> int:
               + " |" for r in rows]
     if note:
         lines += ["", note]
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "vocab_size": vocab, "schema": SCHEMA,
-              "rows": rows, "note": note}
-    out = save_report(Path(args.out), report, "\n".join(lines))
+    report = {**machine_facts(), "vocab_size": vocab, "schema": SCHEMA, "rows": rows, "note": note}
+    save_report(out, report, "\n".join(lines))
     print("\n".join(lines))
     print(f"saved {out}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

@@ -6,7 +6,9 @@ child commands through `run_logged`.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import math
 import os
 import shlex
 import signal
@@ -16,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import get_args
 
 import httpx
 import torch
@@ -26,8 +29,9 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from bench.core_latency import core_round_trip_ns
 from bench.cpu_caps import caps_in_force
-from server.config import DEFAULT_CONFIG
-from server.fileio import atomic_file, write_json_atomic
+from server.config import DEFAULT_CONFIG, EngineConfig, ModelConfig
+from server.errors import ConfigError
+from server.fileio import atomic_file, check_out_file, write_json_atomic
 from server.models.cpu_features import cpu_flags
 from server.models.lora import projection_widths
 
@@ -39,6 +43,114 @@ ROW_PREFIX = "bench row: "
 
 # The CPU flags that pick our kernels' paths: what a report records of the machine.
 BENCH_FLAGS = frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"})
+
+
+# The values the server's config accepts: what a benchmark's --dtype / --kv-cache-dtype flags offer as choices.
+MODEL_DTYPES = get_args(ModelConfig.model_fields["dtype"].annotation)
+KV_CACHE_DTYPES = get_args(EngineConfig.model_fields["kv_cache_dtype"].annotation)
+
+
+def _number(text: str, kind: type, test: Callable[[float], bool], rule: str) -> int | float:
+    """`text` read as `kind` (finite) and passing `test`, else an argparse error naming the rule."""
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {rule}, got {text!r}") from None
+    if not math.isfinite(value) or not test(value):
+        raise argparse.ArgumentTypeError(f"expected {rule}, got {text!r}")
+    return value
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `minimum`."""
+    def parse(text: str) -> int:
+        return _number(text, int, lambda v: v >= minimum, f"an integer >= {minimum}")
+    parse.__name__ = f"int_at_least_{minimum}"
+    return parse
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (a count that must not be zero)."""
+    return _number(text, int, lambda v: v >= 1, "a positive integer")
+
+
+def nonnegative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    return _number(text, float, lambda v: v > 0, "a positive number")
+
+
+def nonnegative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    return _number(text, float, lambda v: v >= 0, "a number >= 0")
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number from 0 to 1."""
+    return _number(text, float, lambda v: 0 <= v <= 1, "a number from 0 to 1")
+
+
+def keep_ratio(text: str) -> float:
+    """An argparse type: a keep ratio in (0, 1], as compression's keep_ratio takes it."""
+    return _number(text, float, lambda v: 0 < v <= 1, "a keep ratio above 0 and at most 1")
+
+
+def one_of(*choices: str) -> Callable[[str], str]:
+    """An argparse type for one item of a comma list: one of `choices`."""
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return text
+    parse.__name__ = "one_of"
+    return parse
+
+
+def comma_list(item: Callable[[str], object]) -> Callable[[str], list]:
+    """An argparse type: comma-separated values, each read by `item` (an argparse type), at least one."""
+    def parse(text: str) -> list:
+        parts = [part.strip() for part in text.split(",")]
+        if not all(parts):
+            raise argparse.ArgumentTypeError(f"expected comma-separated values, got {text!r}")
+        return [item(part) for part in parts]
+    parse.__name__ = "comma_list"
+    return parse
+
+
+def torch_device(text: str) -> str:
+    """An argparse type: a torch device the runner takes, cpu, cuda or cuda:N."""
+    kind, _, index = text.partition(":")
+    if text == "cpu" or (kind == "cuda" and (not index or index.isdigit())):
+        return text
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+
+
+def check_out(path: str | Path, what: str = "--out", markdown: bool = True) -> Path:
+    """A report's path checked before any work (ConfigError, one line): it, and with `markdown` the .md that
+    save_report writes beside it, can be written."""
+    path = check_out_file(Path(path), what)
+    if markdown:
+        check_out_file(path.with_suffix(".md"), what)
+    return path
+
+
+def run_cli(main: Callable[[list[str] | None], int | None], prog: str | None = None) -> int:
+    """A benchmark's `python -m bench.NAME` entry: main()'s exit code, a ConfigError as one line on stderr
+    (`bench.NAME: error: ...`, exit code 2) and Ctrl+C as `interrupted` (130), as `neuronmm bench NAME` has them."""
+    if prog is None:
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        prog = spec.name if spec is not None else Path(sys.argv[0]).stem
+    try:
+        return int(main(None) or 0)
+    except ConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 def level_size(concurrency: int) -> int:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.harness import save_report
+from bench.harness import check_out, machine_facts, positive_int, run_cli, save_report
 from neuronmm_kernels import cost_model as cm
 from neuronmm_kernels.tiling import select_tiles
 
@@ -75,7 +75,7 @@ def run_bench(models: list[str], tokens: list[int]) -> dict:
     calib = {name: {"modeled_ms": round(mod, 3), "published_ms": pub, "error": round(mod / pub - 1, 4)}
              for name, (mod, pub) in cm.calibration().items()}
     return {"label": "modeled (trn1 cost model over NumPy NKI emulator traces; not measured on Neuron)",
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            **machine_facts(), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "machine": f"{platform.node()} {platform.machine()} {platform.python_version()}",
             "calibration": calib, "rows": rows, "mean_speedup": _means(rows)}
 
@@ -180,13 +180,12 @@ def to_markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: model, print the markdown table, write JSON + markdown under bench/results."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="bench.kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=list(PAPER_SHAPES), choices=list(PAPER_SHAPES))
-    ap.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    ap.add_argument("--tokens", nargs="+", type=positive_int, default=list(TOKENS))
     ap.add_argument("--out", type=Path, default=RESULTS / "kernels.json")
     args = ap.parse_args(argv)
-    if any(t < 1 for t in args.tokens):
-        ap.error("--tokens must be >= 1")
+    args.out = check_out(args.out)
     start = time.perf_counter()
     result = run_bench(args.models, args.tokens)
     result["wall_s"] = round(time.perf_counter() - start, 1)
@@ -198,4 +197,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from bench.harness import machine_facts, publish
+from bench.harness import (KV_CACHE_DTYPES, MODEL_DTYPES, check_out, int_at_least, machine_facts, positive_int, publish,
+                           run_cli)
 from bench.position_nll import spread_windows
 from compression.evaluation.corpora import corpus_text
 from compression.evaluation.perplexity import token_windows
@@ -83,18 +84,19 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry: score each cache dtype, print a table, save JSON and markdown."""
     p = argparse.ArgumentParser(prog="bench.kv_cache_quality", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/smollm2-135m.yaml")
-    p.add_argument("--dtype", default="float32", help="the model's dtype")
-    p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto", "float16", "bfloat16"],
+    p.add_argument("--dtype", choices=MODEL_DTYPES, default="float32", help="the model's dtype")
+    p.add_argument("--kv-cache-dtypes", nargs="+", choices=KV_CACHE_DTYPES, default=["auto", "float16", "bfloat16"],
                    help="the first is the reference (auto: the model's dtype)")
     p.add_argument("--quantizations", nargs="+", choices=["none", "int8", "gguf"], default=["none"],
                    help="weights for each cache dtype: the model's (none) and / or int8")
-    p.add_argument("--seqlen", type=int, default=512)
-    p.add_argument("--windows", type=int, default=16, help="evenly spaced windows of the WikiText-2 test set")
-    p.add_argument("--greedy-prompts", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--greedy-tokens", type=int, default=64)
+    p.add_argument("--seqlen", type=int_at_least(2), default=512)  # a window scores its tokens after the first
+    p.add_argument("--windows", type=positive_int, default=16, help="evenly spaced windows of the WikiText-2 test set")
+    p.add_argument("--greedy-prompts", type=positive_int, default=16)
+    p.add_argument("--prompt-len", type=positive_int, default=64)
+    p.add_argument("--greedy-tokens", type=positive_int, default=64)
     p.add_argument("--out", default=str(RESULTS / "kv_cache_quality.json"))
     args = p.parse_args(argv)
+    out = check_out(args.out)
     cfg = load_config(args.config)
     model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
     ids = torch.tensor(load_tokenizer(model_dir)(corpus_text("wikitext2"), verbose=False)["input_ids"])
@@ -121,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
               "dtype": args.dtype, "seqlen": args.seqlen, "windows": len(windows), "windows_total": len(all_windows),
               "greedy_prompts": len(prompts), "prompt_len": args.prompt_len, "greedy_tokens": args.greedy_tokens,
               "rows": rows}
-    return publish(Path(args.out), report, markdown(report))
+    return publish(out, report, markdown(report))
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

@@ -14,6 +14,7 @@ accuracies, the items whose prediction differs and the largest per-choice log-li
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -24,17 +25,15 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers / datasets read it
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import lm_eval  # noqa: E402
 import yaml  # noqa: E402
-from lm_eval import simple_evaluate  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
 
-from bench.harness import BENCH_FLAGS, ServerProcess, save_report, write_config  # noqa: E402
+from bench.harness import (MODEL_DTYPES, ServerProcess, check_out, machine_facts, positive_int, run_cli,  # noqa: E402
+                           save_report, write_config)
 from compression.evaluation.model import load_eval_model  # noqa: E402
 from compression.evaluation.tasks import get_task  # noqa: E402
 from compression.evaluation.zeroshot import encode_pair, loglikelihoods, predictions  # noqa: E402
 from server.config import data_file, load_config  # noqa: E402
-from server.models.cpu_features import cpu_flags  # noqa: E402
+from server.errors import ConfigError  # noqa: E402
 from server.models.source import resolve_model_dir  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -42,6 +41,16 @@ log = logging.getLogger(__name__)
 RESULTS = Path(__file__).parent / "results"
 TASK_YAML = Path(__file__).parent / "lm_eval_tasks" / "arc_easy_local.yaml"
 TASK = "arc_easy_local"
+
+
+def lm_eval_module():
+    """lm-eval, imported on first use: it is an extra (`bench`), and --help or a bad flag need not have it."""
+    try:
+        return importlib.import_module("lm_eval")
+    except ModuleNotFoundError as exc:
+        if exc.name != "lm_eval":  # lm-eval is there but broken: its own error says more
+            raise
+        raise ConfigError("lm-eval is not installed: pip install -e '.[bench]'") from None
 
 
 def write_task(folder: Path) -> Path:
@@ -56,12 +65,14 @@ def write_task(folder: Path) -> Path:
 def run_lm_eval(base_url: str, model: str, tokenizer_dir: Path, task_dir: Path, limit: int,
                 batch_size: int) -> dict:
     """lm-eval's local-completions on the task: {"acc", "acc_norm", "lls": per item, per choice}."""
-    out = simple_evaluate(
+    lm_eval = lm_eval_module()
+    task_manager = importlib.import_module("lm_eval.tasks").TaskManager(include_path=str(task_dir))
+    out = lm_eval.simple_evaluate(
         model="local-completions",
         model_args={"base_url": f"{base_url}/v1/completions", "model": model, "tokenizer": str(tokenizer_dir),
                     "tokenizer_backend": "huggingface", "tokenized_requests": True, "num_concurrent": 1,
                     "max_retries": 1, "batch_size": batch_size},
-        tasks=[TASK], task_manager=TaskManager(include_path=str(task_dir)), limit=limit, log_samples=True,
+        tasks=[TASK], task_manager=task_manager, limit=limit, log_samples=True,
         num_fewshot=0)
     metrics = out["results"][TASK]
     samples = sorted(out["samples"][TASK], key=lambda s: s["doc_id"])
@@ -121,9 +132,10 @@ def markdown(report: dict) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench.lm_eval_check", description=__doc__.splitlines()[0])
-    p.add_argument("--limit", type=int, default=100, help="first N ARC-Easy test items")
-    p.add_argument("--dtype", default="float32", help="server dtype (float32 matches neuronmm eval; auto: default)")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts per lm-eval request")
+    p.add_argument("--limit", type=positive_int, default=100, help="first N ARC-Easy test items")
+    p.add_argument("--dtype", choices=MODEL_DTYPES, default="float32",
+                   help="server dtype (float32 matches neuronmm eval; auto: default)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="prompts per lm-eval request")
     p.add_argument("--port", type=int, default=8310, help="port for the server this starts")
     p.add_argument("--out", default=str(RESULTS / "lm_eval_check.json"))
     return p.parse_args(argv)
@@ -131,11 +143,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    out = check_out(args.out)
+    lm_eval = lm_eval_module()  # before the server starts: a missing extra is one line, not a traceback later
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = load_config()
     model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
     RESULTS.mkdir(exist_ok=True)
-    out = Path(args.out)
     with tempfile.TemporaryDirectory() as tmp:
         task_dir = Path(tmp)
         write_task(task_dir)
@@ -150,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ours_s = time.monotonic() - start
     report = {
         "command": " ".join(["python -m bench.lm_eval_check", *(argv if argv is not None else sys.argv[1:])]),
-        "date": time.strftime("%Y-%m-%d"), "limit": args.limit, "server_dtype": args.dtype,
-        "lm_eval_version": lm_eval.__version__, "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS),
+        **machine_facts(), "limit": args.limit, "server_dtype": args.dtype, "lm_eval_version": lm_eval.__version__,
         "lm_eval": {k: harness[k] for k in ("acc", "acc_norm")},
         "neuronmm_eval": {k: ours[k] for k in ("acc", "acc_norm")},
         "comparison": compare(harness, ours), "seconds": {"lm_eval": lm_eval_s, "neuronmm_eval": ours_s},
@@ -163,4 +175,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

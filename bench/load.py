@@ -25,8 +25,10 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.harness import REPO, ServerProcess, make_tiny_model, run_client, write_config
+from bench.harness import (REPO, ServerProcess, check_out, fraction, machine_facts, make_tiny_model, nonnegative_float,
+                           nonnegative_int, positive_float, positive_int, run_cli, run_client, write_config)
 from server.config import DEFAULT_CONFIG, load_config
+from server.fileio import write_json_atomic
 from server.models.source import resolve_model_dir
 
 __all__ = ["ServerProcess", "check", "one_run", "run_load", "write_config"]  # tests drive the load through these
@@ -187,23 +189,30 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=["tiny", "real"], default="tiny",
                    help="tiny: a 2-layer random Llama with SmolLM2's tokenizer; real: configs/smollm2-135m.yaml")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    p.add_argument("--requests", type=int, default=2000)
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--runs", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=500, help="requests sent before the measured runs")
-    p.add_argument("--disconnect-fraction", type=float, default=0.1)
-    p.add_argument("--request-timeout", type=float, default=120.0)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-queue", type=int, default=40, help="below concurrency - max_num_seqs, so bursts meet 429s")
-    p.add_argument("--num-threads", type=int, default=2)
-    p.add_argument("--rss-bound-mb", type=float, default=64.0, help="allowed RSS growth from run 1 to the last")
+    p.add_argument("--requests", type=positive_int, default=2000)
+    p.add_argument("--concurrency", type=positive_int, default=64)
+    p.add_argument("--runs", type=positive_int, default=2)
+    p.add_argument("--warmup", type=nonnegative_int, default=500, help="requests sent before the measured runs")
+    p.add_argument("--disconnect-fraction", type=fraction, default=0.1)
+    p.add_argument("--request-timeout", type=positive_float, default=120.0)
+    p.add_argument("--max-num-seqs", type=positive_int, default=16)
+    p.add_argument("--max-queue", type=nonnegative_int, default=40,
+                   help="below concurrency - max_num_seqs, so bursts meet 429s")
+    p.add_argument("--num-threads", type=positive_int, default=2)
+    p.add_argument("--rss-bound-mb", type=nonnegative_float, default=64.0,
+                   help="allowed RSS growth from run 1 to the last")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "load.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.config.is_file():
+        p.error(f"--config: no file {args.config}")
+    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    out = check_out(args.out, markdown=False)
+    facts = machine_facts()  # before the server starts: the core round trip measured with the cores idle
     with tempfile.TemporaryDirectory(prefix="neuronmm-load-") as tmp:
         tmp = Path(tmp)
         model_dir = None
@@ -228,13 +237,12 @@ def main(argv=None) -> int:
                 results.append(one_run(server, args, args.seed + run))
                 print(f"run {run + 1}: {json.dumps(results[-1])}", flush=True)
             problems = check(results, args)
-    report = {"model": args.model, "requests_per_run": args.requests, "concurrency": args.concurrency,
+    report = {**facts, "model": args.model, "requests_per_run": args.requests, "concurrency": args.concurrency,
               "max_num_seqs": args.max_num_seqs, "max_queue": args.max_queue,
               "warmup_requests": args.warmup, "rss_mb_before": round(rss_before, 1),
               "rss_mb_after_warmup": round(rss_warm, 1), "rss_bound_mb": args.rss_bound_mb,
               "runs": results, "problems": problems, "passed": not problems}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json_atomic(out, report)
     print(f"RSS before {rss_before:.1f} MB, after warm-up {rss_warm:.1f} MB, after each run "
           f"{[r['rss_mb_after'] for r in results]} MB (bound on growth: {args.rss_bound_mb} MB)")
     print("PASS" if not problems else "FAIL:\n  " + "\n  ".join(problems))
@@ -242,4 +250,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 from bench.engine_step import RESULTS, _filled, _save
-from bench.harness import machine_facts, write_random_lora
+from bench.harness import check_out, machine_facts, positive_int, run_cli, write_random_lora
 from server.backends.torch_runner import TorchRunner
 from server.config import load_config
 from server.models.source import resolve_model_dir
@@ -57,15 +57,17 @@ def variant_step_ms(runner: TorchRunner, batch_size: int, context: int, steps: i
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: time the variants per batch size, print a table, save JSON."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="bench.lora_step", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/smollm2-135m.yaml")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--rank", type=int, default=16, help="the adapters' rank")
-    p.add_argument("--context", type=int, default=128)
-    p.add_argument("--steps", type=int, default=60, help="timed steps per variant and batch size (first 5 dropped)")
+    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 16])
+    p.add_argument("--rank", type=positive_int, default=16, help="the adapters' rank")
+    p.add_argument("--context", type=positive_int, default=128)
+    p.add_argument("--steps", type=positive_int, default=60,
+                   help="timed steps per variant and batch size (first 5 dropped)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS / "lora_step.json"))
     args = p.parse_args(argv)
+    args.out = check_out(args.out, markdown=False)
     cfg = load_config(args.config)
     model_dir = resolve_model_dir(cfg.model, Path(cfg.cache_dir).expanduser())
     block_size = cfg.engine.block_size
@@ -93,4 +95,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import httpx
 
-from bench.harness import BENCH_FLAGS, ServerProcess, run_client, write_config
+from bench.harness import (ServerProcess, check_out, int_at_least, machine_facts, positive_int, run_cli, run_client,
+                           write_config)
 from server.config import DEFAULT_CONFIG, load_config
-from server.models.cpu_features import cpu_flags
+from server.fileio import write_json_atomic
 
 RESULTS = Path(__file__).parent / "results"
 WORDS = ("river stone lantern orbit meadow copper signal harbor violet engine quiet summit ledger canvas "
@@ -103,15 +104,16 @@ def run_server(config: Path, model: str, turns: int, long_prompt_words: int, see
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.multiturn", description=__doc__.split("\n")[0])
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
-    p.add_argument("--turns", type=int, default=12)
-    p.add_argument("--long-prompt-words", type=int, default=900, help="~1,200 tokens")
+    # the report compares the last turn with the second: two at least
+    p.add_argument("--turns", type=int_at_least(2), default=12)
+    p.add_argument("--long-prompt-words", type=positive_int, default=900, help="~1,200 tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS / "multiturn.json"))
     args = p.parse_args(argv)
+    out = check_out(args.out, markdown=False)
     RESULTS.mkdir(parents=True, exist_ok=True)
     model = load_config(args.config).model.name
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS),
-              "config": args.config, "runs": {}}
+    report = {**machine_facts(), "config": args.config, "runs": {}}
     for caching in (True, False):
         path = write_config(RESULTS / f"multiturn-caching-{'on' if caching else 'off'}.yaml", None,
                             engine={"enable_prefix_caching": caching}, base=Path(args.config))
@@ -123,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{run['repeat_ttft_ms'][1]:.0f} ms; shared system prompt c=16 {run['shared_prefix_tok_s']:.1f} tok/s; "
               f"prefix hit rate {run['prefix_hit_rate']:.2f}; prompt tokens "
               f"{run['turn_prompt_tokens']}, computed {run['turn_computed_tokens']}", flush=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"saved {args.out}")
+    write_json_atomic(out, report)
+    print(f"saved {out}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

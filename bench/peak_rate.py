@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import machine_facts, publish
+from bench.harness import check_out, machine_facts, positive_int, publish, run_cli
 from server.models import fused_ops
 from server.models.cpu_features import cpu_flags
 
@@ -92,12 +92,11 @@ def gemm_peak(kind: str | None) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=5)
+    p = argparse.ArgumentParser(prog="bench.peak_rate", description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--out", default=str(RESULTS / "peak_rate.json"))
     args = p.parse_args(argv)
-    if args.repeats < 1:
-        p.error("--repeats must be 1 or more")
+    out = check_out(args.out)
     kinds = peak_kinds()
     if not kinds:
         p.error("the probe needs the fused CPU ops (csrc/), which this machine cannot build")
@@ -105,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"| instruction | G ops/s ({torch.get_num_threads()} threads) |", "|---|---:|"]
     lines += [f"| {row['kind']} | {row['gops']:.1f} |" for row in rows]
     report = {**machine_facts(), "torch_threads": torch.get_num_threads(), "rows": rows}
-    return publish(Path(args.out), report, "\n".join(lines))
+    return publish(out, report, "\n".join(lines))
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

@@ -23,11 +23,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from bench.harness import save_report
+from bench.harness import check_out, int_at_least, machine_facts, positive_int, run_cli, save_report
 from compression.evaluation.corpora import corpus_text
 from compression.evaluation.model import load_eval_model
 from compression.evaluation.perplexity import token_windows
 from server.config import load_config
+from server.models.artifact import read_manifest
 
 EDGES = (0, 64, 256, 512, 1024, 2048)
 
@@ -79,11 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.position_nll", description=__doc__.splitlines()[0])
     p.add_argument("--compressed", required=True, help="a compressed artifact folder")
     p.add_argument("--config", default=None)
-    p.add_argument("--seqlen", type=int, default=2048)
-    p.add_argument("--windows", type=int, default=12, help="evenly spaced windows of the test set")
-    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--seqlen", type=int_at_least(2), default=2048)  # a window scores its tokens after the first
+    p.add_argument("--windows", type=positive_int, default=12, help="evenly spaced windows of the test set")
+    p.add_argument("--num-threads", type=positive_int, default=2)
     p.add_argument("--out", default="bench/results/position_nll.json")
     args = p.parse_args(argv)
+    out = check_out(args.out)
+    read_manifest(Path(args.compressed))  # a bad artifact is found before the dense model's pass, not after it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config)
     nll, windows, windows_total = {}, None, 0
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         nll[name] = position_nll(model, windows, name)
         del model
     dense, comp = nll["dense"], nll["compressed"]
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    report = {**machine_facts(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": platform.machine(), "compressed": args.compressed, "seqlen": args.seqlen,
               "windows": len(windows), "windows_total": windows_total,
               "command": shlex.join([sys.executable.rsplit("/", 1)[-1], "-m", "bench.position_nll", *(argv or sys.argv[1:])]),
@@ -104,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
               "compressed_ppl": math.exp(float(comp.mean())), "ratio": math.exp(float(comp.mean() - dense.mean()))}
     md = markdown(report)
     print(md)
-    save_report(Path(args.out), report, md)
+    save_report(out, report, md)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

