@@ -99,12 +99,12 @@ def load(cache_dir: Path | None = None) -> bool:
     return _loaded
 
 
-# ---- references: the same maths in plain torch (tests compare against these; CUDA runs them) --------
-
 def library_dir() -> Path | None:
     """The folder of the library load() loaded: one a build of the sources for one CPU (None before, or without it)."""
     return _library.parent if _library is not None else None
 
+
+# ---- references: the same maths in plain torch (tests compare against these; CUDA runs them) --------
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF LlamaRMSNorm: normalise in fp32, round to x's dtype, multiply by the weight in that dtype."""
