@@ -77,6 +77,12 @@ def ds(start, size: int) -> DynSlice:
 def _loop(kind: str, args, static: bool = False):
     c = ctx()
     trips = range(*(core.as_int(a) for a in args))
+    if not trips and not static:
+        # neuronx-cc traces an affine/sequential loop's body once, with a symbolic index, whatever its trip count
+        # (only static_range unrolls at trace time), so an empty loop's body still compiles, zero-size or
+        # out-of-bounds slices and all: run nothing here would pass a kernel that does not compile there
+        raise core.NKIRuleError("zero_trip_loop", f"{kind}_range{tuple(args)} has no iterations; neuronx-cc still "
+                                "compiles its body: skip the loop with a Python `if` instead")
     if c.sample_loops and not static and len(trips) > 2:
         # trace-only sampling: iterations differ only in addresses, so run the first one standing for
         # all but one, and the last one (bounds checks at both ends)

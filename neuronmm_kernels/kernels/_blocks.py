@@ -386,10 +386,12 @@ def swiglu_down_streamed(zgT, zuT, gate_v, up_v, down_u, zdT, tsz: int, block: i
         blocks(tsz, MOVING_FMAX, token_chunk)
 
     num_full, tail = divmod(gate_v.shape[1], block)
-    for b in nl.sequential_range(num_full):
-        column_block(b * block, block)
-    for _ in nl.sequential_range(1 if tail else 0):
-        column_block(num_full * block, tail)
+    if num_full:  # Python ifs, not empty loops: neuronx-cc compiles a loop's body even when it has no trips
+        for b in nl.sequential_range(num_full):
+            column_block(b * block, block)
+    if tail:
+        for _ in nl.sequential_range(1):
+            column_block(num_full * block, tail)
     for j in nl.affine_range(num_rd):
         def evict(_, s0, ssz):
             zdT[:, j, nl.ds(s0, ssz)] = nisa.tensor_copy(zd_acc[:, j, nl.ds(s0, ssz)], dtype=zdT.dtype)

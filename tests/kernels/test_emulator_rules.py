@@ -414,3 +414,21 @@ def test_affine_access_patterns_stride_free_dims_only():
     _raises("err_unsupported_partition_access", partition_stride, x)
     _raises("err_unsupported_partition_access", partition_from_free_axis, x)
     _raises("err_tensor_access_out_of_bound", lambda t: nl.load(t[nl.arange(4)[:, None], 3 * nl.arange(8)[None, :]]), x)
+
+
+def test_a_loop_without_trips_is_refused_but_static_range_may_have_none():
+    """neuronx-cc compiles an affine/sequential loop's body once whatever its trip count (only static_range unrolls
+    while tracing), so an empty loop is no way to skip code there: a Python `if` is."""
+
+    def empty(kind):
+        def k(x):
+            out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+            for _ in kind(0):
+                nl.load(x)
+            nl.store(out, nl.load(x))
+            return out
+        return k
+
+    _raises("zero_trip_loop", empty(nl.affine_range), _x(4, 4))
+    _raises("zero_trip_loop", empty(nl.sequential_range), _x(4, 4))
+    run(nki.jit(empty(nl.static_range)), _x(4, 4))

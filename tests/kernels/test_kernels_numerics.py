@@ -75,6 +75,10 @@ def test_dense_matmul_matches_reference(make, num_tokens, d_in, d_out):
     (9, 192, 320, (128, 256, 128), {"u_moving": True, "h_in_hbm": True}),
     (130, 192, 256, (256, 128, 128), {"hoist_u": True, "token_block": 128}),
     (2, 128, 256, (128, 256, 128), {"hoist_u": True, "u_moving": True}),
+    # prefill blocks over 512 tokens stream hᵀ a gate_block at a time (swiglu_down_streamed):
+    (640, 128, 256, (128, 128, 128), {"token_block": 640, "gate_block": 128}),   # whole gate blocks, no tail
+    (600, 128, 192, (128, 128, 128), {"token_block": 600, "gate_block": 256}),   # a tail only, no whole block
+    (700, 192, 320, (128, 128, 256), {"token_block": 640, "gate_block": 128}),   # both, and a token-block tail
 ])
 def test_lowrank_mlp_matches_reference(make, num_tokens, hidden, inter, ranks, opts):
     rg, ru, rd = ranks
