@@ -1,4 +1,7 @@
-"""What the CPU can do, read from /proc/cpuinfo, and the serving dtype that follows from it."""
+"""What the CPU can do, read from /proc/cpuinfo, and the serving dtype that follows from it.
+
+torch is imported inside the dtype functions: `neuronmm serve` reads the CPU's facts before it spawns the engine
+core, without torch's seconds of import."""
 
 from __future__ import annotations
 
@@ -8,24 +11,32 @@ import os
 import subprocess
 from pathlib import Path
 
-import torch
-
 log = logging.getLogger(__name__)
 
 # Flags that mean the CPU has native bf16 dot products (a bf16 GEMM is then faster than fp32, not emulated).
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
+def _cpuinfo_value(key: str, cpuinfo: Path) -> str | None:
+    """The first CPU's `key` line of /proc/cpuinfo (None where the file or the line does not exist)."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith(key):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 @functools.cache
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     """The feature flags of the first CPU (empty where /proc/cpuinfo does not exist)."""
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return frozenset((_cpuinfo_value("flags", cpuinfo) or "").split())
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The first CPU's model name ("unknown" where /proc/cpuinfo does not say)."""
+    return _cpuinfo_value("model name", cpuinfo) or "unknown"
 
 
 def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
@@ -62,9 +73,6 @@ def _compiler_enables_bf16(cxx: str, arch: str) -> bool:
     return "__AVX512BF16__" in macros or "__AMX_BF16__" in macros
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def resolve_dtype(name: str, device: torch.device, flags: frozenset[str] | None = None, log_choice: bool = True,
                   target_bf16: bool | None = None) -> torch.dtype:
     """The torch dtype for a config's `model.dtype`; `auto` picks the fastest one that keeps quality.
@@ -73,8 +81,10 @@ def resolve_dtype(name: str, device: torch.device, flags: frozenset[str] | None 
     uses them (`target_bf16`; default: target_has_native_bf16()), else fp32 (emulated bf16 is slower than fp32);
     on CUDA bf16 where supported, else fp16.
     """
+    import torch
+
     if name != "auto":
-        return _DTYPES[name]
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
     if device.type == "cuda":
         chosen = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         reason = "CUDA device"
@@ -93,6 +103,8 @@ def activation_dtype(weight_dtype: torch.dtype, device: torch.device, log_choice
     """The dtype a model with `weight_dtype` weights computes in: its own, but fp32 for bf16 weights on a CPU whose
     fused ops have no native bf16 (bf16 activations would be emulated there; the fp32 panel GEMM widens the bf16
     weights exactly, so a step streams half the bytes of fp32 weights at fp32's arithmetic)."""
+    import torch
+
     if device.type != "cpu" or weight_dtype != torch.bfloat16 or target_has_native_bf16():
         return weight_dtype
     if log_choice:

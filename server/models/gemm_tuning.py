@@ -30,6 +30,7 @@ from pathlib import Path
 
 from server.errors import ConfigError
 from server.fileio import write_json_atomic
+from server.models.cpu_features import cpu_model
 
 log = logging.getLogger(__name__)
 
@@ -138,21 +139,13 @@ def kernels_from(timings: dict[str, dict[int, float]]) -> Bf16Kernels:
     return Bf16Kernels(fma_rows, threshold_from({r: (vector[r], timings["amx"][r]) for r in dot}))
 
 
-def _cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    try:
-        lines = cpuinfo.read_text().splitlines()
-    except OSError:
-        return "unknown"
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
-
-
 def read_choice(path: Path, amx: bool) -> Bf16Kernels | None:
     """The thresholds an earlier start on this CPU timed (None: no file, another CPU model or AMX state, or a file
     that does not read as one)."""
     try:
         saved = json.loads(path.read_text())
         rows = (saved["fma_rows"], saved["amx_rows"])
-        if saved["cpu"] != _cpu_model() or saved["amx"] != amx or not all(
+        if saved["cpu"] != cpu_model() or saved["amx"] != amx or not all(
                 isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rows):
             return None
     except (OSError, ValueError, KeyError, TypeError):
@@ -165,7 +158,7 @@ def save_choice(path: Path, kernels: Bf16Kernels, amx: bool, timings: dict[str, 
     try:
         timed_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         write_json_atomic(path, {"fma_rows": kernels.fma_rows, "amx_rows": kernels.amx_rows, "amx": amx,
-                                 "cpu": _cpu_model(), "timed_at": timed_at, "us_by_rows": timings})
+                                 "cpu": cpu_model(), "timed_at": timed_at, "us_by_rows": timings})
     except OSError as exc:
         log.warning("could not keep the bf16 kernel choice in %s: %s", path, exc)
 
