@@ -21,6 +21,7 @@ from pathlib import Path
 
 from bench.harness import (NEURONMM, REPO, check_out, comma_list, int_at_least, keep_ratio, machine_facts, one_of,
                            positive_int, run_cli, run_logged, save_report)
+from compression.evaluation.cli import check_eval_lists
 from compression.evaluation.report import TASK_TITLES, mean_accuracy
 from compression.rank import block_rank, saves_parameters
 from server.fileio import files_sha256
@@ -177,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results/compression_quality.json")
     args = p.parse_args(argv)
     check_out(REPO / args.out)  # _checkpoint writes it there after each row
+    check_eval_lists(args.ppl, args.ppl_limit, args.tasks)  # the eval runs after the compressions
     print(markdown(run(args)))
     return 0
 

@@ -21,7 +21,8 @@ from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.engine_step import RESULTS, step_times
-from bench.harness import MODEL_DTYPES, check_out, machine_facts, positive_int, publish, run_cli, torch_device
+from bench.harness import (MODEL_DTYPES, check_out, machine_facts, nonnegative_int, positive_int, publish, run_cli,
+                           torch_device)
 from server.backends.torch_runner import TorchRunner
 from server.config import load_config
 from server.models.source import resolve_model_dir
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 16, 64])
     p.add_argument("--context", type=positive_int, default=128)
     p.add_argument("--steps", type=positive_int, default=60, help="timed steps per batch size (first 5 dropped)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--out", default=str(RESULTS / "cuda_step.json"))
     args = p.parse_args(argv)
     out = check_out(args.out)

@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=positive_int, default=30, help="timed steps per batch size (first 5 dropped)")
     p.add_argument("--num-threads", type=positive_int, default=None)
     p.add_argument("--compressed", help="a compressed artifact folder to apply (default: the config's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="override the config's engine.kv_cache_dtype")
     p.add_argument("--quantization", choices=["int8", "gguf", "none"], help="override the config's model.quantization")
     p.add_argument("--no-panel-gemm", action="store_true", help="oneDNN's packed GEMM even where the panel GEMM applies")

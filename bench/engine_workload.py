@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.harness import (KV_CACHE_DTYPES, MODEL_DTYPES, ROW_PREFIX, check_out, level_size, machine_facts,
-                           positive_int, prompt_id_bound, publish, run_cli)
+                           nonnegative_int, positive_int, prompt_id_bound, publish, run_cli)
 from bench.model_costs import (TokenArithmetic, ceiling_cell, ceiling_tok_s, level_kv_bytes, min_level_steps,
                                weight_bytes)
 from bench.peak_rate import gemm_peak, runner_gemm_kind
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=positive_int, default=128)
     p.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 16])
     p.add_argument("--sampled", action="store_true", help="temperature 0.7, seeded per request (else greedy)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--out", default=str(RESULTS / "engine_workload.json"))
     p.add_argument("--step-parts", action="store_true",
                    help="also time each step's parts (the C++ layer loop, the LM head, the sampler, the scheduler) "

@@ -89,6 +89,11 @@ def nonnegative_float(text: str) -> float:
     return _number(text, float, lambda v: v >= 0, "a number >= 0")
 
 
+def tcp_port(text: str) -> int:
+    """An argparse type: a TCP port number, 1 to 65535."""
+    return _number(text, int, lambda v: 1 <= v <= 65535, "a port from 1 to 65535")
+
+
 def fraction(text: str) -> float:
     """An argparse type: a number from 0 to 1."""
     return _number(text, float, lambda v: 0 <= v <= 1, "a number from 0 to 1")

@@ -28,7 +28,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import yaml  # noqa: E402
 
 from bench.harness import (MODEL_DTYPES, ServerProcess, check_out, machine_facts, positive_int, run_cli,  # noqa: E402
-                           save_report, write_config)
+                           save_report, tcp_port, write_config)
 from compression.evaluation.model import load_eval_model  # noqa: E402
 from compression.evaluation.tasks import get_task  # noqa: E402
 from compression.evaluation.zeroshot import encode_pair, loglikelihoods, predictions  # noqa: E402
@@ -136,7 +136,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=MODEL_DTYPES, default="float32",
                    help="server dtype (float32 matches neuronmm eval; auto: default)")
     p.add_argument("--batch-size", type=positive_int, default=8, help="prompts per lm-eval request")
-    p.add_argument("--port", type=int, default=8310, help="port for the server this starts")
+    p.add_argument("--port", type=tcp_port, default=8310, help="port for the server this starts")
     p.add_argument("--out", default=str(RESULTS / "lm_eval_check.json"))
     return p.parse_args(argv)
 

@@ -201,7 +201,7 @@ def parse_args(argv=None):
     p.add_argument("--num-threads", type=positive_int, default=2)
     p.add_argument("--rss-bound-mb", type=nonnegative_float, default=64.0,
                    help="allowed RSS growth from run 1 to the last")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "load.json")
     args = p.parse_args(argv)
     if not args.config.is_file():

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 from bench.engine_step import RESULTS, _filled, _save
-from bench.harness import check_out, machine_facts, positive_int, run_cli, write_random_lora
+from bench.harness import check_out, machine_facts, nonnegative_int, positive_int, run_cli, write_random_lora
 from server.backends.torch_runner import TorchRunner
 from server.config import load_config
 from server.models.source import resolve_model_dir
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=positive_int, default=128)
     p.add_argument("--steps", type=positive_int, default=60,
                    help="timed steps per variant and batch size (first 5 dropped)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--out", default=str(RESULTS / "lora_step.json"))
     args = p.parse_args(argv)
     args.out = check_out(args.out, markdown=False)

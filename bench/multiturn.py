@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.harness import (ServerProcess, check_out, int_at_least, machine_facts, positive_int, run_cli, run_client,
-                           write_config)
+from bench.harness import (ServerProcess, check_out, int_at_least, machine_facts, nonnegative_int, positive_int,
+                           run_cli, run_client, write_config)
 from server.config import DEFAULT_CONFIG, load_config
 from server.fileio import write_json_atomic
 
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     # the report compares the last turn with the second: two at least
     p.add_argument("--turns", type=int_at_least(2), default=12)
     p.add_argument("--long-prompt-words", type=positive_int, default=900, help="~1,200 tokens")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--out", default=str(RESULTS / "multiturn.json"))
     args = p.parse_args(argv)
     out = check_out(args.out, markdown=False)

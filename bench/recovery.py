@@ -23,6 +23,7 @@ from pathlib import Path
 
 from bench.harness import (NEURONMM, REPO, check_out, comma_list, int_at_least, keep_ratio, machine_facts,
                            nonnegative_int, one_of, positive_float, positive_int, run_cli, run_logged, save_report)
+from compression.evaluation.cli import check_eval_lists
 from server.models.artifact import MANIFEST, read_manifest
 
 CORPORA = ("wikitext2", "ptb", "c4")
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results/recovery.json")
     args = p.parse_args(argv)
     check_out(REPO / args.out)  # _write puts it there after each row
+    check_eval_lists(args.ppl, args.ppl_limit, args.tasks)  # the evals run after the recoveries
     run(args)
     return 0
 

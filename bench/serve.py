@@ -650,7 +650,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--in-turns", type=nonnegative_int, default=0, metavar="ROUNDS",
                    help="start every system side by side and run each level this many times, the systems in turn; "
                         "report each ours over each peer within a round (median and range); no engine-only twins")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--out", help="the report (default bench/results/serve.json); the engine-only steps' JSON goes "
                                  "beside it, <stem>-engine_step-<system>.json")
     args = p.parse_args(argv)

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from bench.harness import (MODEL_DTYPES, ServerProcess, check_out, machine_facts, positive_int, run_cli, run_client,
-                           save_report, write_config)
+                           save_report, tcp_port, write_config)
 from bench.serve import percentile
 from server.config import load_config
 
@@ -110,7 +110,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests-per-slot", type=positive_int, default=2, help="requests per round = this x concurrency")
     p.add_argument("--output-len", type=positive_int, default=128)
     p.add_argument("--dtype", choices=MODEL_DTYPES, default="auto")
-    p.add_argument("--port", type=int, default=8311, help="port for the server this starts")
+    p.add_argument("--port", type=tcp_port, default=8311, help="port for the server this starts")
     p.add_argument("--out", default=str(RESULTS / "structured_output.json"))
     return p.parse_args(argv)
 

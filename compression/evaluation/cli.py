@@ -94,6 +94,13 @@ def parse_ppl_limits(value: str | None, default: int | None, corpora: list[str])
     return limits
 
 
+def check_eval_lists(ppl: str, ppl_limit: str | None, tasks: str) -> None:
+    """ConfigError (one line) when `neuronmm eval` would refuse these --ppl, --ppl-limit and --tasks values: lets
+    a caller that runs the eval later (after a compression) stop before its work."""
+    parse_list("--tasks", tasks, tuple(TASKS), all_word="all")
+    parse_ppl_limits(ppl_limit, None, parse_list("--ppl", ppl, CORPORA))
+
+
 def run_eval(args: argparse.Namespace) -> int:
     """Evaluate and print the markdown table; JSON to --out."""
     tasks = parse_list("--tasks", args.tasks, tuple(TASKS), all_word="all")

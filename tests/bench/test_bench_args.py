@@ -32,6 +32,7 @@ PYTHON_TIMEOUT = 120  # a child imports torch: seconds, not minutes
     (harness.fraction, {"0": 0.0, "0.1": 0.1, "1": 1.0}, ["1.5", "-0.1", "nan"]),
     (harness.keep_ratio, {"1": 1.0, "0.8": 0.8}, ["0", "1.5", "nan", "abc"]),
     (harness.torch_device, {"cpu": "cpu", "cuda": "cuda", "cuda:1": "cuda:1"}, ["tpu", "cuda:x", "cpu:0"]),
+    (harness.tcp_port, {"1": 1, "8310": 8310, "65535": 65535}, ["0", "65536", "-1", "x"]),
 ])
 def test_argparse_types_take_what_they_name_and_refuse_the_rest(parse, good, bad):
     assert {text: parse(text) for text in good} == good
@@ -163,6 +164,11 @@ BAD_FLAGS = [
     (recovery.main, ["--allocations", "uniform,bogus"], "--allocations"),
     (structured_output.main, ["--rounds", "0"], "--rounds"),
     (structured_output.main, ["--dtype", "bogus"], "--dtype"),
+    (structured_output.main, ["--port", "0"], "--port"),
+    (engine_step.main, ["--seed", "-1"], "--seed"),
+    (serve.parse_args, ["--seed", "-1"], "--seed"),
+    (load.parse_args, ["--seed", "x"], "--seed"),
+    (multiturn.main, ["--seed", "-2"], "--seed"),
 ]
 
 
@@ -222,6 +228,19 @@ def test_a_bad_out_is_refused_before_the_work(entry, flags, work, tmp_path, monk
 
 
 # --- checks that need the model's shape, made before the long passes ---
+
+@pytest.mark.parametrize("entry", [compression_quality.main, recovery.main], ids=lambda e: e.__module__)
+@pytest.mark.parametrize("flags, message", [
+    (["--ppl-limit", "wikitext2=0"], "--ppl-limit: expected a positive integer"),
+    (["--ppl-limit", "lambada=5"], "'lambada' is not among the --ppl corpora"),
+    (["--ppl", "wikitext2,bogus"], "--ppl: unknown name 'bogus'"),
+    (["--tasks", "arc_easy,bogus"], "--tasks: unknown name 'bogus'"),
+])
+def test_the_eval_lists_are_checked_before_the_compressions(entry, flags, message, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[entry.__module__], "run", _refuse)
+    with pytest.raises(ConfigError, match=message):
+        entry([*flags, "--out", str(tmp_path / "report.json")])
+
 
 def test_position_nll_checks_the_artifact_before_the_dense_model(tmp_path, monkeypatch):
     monkeypatch.setattr(position_nll, "load_eval_model", _refuse)
