@@ -43,7 +43,7 @@ class FakeLlamaHlo:
     (:312-322) calls gated_mlp_bsh with the scales as keywords."""
 
     neuron_config = SimpleNamespace(quant=None, sequence_parallel_norm=False, is_sequence_parallel=False,
-                                    fused_rmsnorm_mlp=False)
+                                    fused_rmsnorm_mlp=False, fuse_mlp=False, attention_layout="BSH")
 
     def __init__(self, hlo):
         self.hlo = hlo
@@ -154,7 +154,8 @@ def test_mixed_dense_and_lowrank_layers_build_through_the_real_graph(patched):
     assert again[1][0] == "dense_mlp"
 
 
-@pytest.mark.parametrize("setting", ["quant", "is_sequence_parallel", "sequence_parallel_norm", "fused_rmsnorm_mlp"])
+@pytest.mark.parametrize("setting", ["quant", "is_sequence_parallel", "sequence_parallel_norm", "fused_rmsnorm_mlp",
+                                     "fuse_mlp"])
 def test_unsupported_tnx_settings_are_refused_for_compressed_layers(patched, setting, monkeypatch):
     monkeypatch.setattr(FakeLlamaHlo, "neuron_config",
                         SimpleNamespace(**{**vars(FakeLlamaHlo.neuron_config), setting: True}))
@@ -162,6 +163,14 @@ def test_unsupported_tnx_settings_are_refused_for_compressed_layers(patched, set
     layer.to_neuron()
     with pytest.raises(tnx_patch.PatchError, match=setting.replace("is_", "")[:8]):
         FakeLlamaHlo(patched.hlo).layer(np.zeros((1, 1, HIDDEN)), "c", "ln", *layer.extra_parameters)
+
+
+@pytest.mark.parametrize("layout", ["HSB", SimpleNamespace(value="HSB")])  # a str or tnx's constants.Layout enum
+def test_hsb_attention_layout_is_refused(layout):
+    """tnx builds an HSB layer's MLP with hlo.gated_mlp, which the patch does not replace (llama/hlo.py:303)."""
+    with pytest.raises(tnx_patch.PatchError, match="attention_layout 'HSB'"):
+        tnx_patch.check_neuron_config(SimpleNamespace(attention_layout=layout))
+    tnx_patch.check_neuron_config(SimpleNamespace(attention_layout=SimpleNamespace(value="BSH")))
 
 
 def test_return_partial_skips_the_all_reduce(patched):

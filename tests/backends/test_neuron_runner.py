@@ -24,18 +24,37 @@ HF = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64, "in
 
 
 class FakeTnx:
-    """Records forward calls; logits row r = one-hot of (last input token + last position) % vocab, padded vocab."""
+    """tnx's continuous-batching forward (tnx v0.13.0 llama/model.py:284, base.py:492-586, 700-710) over a toy cache.
 
-    def __init__(self):
-        self.calls = []
+    More than one token at position 0 encodes that one slot; any one-token input runs the decode graph over the whole
+    compiled batch, where each row not in start_ids writes token 0 at position 0 (layers/attention.py:276-294,
+    attention_utils.py:39-63). Logits row = one-hot of (sum of the slot's cached tokens up to the row's position)
+    % vocab, in start_ids order, vocab padded as tnx pads it to a tp multiple.
+    """
 
-    def forward(self, input_ids, cache_ids, seq_ids):
-        self.calls.append((input_ids.tolist(), cache_ids.tolist(), seq_ids.tolist()))
-        rows = input_ids.shape[0]
-        out = torch.zeros(rows, VOCAB + 14)  # tnx pads the vocab to a tp multiple
-        for r in range(rows):
-            out[r, (int(input_ids[r, -1]) + int(cache_ids[r, -1])) % VOCAB] = 1.0
+    def __init__(self, batch=8):
+        self.calls, self.batch, self.kv = [], batch, {}
+
+    def forward(self, input_ids, cache_ids=None, start_ids=None):
+        self.calls.append((input_ids.tolist(), cache_ids.tolist(), start_ids.tolist()))
+        if input_ids.shape[1] > 1:  # context encoding: one sequence (context_batch_sizes == [1])
+            assert input_ids.shape[0] == 1 and int(cache_ids[0, 0]) == 0
+            self.kv.setdefault(int(start_ids[0]), {}).update(zip(cache_ids[0].tolist(), input_ids[0].tolist()))
+        else:
+            given = {int(s): (int(t), int(p)) for s, t, p in zip(start_ids, input_ids[:, 0], cache_ids[:, 0])}
+            assert len(given) == len(start_ids) and max(given) < self.batch
+            for slot in range(self.batch):  # padding rows too: token 0 at position 0
+                token, pos = given.get(slot, (0, 0))
+                self.kv.setdefault(slot, {})[pos] = token
+        out = torch.zeros(input_ids.shape[0], VOCAB + 14)
+        for r, (slot, last) in enumerate(zip(start_ids.tolist(), cache_ids[:, -1].tolist())):
+            out[r, sum(self.kv[slot].get(p, 0) for p in range(last + 1)) % VOCAB] = 1.0
         return out
+
+
+def _want(*tokens):
+    """The token FakeTnx's logits pick for a sequence whose cache holds `tokens` intact."""
+    return sum(tokens) % VOCAB
 
 
 @pytest.fixture(autouse=True)
@@ -64,15 +83,34 @@ def _runner(model_dir, tmp_path, compressed=None, **overrides):
     return runner, seen
 
 
-def test_prefill_and_decode_calls_and_logit_order(model_dir, tmp_path):
+def test_decode_call_runs_before_the_steps_context_encodings(model_dir, tmp_path):
+    """tnx's decode graph writes position 0 of every slot outside the call: a slot encoded before it would lose it."""
     runner, _ = _runner(model_dir, tmp_path)
-    logits = runner.execute([SeqChunk(3, [7], 5), SeqChunk(0, [1, 2, 3], 0), SeqChunk(5, [9], 8)])
+    runner.execute([SeqChunk(3, [4, 5, 6], 0), SeqChunk(5, [7, 8], 0)])
+    runner.model.calls.clear()
+    logits = runner.execute([SeqChunk(3, [7], 3), SeqChunk(0, [1, 2, 3], 0), SeqChunk(5, [9], 2)])
     assert runner.model.calls == [
-        ([[1, 2, 3]], [[0, 1, 2]], [0]),            # prefill: one context-encoding call for slot 0
-        ([[7], [9]], [[5], [8]], [3, 5]),           # decode: both tokens in one call
+        ([[7], [9]], [[3], [2]], [3, 5]),           # decode: both tokens in one call, first
+        ([[1, 2, 3]], [[0, 1, 2]], [0]),            # then slot 0's context encoding
     ]
     assert logits.shape == (3, VOCAB) and logits.dtype == torch.float32
-    assert logits.argmax(1).tolist() == [(7 + 5) % VOCAB, (3 + 2) % VOCAB, (9 + 8) % VOCAB]
+    assert logits.argmax(1).tolist() == [_want(4, 5, 6, 7), _want(1, 2, 3), _want(7, 8, 9)]
+    logits = runner.execute([SeqChunk(0, [4], 3), SeqChunk(3, [1], 4), SeqChunk(5, [2], 3)])
+    assert logits.argmax(1).tolist() == [_want(1, 2, 3, 4), _want(4, 5, 6, 7, 1), _want(7, 8, 9, 2)]
+
+
+def test_one_token_prompt_joins_the_decode_call(model_dir, tmp_path):
+    """tnx decodes any one-token input; run alone, its padding rows would overwrite position 0 of live slots."""
+    runner, _ = _runner(model_dir, tmp_path)
+    runner.execute([SeqChunk(1, [5, 6], 0)])
+    logits = runner.execute([SeqChunk(2, [9], 0), SeqChunk(1, [7], 2)])
+    assert runner.model.calls[-1] == ([[9], [7]], [[0], [2]], [2, 1])
+    assert logits.argmax(1).tolist() == [_want(9), _want(5, 6, 7)]
+    logits = runner.execute([SeqChunk(4, [3], 0), SeqChunk(1, [8], 3), SeqChunk(2, [1], 1)])
+    assert len(runner.model.calls) == 3 and logits.argmax(1).tolist() == [_want(3), _want(5, 6, 7, 8), _want(9, 1)]
+    assert runner.padding.snapshot()[("decode", 8)]["real"] == 5
+    runner.execute([SeqChunk(6, [2], 0, needs_logits=False)])  # the first chunk of a longer prompt: held
+    assert len(runner.model.calls) == 3 and runner._pending == {6: [2]}
 
 
 def test_chunked_prefill_is_held_until_last_chunk(model_dir, tmp_path):
@@ -97,17 +135,18 @@ def test_release_drops_held_prompt(model_dir, tmp_path):
 def test_abort_mid_prefill_does_not_break_the_next_step(model_dir, tmp_path):
     """Slot 1's sequence is aborted after its first chunk; the next step reuses slot 1 beside a decode."""
     runner, _ = _runner(model_dir, tmp_path)
+    runner.execute([SeqChunk(0, [1, 2, 3, 4], 0)])
     runner.execute([SeqChunk(1, [1, 2], 0, needs_logits=False)])
     runner.release_slot(1)  # what the engine does for an aborted sequence
     logits = runner.execute([SeqChunk(1, [5, 6], 0, needs_logits=False), SeqChunk(0, [9], 4)])
-    assert logits.argmax(1).tolist() == [(9 + 4) % VOCAB]
+    assert logits.argmax(1).tolist() == [_want(1, 2, 3, 4, 9)]
     logits = runner.execute([SeqChunk(1, [7], 2), SeqChunk(0, [3], 5)])
-    assert runner.model.calls[-2][0] == [[5, 6, 7]]  # none of the aborted prompt's tokens
-    assert logits.argmax(1).tolist() == [(7 + 2) % VOCAB, (3 + 5) % VOCAB]
+    assert runner.model.calls[-1][0] == [[5, 6, 7]]  # none of the aborted prompt's tokens
+    assert logits.argmax(1).tolist() == [_want(5, 6, 7), _want(1, 2, 3, 4, 9, 3)]
     # an engine that never released the slot: a new prompt (position 0) still replaces the stale chunk
     runner.execute([SeqChunk(2, [1, 2], 0, needs_logits=False)])
     runner.execute([SeqChunk(2, [8], 0)])
-    assert runner.model.calls[-1] == ([[8]], [[0]], [2])
+    assert runner.model.calls[-1] == ([[8]], [[0]], [2]) and runner._pending == {}
 
 
 def test_padding_per_bucket_reaches_metrics(model_dir, tmp_path):

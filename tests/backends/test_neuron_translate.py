@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -83,3 +84,44 @@ def test_shipped_trn1_configs_translate(name, tp):
     assert cfg.backend == "neuron" and cfg.compression.keep_ratio == 0.8
     args = translate(cfg, {**LLAMA_1B, "num_attention_heads": 32})
     assert args.model_kwargs["tp_degree"] == tp
+
+
+class TnxConfigModule:
+    """transformers_neuronx.config's two classes with v0.13.0's parameter lists (config.py:73-87, :204-240): an
+    unknown keyword fails, as NeuronConfig's `assert len(kwargs) == 0` (:311) and the CB config's (:87) do."""
+
+    class ContinuousBatchingConfig:
+        def __init__(self, *, max_num_seqs=None, batch_size_for_shared_caches=None, max_model_len=None,
+                     optimized_paged_attention=None, enable_chunked_prefill=None):
+            self.batch_size_for_shared_caches = max_num_seqs or batch_size_for_shared_caches
+
+    class NeuronConfig:
+        def __init__(self, *, sparse_attn=None, quant=None, kv_cache_quant=None, continuous_batching=None,
+                     attention_layout="HSB", collectives_layout="HSB", cache_layout="SBH", padding_side='left',
+                     group_query_attention=None, sequence_parallel_norm=False, sequence_parallel_norm_threshold=2048,
+                     on_device_embedding=False, on_device_generation=None, all_reduce_dtype=None,
+                     cast_logits_dtype='float32', fuse_qkv=False, qkv_tiling=False, weight_tiling=False,
+                     mlp_in_weight_tiling_permute_order=(1, 2, 0, 3), mlp_out_weight_tiling_permute_order=(1, 2, 0, 3),
+                     log_softmax_scores=False, shard_over_sequence=False, output_all_logits=False,
+                     attn_output_transposed=False, fused_rmsnorm_qkv=False, fused_rmsnorm_mlp=False,
+                     mlp_out_weight_transpose=False, fuse_mlp=False, is_eagle_target=False, is_eagle_draft=False,
+                     has_pre_attention_norm=True, compilation_worker_count=None, duplicate_q_weight_sos=False):
+            self.continuous_batching, self.attention_layout = continuous_batching, attention_layout
+            self.cache_layout = cache_layout
+
+
+def _llama_for_sampling(config, *, n_positions=2048, batch_size=1, amp='f32', tp_degree=2,
+                        context_length_estimate=None, context_unroll=None, unroll=None, neuron_config=None,
+                        prefixed_length=0):  # llama/model.py:34-36 (its **kwargs are dropped, so a typo is silent)
+    return locals()
+
+
+def test_tnx_arguments_bind_to_the_real_signatures_and_pass_from_pretrained_checks():
+    args = translate(_cfg(), LLAMA_1B)
+    nc = build_tnx_config(args, TnxConfigModule)
+    bound = inspect.signature(_llama_for_sampling).bind("config", neuron_config=nc, **args.model_kwargs).arguments
+    assert set(args.model_kwargs) <= set(bound) - {"config"}
+    # module.py:398-420 (from_pretrained's _sanity_check) with continuous batching and the default SBH cache layout
+    assert max(bound["n_positions"]) >= max(bound["context_length_estimate"])
+    assert nc.continuous_batching.batch_size_for_shared_caches == bound["batch_size"]
+    assert nc.cache_layout == "SBH" and nc.attention_layout == "BSH"

@@ -90,7 +90,11 @@ def prepare_layer(tensors: dict[str, np.ndarray], layer: int, tp_degree: int, dt
 
 
 def shard(factors: LayerFactors, tp_degree: int, rank: int) -> LayerFactors:
-    """Core `rank`'s slice: contiguous equal chunks along SHARD_DIMS (what tnx does with `sharding=`)."""
+    """Core `rank`'s slice: contiguous equal chunks along SHARD_DIMS (what tnx does with `sharding=`).
+
+    tnx v0.13.0 parallel.py:101-132 (shard_along_on_cpu): core k gets [k*n/tp, (k+1)*n/tp) of that dim;
+    decoder.py:1688 (duplicate_or_shard_along) copies a parameter whose sharding is None to every core.
+    """
     parts = {}
     for name in FACTOR_ORDER:
         a = getattr(factors, name)

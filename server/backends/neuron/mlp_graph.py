@@ -74,11 +74,13 @@ class TnxGraphBuilder:
         return tuple(t.sizes)
 
     def reshape(self, t, sizes):
-        return self._hlo.reshape(t, list(sizes))
+        return self._hlo.reshape(t, list(sizes))  # tnx v0.13.0 hlo.py:2685 reshape(tensor, shape)
 
     def nki_call(self, kernel, *args, output_like, output_sizes):
+        # nki/compile.py:51-160: the output shapes are appended to the kernel's arguments; one output -> one value
         return self._nki_call(kernel, *args, output_HloShapes=[output_like.dtype[tuple(output_sizes)]])
 
     def all_reduce_sum(self, t, tp_degree):
+        # the dense MLP's own reduction (hlo.py:728-733): the config's all_reduce_dtype and replica groups
         dtype, groups = self._utils.parse_dtype_replica_groups(self._neuron_config, tp_degree)
         return self._hlo.all_reduce_sum(t, tp_degree, dtype=dtype, replica_groups=groups)

@@ -5,9 +5,16 @@ sequence at a time, padded by tnx to the smallest context bucket); all decode to
 run in one call on the compiled decode graph. That graph has one batch size: under continuous
 batching tnx pads every decode to `batch_size_for_shared_caches` (tnx v0.13.0 base.py:500 and
 575-586 scatter the active rows into a zero batch of that size), so smaller neuron.batch_buckets
-are never compiled for decode and the padding reported is against the full batch. Chunked
-prefills are held back until the prompt's last chunk arrives, because the context-encoding graph
-starts at position 0. Padding per bucket is counted for /metrics.
+are never compiled for decode and the padding reported is against the full batch. The padding rows
+are not inert: the decode graph writes the KV cache of every row of that batch, a padding row its
+token 0 at position 0 (layers/attention.py:276-294, attention_utils.py:39-63 index rows by iota, not
+by seq_ids). So every step runs its one decode call *before* its context encodings (a slot prefilled
+first would lose its position 0), and a one-token prompt joins that decode call: tnx sends any
+one-token input down the decode path (base.py:503, 703-710), and on its own that call would pad over
+every live sequence. The scheduler decodes every live sequence each step, so the padding rows only
+land on free slots and on slots whose prompt is encoded right after. Chunked prefills are held back
+until the prompt's last chunk arrives, because the context-encoding graph starts at position 0.
+Padding per bucket is counted for /metrics.
 """
 
 from __future__ import annotations
@@ -116,24 +123,31 @@ class NeuronRunner:
 
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
         rows: dict[int, torch.Tensor] = {}
-        decode_idx = []
+        decode_idx, prefill_idx = [], []
         for i, chunk in enumerate(chunks):
             if chunk.start_pos + len(chunk.token_ids) > self.max_model_len:
                 raise ValueError(f"sequence in slot {chunk.slot} exceeds max_model_len {self.max_model_len}")
-            if len(chunk.token_ids) == 1 and chunk.start_pos > 0 and chunk.slot not in self._pending:
-                decode_idx.append(i)
-                continue
-            out = self._prefill(chunk)
-            if out is not None:
-                rows[i] = out
-        if decode_idx:
+            if chunk.start_pos == 0 and self._pending.pop(chunk.slot, None):  # a slot whose last sequence died
+                log.warning("slot %d: dropped held prompt tokens of a sequence that was not released", chunk.slot)
+            (decode_idx if self._runs_on_decode_graph(chunk) else prefill_idx).append(i)
+        if decode_idx:  # first: its padding rows write position 0 of the slots encoded below (module docstring)
             for i, row in zip(decode_idx, self._decode([chunks[i] for i in decode_idx])):
                 if chunks[i].needs_logits:
                     rows[i] = row
+        for i in prefill_idx:
+            out = self._prefill(chunks[i])
+            if out is not None:
+                rows[i] = out
         order = [i for i, c in enumerate(chunks) if c.needs_logits]
         if not order:
             return torch.empty(0, self.vocab_size)
         return torch.stack([rows[i] for i in order])
+
+    def _runs_on_decode_graph(self, chunk: SeqChunk) -> bool:
+        """One new token: a decode, or a whole one-token prompt (tnx decodes any one-token input)."""
+        if len(chunk.token_ids) != 1 or chunk.slot in self._pending:
+            return False
+        return chunk.start_pos > 0 or chunk.needs_logits
 
     def release_slot(self, slot: int) -> None:
         """The sequence in `slot` finished or was aborted: drop any prompt chunks held for it."""
@@ -141,17 +155,13 @@ class NeuronRunner:
 
     def _prefill(self, chunk: SeqChunk) -> torch.Tensor | None:
         held = self._pending.pop(chunk.slot, [])
-        if chunk.start_pos == 0 and held:  # a new prompt in a slot whose last sequence died mid-prefill
-            log.warning("slot %d: dropping %d held prompt tokens of a sequence that was not released",
-                        chunk.slot, len(held))
-            held = []
         if chunk.start_pos != len(held):
             raise ValueError(f"slot {chunk.slot}: chunk at {chunk.start_pos} after {len(held)} held prompt tokens")
         tokens = held + list(chunk.token_ids)
         if not chunk.needs_logits:  # more of the prompt is coming: the graph encodes from position 0
             self._pending[chunk.slot] = tokens
             return None
-        n = len(tokens)
+        n = len(tokens)  # >= 2: a one-token prompt runs on the decode graph (_runs_on_decode_graph)
         self.padding.record("prefill", bucket_for(n, self.args.context_buckets), n)
         logits = self._forward(torch.tensor([tokens]), torch.arange(n).unsqueeze(0), torch.tensor([chunk.slot]))
         return logits[0]
@@ -165,8 +175,8 @@ class NeuronRunner:
 
     def _forward(self, input_ids: torch.Tensor, cache_ids: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
         """tnx continuous-batching forward -> fp32 logits [rows, vocab] of each row's last position."""
-        with torch.inference_mode():
-            logits = self.model.forward(input_ids, cache_ids, seq_ids)
+        with torch.inference_mode():  # the slots go in start_ids (tnx v0.13.0 llama/model.py:284, base.py:492)
+            logits = self.model.forward(input_ids, cache_ids=cache_ids, start_ids=seq_ids)
         logits = torch.as_tensor(logits).float()
         if logits.dim() == 3:  # [rows, tokens, vocab]: keep the last position
             logits = logits[:, -1, :]

@@ -19,8 +19,12 @@ Three small patches, all reversible (`uninstall`) and inert for layers without f
 Weight quantization (neuron_config.quant) fills the scales slots and would make a dense layer
 look like a compressed one, so it is refused with factors present (`check_neuron_config`), as is
 sequence parallelism, where tnx's gated_mlp_bsh reduce-scatters instead of all-reducing.
-Written against transformers-neuronx as read in its public source (tag v0.13.0; 0.13.1216's
-source is not public); not run against the SDK here.
+Also refused: fuse_mlp (the MLP is then not loaded through add_parameter) and the HSB layout (its
+layers call hlo.gated_mlp). Written against transformers-neuronx's public source: tag v0.13.0
+(f4e3818) and main (1ade6d7, the last public sync), the same in every function used here.
+0.13.1216 (SDK 2.25) is not public; the SDK's release notes list no tnx change after 0.13.380
+(aws-neuron-sdk b0b4e3d6 release-notes/torch/transformers-neuronx/index.rst:93) and keep tnx in
+maintenance from 2.24 (release-notes/2.25.0/index.rst:259). Not run against the SDK here.
 """
 
 from __future__ import annotations
@@ -105,6 +109,14 @@ def check_neuron_config(neuron_config: Any) -> None:
                          "(tnx reduce-scatters the MLP output there; the patch only all-reduces)")
     if getattr(neuron_config, "fused_rmsnorm_mlp", False):  # llama/hlo.py:394 calls its own MLP kernel
         raise PatchError("fused_rmsnorm_mlp bypasses gated_mlp_bsh; disable it to serve low-rank MLP factors")
+    # fuse_mlp loads the MLP with add_mlp_input/add_mlp_output, not add_parameter (llama/model.py:161-169): the
+    # factors would never be injected, which verify_injection only finds after every bucket has compiled
+    if getattr(neuron_config, "fuse_mlp", False):
+        raise PatchError("fuse_mlp loads the MLP without add_parameter; disable it to serve low-rank MLP factors")
+    # HSB builds the MLP with hlo.gated_mlp, not gated_mlp_bsh (llama/hlo.py:303); the factor graph is BSH-only
+    layout = getattr(neuron_config, "attention_layout", "BSH")
+    if getattr(layout, "value", layout) != "BSH":
+        raise PatchError(f"attention_layout {getattr(layout, 'value', layout)!r}: low-rank MLP factors need 'BSH'")
 
 
 def patched_layer(original: Callable) -> Callable:
@@ -151,6 +163,10 @@ def patched_gated_mlp(original: Callable, builder_factory: Callable[[Any], Any])
 def install(decoder_layer_cls: Any, llama_hlo_cls: Any, hlo_module: Any, factors: dict[int, LayerFactors],
             hidden: int, intermediate: int, to_tensor: Callable, builder_factory: Callable) -> PatchState:
     """Apply the three patches to the given classes/module; returns the state for `uninstall`."""
+    # Where tnx looks each one up (v0.13.0): add_parameter on the layer instance at each call (llama/model.py:182);
+    # gated_mlp_bsh as a module attribute at each layer build (llama/hlo.py:303); `layer` once, when LlamaForSampling
+    # binds builder.layer into its decoders (decoder.py:242): so install before from_pretrained, and the compiled
+    # model keeps the patched layer after uninstall (harmless: it only parks factors, built once in to_neuron).
     state = PatchState()
     _replace(state, decoder_layer_cls, "add_parameter",
              patched_add_parameter(decoder_layer_cls.add_parameter, factors, hidden, intermediate, to_tensor, state))
