@@ -159,7 +159,9 @@ class AppState:
 
     def _serve_with(self, engine, tokenizer, model_dir: Path | None) -> None:
         self.engine = engine
-        self.metrics.bind_gauges(lambda: self.engine.num_running, lambda: self.engine.num_waiting)
+        # a dead engine runs nothing: its last counts would stay on the gauges for good
+        self.metrics.bind_gauges(lambda: self.engine.num_running if self.engine.is_alive else 0,
+                                 lambda: self.engine.num_waiting if self.engine.is_alive else 0)
         defaults = sampling_defaults(model_dir, self.cfg.model.generation_config) if model_dir else {}
         serving = OpenAIServing(self.engine, tokenizer, self.cfg, self.metrics, defaults,
                                 eos_token_ids(model_dir, tokenizer) if model_dir else None)

@@ -309,18 +309,25 @@ class OpenAIServing:
     # ---- engine interaction ----------------------------------------------------------------
     def _submit(self, batch: list[tuple[list[int], SamplingParams]], n: int, rid: str) -> list:
         """Admit every prompt of a request before any response starts (so 429 is a real status)."""
+        if len(batch) > self.engine.max_queue:  # each prompt queues: a 429 would ask for retries that never succeed
+            raise APIError(400, f"{len(batch)} prompts in one request are more than the server queues at once "
+                                f"(engine.max_queue {self.engine.max_queue}); send them in smaller batches")
         streams = []
         nonce = secrets.token_hex(4)  # a client's X-Request-Id need not be unique; engine ids must be
         try:
             for i, (ids, params) in enumerate(batch):
                 streams.append(self.engine.submit(ids, params, n, f"{rid}-{nonce}-{i}"))
-        except QueueFullError as exc:
+        except Exception as exc:
             for stream in streams:
                 self.engine.release(stream.request_id, abort=True)
-            raise APIError(429, f"server busy: {exc}; retry later", code="queue_full",
-                           headers={"Retry-After": RETRY_AFTER_S}) from None
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc)) from None
+            # the one refused too: an engine core whose pipe broke as it was sent had routed its outputs already
+            self.engine.release(f"{rid}-{nonce}-{len(streams)}", abort=False)
+            if isinstance(exc, QueueFullError):
+                raise APIError(429, f"server busy: {exc}; retry later", code="queue_full",
+                               headers={"Retry-After": RETRY_AFTER_S}) from None
+            if isinstance(exc, EngineDeadError):
+                raise APIError(503, str(exc)) from None
+            raise
         return streams
 
     async def _collect(self, raw: Request, gens: list, n: int) -> list[_Choice]:
@@ -731,15 +738,19 @@ class OpenAIServing:
     async def _stream(self, gens, n: int, num_prompt_tokens: int, options: StreamOptions | None, rid: str, obj: str,
                       make_choice, model: str, prompt_ids: list[int] | None = None,
                       plain: _PlainDeltas | None = None) -> AsyncIterator[str]:
-        """SSE lines of `_chunks`, then [DONE]."""
+        """SSE lines of `_chunks`, then [DONE] (after an error chunk if making them fails)."""
         include_usage = bool(options and options.include_usage)
-        async with aclosing(self._chunks(gens, n, num_prompt_tokens, options, rid, obj, make_choice, model,
-                                         prompt_ids, plain)) as chunks:
-            async for chunk in chunks:
-                if isinstance(chunk, StreamChunk):
-                    yield chunk.sse(include_usage)
-                else:  # a plain text delta's line, or an error body
-                    yield chunk if isinstance(chunk, str) else f"data: {json.dumps(chunk)}\n\n"
+        try:
+            async with aclosing(self._chunks(gens, n, num_prompt_tokens, options, rid, obj, make_choice, model,
+                                             prompt_ids, plain)) as chunks:
+                async for chunk in chunks:
+                    if isinstance(chunk, StreamChunk):
+                        yield chunk.sse(include_usage)
+                    else:  # a plain text delta's line, or an error body
+                        yield chunk if isinstance(chunk, str) else f"data: {json.dumps(chunk)}\n\n"
+        except Exception as exc:  # a bug: the headers are sent, so an error chunk, not a connection cut mid-body
+            log.exception("stream %s failed", rid)
+            yield f"data: {json.dumps(APIError(500, f'internal error: {exc.__class__.__name__}').body())}\n\n"
         yield "data: [DONE]\n\n"
 
     async def _chunks(self, gens, n: int, num_prompt_tokens: int, options: StreamOptions | None, rid: str, obj: str,

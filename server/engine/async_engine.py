@@ -45,6 +45,14 @@ def run_engine_call(engine, method: str, args: tuple) -> tuple[object, Exception
         return None, exc
 
 
+def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    """callback(*args) in `loop`, from another thread; nothing if that loop is closed (nobody is left to tell)."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        pass
+
+
 def settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
     """Give an engine call's future its result or exception (in its loop), unless its caller gave up on it."""
     if future.done():
@@ -78,13 +86,14 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._dead = False  # the loop has ended: requests are refused
         self.num_waiting = 0  # sequences waiting in the engine, read by metrics
         self.num_waiting_requests = 0  # requests waiting in the engine (n choices count once), for admission
         self.num_running = 0
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        self._stop = False
+        self._stop = self._dead = False
         self._thread = threading.Thread(target=self._loop, name="neuronmm-engine", daemon=True)
         self._thread.start()
 
@@ -100,7 +109,7 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        return bool(self._thread and self._thread.is_alive())
+        return bool(self._thread and self._thread.is_alive()) and not self._dead
 
     @property
     def num_in_flight(self) -> int:
@@ -115,6 +124,8 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
+            if self._dead:
+                raise EngineDeadError("engine is not running")
             if self.num_waiting_requests + len(self._inbox) >= self.max_queue:
                 raise QueueFullError(f"queue full ({self.max_queue} waiting requests)")
             self._queues[request_id] = (asyncio.get_running_loop(), queue)
@@ -138,6 +149,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._lock:
+            if self._dead:
+                raise EngineDeadError("engine is not running")
             self._calls.append((method, args, loop, future))
         self._wake.set()
         return await future
@@ -179,20 +192,41 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         log.info("engine loop started")
-        while not self._stop:
-            self._drain_inbox()
-            self._update_counts()
-            if not self.engine.has_work():
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception:  # a bug outside the forward: fail the running batch, keep the queue, keep going
-                log.exception("engine step failed")
-                outputs = self.engine.fail_running("engine step failed")
-            self._publish(outputs)
+        try:
+            while not self._stop:
+                self._drain_inbox()
+                self._update_counts()
+                if not self.engine.has_work():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception:  # a bug outside the forward: fail the running batch, keep the queue, keep going
+                    log.exception("engine step failed")
+                    outputs = self.engine.fail_running("engine step failed")
+                self._publish(outputs)
+        except Exception:  # (in an abort, say) the engine's state is unknown: stop, as a dead engine core does
+            log.exception("engine loop failed")
+        finally:
+            # whoever still waits on this engine would wait forever: end their requests and calls with an error
+            self._fail_all("engine error: the engine loop stopped")
         log.info("engine loop stopped")
+
+    def _fail_all(self, message: str) -> None:
+        """End every request and engine call still waiting on this engine with an error; refuse new ones."""
+        with self._lock:
+            self._dead = True  # (submit and call refuse from now on, before the thread has ended)
+            queues, self._queues = self._queues, {}
+            calls, self._calls = self._calls, []
+        for rid, (loop, queue) in queues.items():
+            error = SeqOutput(rid, 0, "", [], None, "error", 0, 0, message)
+            _call_soon(loop, queue.put_nowait, error)
+        for _, _, loop, future in calls:
+            _call_soon(loop, settle, future, None, EngineDeadError(message))
+
+
+_CLOSED = object()  # queued by RequestStream.aclose: ends a read of the stream that another task still awaits
 
 
 class RequestStream:
@@ -214,6 +248,8 @@ class RequestStream:
             await self.aclose()
             raise StopAsyncIteration
         out: SeqOutput = await self._queue.get()
+        if out is _CLOSED:
+            raise StopAsyncIteration
         if out.finish_reason is not None:
             self._remaining -= 1
         if out.error:  # one failed choice fails the request (and aborts its other choices on close)
@@ -225,3 +261,6 @@ class RequestStream:
         if not self._closed:
             self._closed = True
             self.engine.release(self.request_id, abort=self._remaining > 0 or self._failed)
+            # Released, the engine sends nothing more here: a task still waiting on the queue (a sibling prompt's
+            # reader when another prompt failed) would wait forever.
+            self._queue.put_nowait(_CLOSED)
