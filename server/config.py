@@ -92,7 +92,7 @@ class EngineConfig(_Strict):
         "auto", description="the most prompt tokens a step takes beside running decodes (auto, off, or a number); "
         "a smaller number bounds how long a newcomer's prompt holds every stream")
     max_model_len: int = Field(2048, ge=16)
-    max_queue: int = Field(256, ge=0, description="waiting requests beyond this get 429")
+    max_queue: int = Field(256, ge=1, description="waiting requests beyond this get 429")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default: all cores")
     seed: int = Field(0, description="seeds the per-request seeds of requests that bring none")
     block_size: int = Field(16, ge=1, le=1024, description="KV cache positions per block (paged backends)")

@@ -806,6 +806,9 @@ class OpenAIServing:
                 usage = self._usage(num_prompt_tokens, sum(completion_tokens.values()), sum(cached_tokens.values()),
                                     list(predicted.values()))
                 yield StreamChunk(id=rid, object=obj, created=created, model=model, choices=[], usage=usage)
+        except Exception as exc:  # a bug in making a chunk: every stream format built on these ends with its error
+            log.exception("stream %s failed", rid)
+            yield APIError(500, f"internal error: {exc.__class__.__name__}").body()
         finally:
             await outputs.aclose()
             for gen in gens:

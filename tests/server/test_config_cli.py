@@ -466,3 +466,10 @@ def test_a_config_error_the_engine_core_finds_ends_the_server_with_one_line(tiny
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("neuronmm serve: error: engine.kv_cache_gib:") and "cannot hold one sequence" in last, last
+
+
+def test_a_queue_of_no_requests_is_a_config_error():
+    """engine.max_queue 0 would answer every request 429 for good; it is refused as the config loads."""
+    with pytest.raises(ConfigError, match="max_queue"):
+        load_config(overrides={"engine.max_queue": 0})
+    assert load_config(overrides={"engine.max_queue": 1}).engine.max_queue == 1

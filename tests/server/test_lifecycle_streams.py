@@ -112,3 +112,23 @@ def test_a_stream_whose_chunk_cannot_be_made_ends_with_an_error_chunk(live, monk
     monkeypatch.undo()
     resp = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
     assert resp.status_code == 200
+
+
+@pytest.mark.parametrize("path, body, ends", [
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400},
+     lambda lines: lines[-2] == "event: error" and json.loads(lines[-1][6:])["error"]["type"] == "api_error"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 400},
+     lambda lines: lines[-2] == "event: response.failed"
+     and json.loads(lines[-1][6:])["response"]["error"]["message"] == "internal error: KeyError"),
+])
+def test_the_other_stream_formats_end_a_chunk_fault_with_their_error_event(live, monkeypatch, path, body, ends):
+    """The Messages and Responses streams are built on the chat chunks: a fault in making one reaches them as the
+    engine errors do, so each ends with its own error event; the request is aborted."""
+    def broken(self, out, index, state):
+        raise KeyError("injected chunk fault")
+
+    monkeypatch.setattr(OpenAIServing, "_chat_delta", broken)
+    with httpx.stream("POST", f"{live.url}{path}", json={"model": "tiny", "stream": True, **body}, timeout=30) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    assert ends(lines), lines[-3:]
+    wait_for(lambda: live.state.engine.num_in_flight == 0 and not live.state.runtime.engine.seqs, 5)
