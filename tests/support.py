@@ -1,5 +1,6 @@
 """Test helpers shared by several folders: a Config for the tiny model (and its YAML file), a live in-process uvicorn
-server, pytest in a fresh process, waiting for a condition, a runtime whose logits write a scripted reply."""
+server, pytest in a fresh process, waiting for a condition, a runtime whose logits write a scripted reply, an engine
+that refuses to add some prompts."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import yaml
 from bench.harness import wait_healthy
 from server.api.app import create_app
 from server.config import Config
+from server.engine.llm_engine import LLMEngine
 from server.engine.sampling_params import SamplingParams
 from server.runtime import build_engine, eos_token_ids, load_runtime
 
@@ -128,3 +130,15 @@ def scripted_loader(prompt_len: int, reply_ids: list[int], eos: int | None):
         return runtime
 
     return loader
+
+
+def refuse_prompts_starting(monkeypatch, prefix: list[int]) -> None:
+    """LLMEngine.add_request raises ValueError("injected admission fault") for prompts that start with `prefix`."""
+    real = LLMEngine.add_request
+
+    def add_request(self, request_id, prompt_ids, params, n=1):
+        if prompt_ids[:len(prefix)] == prefix:
+            raise ValueError("injected admission fault")
+        return real(self, request_id, prompt_ids, params, n)
+
+    monkeypatch.setattr(LLMEngine, "add_request", add_request)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from server.backends.neuron import tnx_patch
-from server.backends.neuron.layout import FACTOR_ORDER, SHARD_DIMS, layer_keys, prepare_layer
+from neuron_factors import random_layer_factors
+from server.backends.neuron.layout import FACTOR_ORDER, SHARD_DIMS
 
 HIDDEN, INTER = 64, 160
 
@@ -61,13 +62,7 @@ def _dense_gated_mlp(hidden, in0, in1, out, **kwargs):
 
 
 def _factors():
-    rng = np.random.default_rng(0)
-    t = {}
-    for proj in ("gate", "up", "down"):
-        in_dim, out_dim = (INTER, HIDDEN) if proj == "down" else (HIDDEN, INTER)
-        a, b = layer_keys(1, proj)
-        t[a], t[b] = rng.standard_normal((128, in_dim)), rng.standard_normal((out_dim, 128))
-    return {1: prepare_layer(t, 1, tp_degree=2)}
+    return random_layer_factors(HIDDEN, INTER, TP)
 
 
 class ShapeBuilder:

@@ -16,7 +16,8 @@ import pytest
 
 from server.backends.neuron import tnx_patch
 from server.backends.neuron.kernel_adapter import lowrank_mlp_into
-from server.backends.neuron.layout import layer_keys, prepare_layer, shard
+from neuron_factors import random_layer_factors
+from server.backends.neuron.layout import shard
 
 HIDDEN, INTER, TP = 64, 160, 2
 CALLS: list[tuple[str, dict]] = []
@@ -152,13 +153,7 @@ def sdk(monkeypatch):
 
 
 def _factors():
-    rng = np.random.default_rng(0)
-    t = {}
-    for proj in ("gate", "up", "down"):
-        in_dim, out_dim = (INTER, HIDDEN) if proj == "down" else (HIDDEN, INTER)
-        a, b = layer_keys(1, proj)
-        t[a], t[b] = rng.standard_normal((128, in_dim)), rng.standard_normal((out_dim, 128))
-    return {1: prepare_layer(t, 1, tp_degree=TP)}
+    return random_layer_factors(HIDDEN, INTER, TP)
 
 
 def _load_layer(num):

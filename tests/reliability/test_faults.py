@@ -11,7 +11,7 @@ import pytest
 
 import server.engine.llm_engine as llm_engine_module
 from server.backends.base import SeqChunk
-from support import live_server, tiny_config, wait_for
+from support import live_server, refuse_prompts_starting, tiny_config, wait_for
 
 POISON_TOKEN = 7
 MAX_TOKENS = 12
@@ -149,14 +149,7 @@ def test_server_serves_normally_after_the_faults(live):
 
 
 def test_request_the_engine_cannot_add_fails_alone(live, monkeypatch):
-    real = llm_engine_module.LLMEngine.add_request
-
-    def add_request(self, request_id, prompt_ids, params, n=1):
-        if prompt_ids[:2] == [50, 51]:
-            raise ValueError("injected admission fault")
-        return real(self, request_id, prompt_ids, params, n)
-
-    monkeypatch.setattr(llm_engine_module.LLMEngine, "add_request", add_request)
+    refuse_prompts_starting(monkeypatch, [50, 51])
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         bad, good1, good2 = pool.map(lambda p: _complete(live, p), [[50, 51, 52], [60, 61], [62, 63]])
     assert bad.status_code == 500 and "injected admission fault" in bad.json()["error"]["message"]

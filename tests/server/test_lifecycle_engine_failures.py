@@ -19,7 +19,7 @@ from server.api.serving import OpenAIServing
 from server.engine.async_engine import RequestStream
 from server.engine.engine_core import EngineCoreClient
 from server.engine.sampling_params import SamplingParams
-from support import live_server, tiny_config
+from support import live_server, refuse_prompts_starting, tiny_config
 
 LONG = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1900, "ignore_eos": True}
 
@@ -70,14 +70,7 @@ async def _asgi_post(app, path: str, body: dict) -> tuple[int, dict]:
 def test_a_failed_prompt_leaves_no_reader_of_the_others_behind(tiny_model_dir, monkeypatch):
     """Two prompts, the first refused by the engine: a 500, the second aborted, and no task left waiting on it (one
     leaked a pending task, and its queue, per such request)."""
-    real = llm_engine_module.LLMEngine.add_request
-
-    def add_request(self, request_id, prompt_ids, params, n=1):
-        if prompt_ids[:2] == [50, 51]:
-            raise ValueError("injected admission fault")
-        return real(self, request_id, prompt_ids, params, n)
-
-    monkeypatch.setattr(llm_engine_module.LLMEngine, "add_request", add_request)
+    refuse_prompts_starting(monkeypatch, [50, 51])
     with live_server(tiny_config(tiny_model_dir, max_model_len=512)) as live:
         async def main():
             body = {"model": "tiny", "prompt": [[50, 51, 52], [60, 61]], "max_tokens": 200, "ignore_eos": True}
