@@ -53,6 +53,7 @@ def _serve_requests(engine, conn, stats: list[StepStats]) -> None:
     conn.send(("ready", None))
     last_counts = None
     aborted = 0  # sequences client aborts ended since the last report (the metrics count them from the report)
+    added = 0  # requests read from the API process (each report says how many: the client's admission counts)
     # what the API process sent, asked after every step: Connection.poll builds and drops a selector each time
     # (~60 us a step, between forwards)
     incoming = select.poll()
@@ -70,11 +71,12 @@ def _serve_requests(engine, conn, stats: list[StepStats]) -> None:
                 token, method, args = payload
                 conn.send(("reply", (token, *run_engine_call(engine, method, args))))
             else:
-                _add(engine, conn, payload)
+                added += 1
+                _add(engine, conn, payload, added)
         if not engine.has_work():
             if _counts(engine) != last_counts or aborted:  # an abort emptied the batch: say so, no step will
                 last_counts = _counts(engine)
-                conn.send(("step", StepReport([], None, *last_counts, aborted).to_wire()))
+                conn.send(("step", StepReport([], None, *last_counts, aborted, added).to_wire()))
                 aborted = 0
             continue
         try:
@@ -83,7 +85,8 @@ def _serve_requests(engine, conn, stats: list[StepStats]) -> None:
             log.exception("engine step failed")
             outputs = engine.fail_running("engine step failed")
         last_counts = _counts(engine)
-        conn.send(("step", StepReport(outputs, stats.pop() if stats else None, *last_counts, aborted).to_wire()))
+        conn.send(("step", StepReport(outputs, stats.pop() if stats else None, *last_counts, aborted,
+                                      added).to_wire()))
         aborted = 0
 
 
@@ -92,7 +95,7 @@ def _counts(engine) -> tuple[int, int, int]:
     return sched.num_waiting, sched.num_running, sched.num_waiting_requests
 
 
-def _add(engine, conn, add: AddRequest) -> None:
+def _add(engine, conn, add: AddRequest, added: int) -> None:
     try:
         engine.add_request(add.request_id, add.prompt_ids, add.params, add.n)
     except Exception as exc:  # report to its client instead of killing the loop
@@ -100,4 +103,4 @@ def _add(engine, conn, add: AddRequest) -> None:
         engine.abort(add.request_id)
         error = SeqOutput(add.request_id, 0, "", [], None, "error", len(add.prompt_ids), 0,
                           f"engine error: {exc.__class__.__name__}: {exc}")
-        conn.send(("step", StepReport([error], None, *_counts(engine)).to_wire()))
+        conn.send(("step", StepReport([error], None, *_counts(engine), num_added=added).to_wire()))

@@ -60,11 +60,12 @@ class StepReport:
     num_running: int
     num_waiting_requests: int
     num_aborted: int = 0  # sequences the core ended for clients that left, since its last report
+    num_added: int = 0  # requests the core has read from the API process so far (its adds in transit are the rest)
 
     def to_wire(self) -> tuple:
         """The report as tuples of its records' fields (what `from_wire` takes)."""
         return ([_output_fields(out) for out in self.outputs], _stats_to_wire(self.stats), self.num_waiting,
-                self.num_running, self.num_waiting_requests, self.num_aborted)
+                self.num_running, self.num_waiting_requests, self.num_aborted, self.num_added)
 
     @classmethod
     def from_wire(cls, wire: tuple) -> StepReport:
@@ -120,7 +121,8 @@ class EngineCoreClient:
         self.on_step = None  # called with each step's StepStats
         self._queues: dict[str, asyncio.Queue] = {}
         self._calls: dict[str, asyncio.Future] = {}  # engine calls sent, by token, until the core replies
-        self._num_sent_since_report = 0
+        self._num_sent = 0  # requests sent to the core; those it has not read yet wait too (admission counts them)
+        self._num_read = 0  # of those, how many the core had read at its last report
         self._proc = None
         self._conn = None
         self._pipe: LoopPipe | None = None  # the loop's end of _conn's socket, once the core is ready
@@ -224,11 +226,11 @@ class EngineCoreClient:
             raise EngineDeadError("engine is not running")
         request_id = request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
-        if self.num_waiting_requests + self._num_sent_since_report >= self.max_queue:
+        if self.num_waiting_requests + self._num_sent - self._num_read >= self.max_queue:
             raise QueueFullError(f"queue full ({self.max_queue} waiting requests)")
         self._queues[request_id] = queue
-        self._num_sent_since_report += 1
         self._send(("add", AddRequest(request_id, prompt_ids, params, n)))
+        self._num_sent += 1
         return RequestStream(self, request_id, queue, n)
 
     def release(self, request_id: str, abort: bool) -> None:
@@ -282,8 +284,9 @@ class EngineCoreClient:
 
     def _deliver(self, report: StepReport) -> None:
         self.num_waiting, self.num_running = report.num_waiting, report.num_running
-        self.num_waiting_requests = report.num_waiting_requests
-        self._num_sent_since_report = 0
+        # the core's counts hold what it had read when it sent this; a request sent during its step is still in
+        # transit, and waits as much as those it counts
+        self.num_waiting_requests, self._num_read = report.num_waiting_requests, report.num_added
         for out in report.outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None:

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from server.engine.core_process import core_main
+from server.engine.async_engine import QueueFullError
 from server.engine.engine_core import AddRequest, EngineCoreClient, StepReport
 from server.engine.sampling_params import SamplingParams
 from server.engine.sequence import SeqOutput, TokenLogprob
@@ -61,7 +62,7 @@ def test_a_step_report_crosses_the_pipe_as_tuples_and_comes_back_whole():
                SeqOutput("r-2", 0, "", [], None, None, 9, 0, "engine error: x", embedding=[0.5, -1.0])]
     stats = StepStats(2, 9, 1, [0.1], [0.01], [0.02], [("stop", 1.5)], 4, 3, KVStats(64, 10, 100, 40, 1),
                       {("decode", 8): 3}, LoraStats(("a",), ("b", "c"), 2))
-    for report in (StepReport(outputs, stats, 1, 2, 3, 4), StepReport([], None, 0, 0, 0)):
+    for report in (StepReport(outputs, stats, 1, 2, 3, 4, 5), StepReport([], None, 0, 0, 0)):
         wire = report.to_wire()
         assert StepReport.from_wire(pickle.loads(pickle.dumps(wire))) == report
 
@@ -72,6 +73,29 @@ def test_a_step_report_crosses_the_pipe_as_tuples_and_comes_back_whole():
                 for item in value:
                     yield from records(item)
         assert {type(r) for r in records(wire)} <= {TokenLogprob}  # (logprobs stay records: only when asked)
+
+
+def test_requests_still_on_their_way_to_the_core_count_against_the_queue(tiny_model_dir):
+    """Admission counts what the core says waits plus what it has not read yet: a report sent while the core was
+    mid-step (it has read one add of two) must not forget the other (the queue could reach ~2 x max_queue)."""
+    client = EngineCoreClient(tiny_config(tiny_model_dir, max_queue=2))
+    sent = []
+    client._proc = type("Alive", (), {"is_alive": lambda self: True})()
+    client._reading, client._send = True, sent.append
+
+    async def main():
+        params = SamplingParams(max_tokens=1)
+        client.submit([1], params, request_id="a"), client.submit([2], params, request_id="b")
+        with pytest.raises(QueueFullError):
+            client.submit([3], params)
+        client._deliver(StepReport([], None, 1, 0, 1, num_added=1))  # "a" waits in the core, "b" is in transit
+        with pytest.raises(QueueFullError):
+            client.submit([3], params)
+        client._deliver(StepReport([], None, 1, 1, 1, num_added=2))  # "a" runs, "b" waits
+        client.submit([3], params, request_id="c")
+        assert [message[1].request_id for message in sent] == ["a", "b", "c"]
+
+    asyncio.run(main())
 
 
 def test_runs_in_another_process(server):
