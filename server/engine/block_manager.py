@@ -64,8 +64,9 @@ class PagedKV:
 
     def can_admit(self, seq: Sequence) -> bool:
         """Whether the whole prompt (and what it has generated, after a preemption) fits now."""
-        needed = self.blocks_for(seq.num_tokens) - len(self._cached_prefix(seq))
-        return needed <= self.num_free_blocks
+        # a cached block nobody holds is taken off the free list too: only blocks in use come for free
+        in_use = sum(self.ref_counts[block] > 0 for block in self._cached_prefix(seq))
+        return self.blocks_for(seq.num_tokens) - in_use <= self.num_free_blocks
 
     # ---- sequence lifecycle -------------------------------------------------------------------
     def admit(self, seq: Sequence) -> None:
