@@ -16,7 +16,10 @@ TIE_TOL = 0.02  # candidates whose gain per parameter is within 2 % of the best 
 
 @dataclass
 class Spectrum:
-    """One matrix: its name, shape, singular values (of W·L when whitened, of W when plain) and loss weight.
+    """One matrix: its name, shape, per-component output errors σᵢ and loss weight.
+
+    σᵢ: the singular values of W·L when whitened; when plain, σᵢ(W)·‖X vᵢ‖ (compression.sensitivity.
+    plain_output_sigma). Either way Σ_{i>r}σᵢ² is the squared output error of the rank-r truncation.
 
     weight None: the truncation loss is normalised by Σσᵢ² (each matrix's relative output error). weight w: the
     loss is w·Σ_{i>r}σᵢ², w being the model loss per unit of squared output error (a Fisher estimate), which makes

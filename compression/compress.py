@@ -149,11 +149,14 @@ class _Compressor:
 
 
 def _attention_pass(comp: _Compressor, layer: nn.Module, i: int, hidden, kwargs, bs: int) -> list[dict]:
+    """Compress q/k/v, then o_proj on the compressed q/k/v's attention output (as down_proj follows gate/up)."""
     attn = layer.self_attn
-    grams = input_grams(layer, hidden, kwargs, bs, {"qkv": attn.q_proj, "o": attn.o_proj})
     prefix = f"model.layers.{i}.self_attn"
-    return [comp.group(attn, ("q_proj", "k_proj", "v_proj"), prefix, grams["qkv"]),
-            comp.group(attn, ("o_proj",), prefix, grams["o"])]
+    xtx_qkv = input_grams(layer, hidden, kwargs, bs, {"qkv": attn.q_proj})["qkv"]
+    records = [comp.group(attn, ("q_proj", "k_proj", "v_proj"), prefix, xtx_qkv)]
+    # A second pass: o_proj's input changed with q/k/v, and its factors must fit the input the model will feed it.
+    xtx_o = input_grams(layer, hidden, kwargs, bs, {"o": attn.o_proj})["o"]
+    return records + [comp.group(attn, ("o_proj",), prefix, xtx_o)]
 
 
 @dataclass
@@ -227,7 +230,9 @@ def _param_counts(model: nn.Module, modules: dict[str, ModuleRecord]) -> Paramet
 def _spectra_key(settings: CompressSettings, source_sha: str, calib_sha: str) -> dict:
     """Everything the dense pre-pass depends on: a cache file is reused only when all of it matches."""
     keys = ("method", "sensitivity", "fisher_windows", "calib_samples", "calib_seqlen", "seed", "batch_size")
-    return {"source_sha256": source_sha, "calib_sha256": calib_sha, **{k: getattr(settings, k) for k in keys}}
+    # spectra 2: plain spectra measure the output error (2026-12-01); a cache of plain weight-error spectra is stale
+    return {"source_sha256": source_sha, "calib_sha256": calib_sha, "spectra": 2,
+            **{k: getattr(settings, k) for k in keys}}
 
 
 def check_sensitivity_cache(path: Path) -> Path:
@@ -362,9 +367,9 @@ def _allocate(model: nn.Module, windows: torch.Tensor, hidden, kwargs, bs: int, 
         spectra = dense_mlp_spectra(model, hidden, kwargs, bs, whitened=settings.method == "whitened", weights=weights)
         _save_spectra(cache, cache_key, spectra)
     weights = spectra[0].weight if spectra else None
-    measure = (f"whitened truncation loss weighted by the output Fisher (mean ‖∂loss/∂y‖² per output, "
+    measure = (f"{settings.method} truncation loss weighted by the output Fisher (mean ‖∂loss/∂y‖² per output, "
                f"{settings.fisher_windows} calibration windows)" if weights is not None
-               else "normalised whitened truncation loss (relative output error)")
+               else f"normalised {settings.method} truncation loss (relative output error)")
     if settings.allocation == "exact":
         try:
             result = allocate_exact(spectra, settings.keep_ratio, settings.rank_multiple)

@@ -55,11 +55,24 @@ def output_fisher(model: nn.Module, windows: torch.Tensor) -> dict[str, float]:
     return {name: total / tokens for name, total in sums.items()}
 
 
-def _spectrum(name: str, linear: nn.Linear, L: torch.Tensor | None, weights: dict[str, float] | None) -> Spectrum:
+def plain_output_sigma(weight: torch.Tensor, xtx: torch.Tensor) -> np.ndarray:
+    """σᵢ(W)·‖X vᵢ‖ in W's singular order: their squared tail is the plain rank-r truncation's output error."""
+    # Dropping σᵢuᵢvᵢᵀ adds σᵢ²·vᵢᵀXᵀXvᵢ to ‖X(W − W_r)ᵀ‖² (the uᵢ are orthonormal, so no cross terms): the unit
+    # the Fisher weight prices and the normalised measure's relative output error, as the whitened σ(W·L) are.
+    W = weight.detach().to(torch.float64).numpy()
+    _, sigma, Vh = scipy.linalg.svd(W, full_matrices=False, lapack_driver="gesdd", check_finite=False)
+    energy = np.einsum("ij,jk,ik->i", Vh, xtx.to(torch.float64).numpy(), Vh)
+    return sigma * np.sqrt(np.maximum(energy, 0.0))
+
+
+def _spectrum(name: str, linear: nn.Linear, L: torch.Tensor | None, weights: dict[str, float] | None,
+              xtx: torch.Tensor) -> Spectrum:
     W = linear.weight.detach().to(torch.float64)
-    M = W @ L if L is not None else W
     with single_threaded_lapack():
-        sigma = scipy.linalg.svdvals(M.numpy(), check_finite=False)  # values only: far cheaper than the full SVD
+        if L is not None:  # values only: far cheaper than the full SVD
+            sigma = scipy.linalg.svdvals((W @ L).numpy(), check_finite=False)
+        else:  # plain: σ(W) alone would be a weight error, not the output error the loss measures
+            sigma = plain_output_sigma(W, xtx)
     out_f, in_f = linear.weight.shape
     return Spectrum(name, in_f, out_f, np.asarray(sigma), None if weights is None else weights[name])
 
@@ -76,6 +89,6 @@ def dense_mlp_spectra(model: nn.Module, hidden: torch.Tensor, kwargs: dict, batc
         mlp, prefix = layer.mlp, f"model.layers.{i}.mlp"
         L = damped_cholesky(xtx)[0] if whitened else None
         Ld = damped_cholesky(xtx_down)[0] if whitened else None
-        out += [_spectrum(f"{prefix}.{kind}_proj", getattr(mlp, f"{kind}_proj"), Lk, weights)
-                for kind, Lk in (("gate", L), ("up", L), ("down", Ld))]
+        out += [_spectrum(f"{prefix}.{kind}_proj", getattr(mlp, f"{kind}_proj"), Lk, weights, g)
+                for kind, Lk, g in (("gate", L, xtx), ("up", L, xtx), ("down", Ld, xtx_down))]
     return out

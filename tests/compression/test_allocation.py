@@ -135,3 +135,31 @@ def test_sensitivity_compress_within_budget_with_multiple_ranks(sensitivity_arti
     assert ranks and all(r % 8 == 0 for r in ranks) and len(set(ranks)) > 1
     lat = alloc["modeled_latency"]["tokens"]
     assert lat["128"]["model_us"] > 0 and set(lat["1"]["per_layer_us"]) == {"0", "1"}
+
+
+def test_plain_spectra_measure_the_plain_truncations_output_error(tiny_model_dir):
+    """--method plain prices each rank by its output error on the calibration, as the whitened spectra do (σ(W)
+    alone gave a weight error, in no unit the Fisher weight or the normalised measure's "relative output error"
+    means)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from compression.sensitivity import dense_mlp_spectra
+    from compression.statistics import capture_layer0_inputs, dense_mlp_grams
+    from compression.whiten import plain_factors
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    windows = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden, kwargs = capture_layer0_inputs(model, windows, 2)
+        spectra = {s.name: s for s in dense_mlp_spectra(model, hidden, kwargs, 2, whitened=False)}
+        grams = list(dense_mlp_grams(model, hidden, kwargs, 2, "dense grams"))
+    for i, layer, xtx, xtx_down in grams:
+        for kind, G in (("gate", xtx), ("up", xtx), ("down", xtx_down)):
+            W = getattr(layer.mlp, f"{kind}_proj").weight.detach().double()
+            tail = normalised_tail(spectra[f"model.layers.{i}.mlp.{kind}_proj"].sigma)
+            for rank in (8, 24):
+                A, B = plain_factors(W, rank)
+                D = W - B @ A
+                relative = float(((D @ G) * D).sum() / ((W @ G) * W).sum())  # ‖X(W − BA)ᵀ‖² / ‖XWᵀ‖²
+                assert tail[rank] == pytest.approx(relative, rel=1e-9), (i, kind, rank)
