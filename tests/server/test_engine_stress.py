@@ -258,7 +258,8 @@ def check_schedule(engine, chunks: list[ScheduledTokens], decoding: set[int], se
     for c in chunks:
         seq = c.seq
         assert seq.status is SeqStatus.RUNNING and seq in sched.running
-        assert 1 <= c.num_tokens and c.start + c.num_tokens - len(c.draft) <= seq.num_tokens
+        assert c.num_tokens >= 1, "an empty chunk was scheduled"
+        assert c.start + c.num_tokens - len(c.draft) <= seq.num_tokens, "a chunk runs past its sequence's tokens"
         assert len(seq.block_table) * kv.block_size >= c.start + c.num_tokens, "no block for a scheduled position"
         for pos in range(c.start, c.start + c.num_tokens):
             block = seq.block_table[pos // kv.block_size]
@@ -338,7 +339,9 @@ def drive(engine, reqs: list[Req], rng: random.Random, abort_rate: float) -> Cou
 def check_finish(req: Req, reply: Reply, eos: frozenset[int]) -> None:
     """The finish reason is the one its tokens call for."""
     tokens, params = reply.tokens, req.params
-    assert 1 <= len(tokens) <= params.max_tokens and len(req.prompt) + len(tokens) <= MAX_MODEL_LEN
+    assert tokens, "a finished reply without a token"
+    assert len(tokens) <= params.max_tokens, "the reply went past max_tokens"
+    assert len(req.prompt) + len(tokens) <= MAX_MODEL_LEN, "the sequence went past max_model_len"
     ends = [t for t in tokens[:-1] if t in params.stop_token_ids or (t in eos and not params.ignore_eos)]
     assert not ends, "the reply went on past a stop token"
     assert not any(stop in reply.text for stop in params.stop), "the reply went on past a stop string"
