@@ -174,8 +174,8 @@ class AsyncEngine:
                 except Exception as exc:  # an uncaught one here would kill the loop and hang the clients
                     log.exception("could not add request %s", p.request_id)
                     self.engine.abort(p.request_id)
-                    self._publish([SeqOutput(p.request_id, 0, "", [], None, "error", len(p.prompt_ids), 0,
-                                             f"engine error: {exc.__class__.__name__}: {exc}")])
+                    self._publish([SeqOutput.failed(p.request_id, f"engine error: {exc.__class__.__name__}: {exc}",
+                                                    len(p.prompt_ids))])
 
     def _publish(self, outputs: list[SeqOutput]) -> None:
         with self._lock:
@@ -220,7 +220,7 @@ class AsyncEngine:
             queues, self._queues = self._queues, {}
             calls, self._calls = self._calls, []
         for rid, (loop, queue) in queues.items():
-            error = SeqOutput(rid, 0, "", [], None, "error", 0, 0, message)
+            error = SeqOutput.failed(rid, message)
             _call_soon(loop, queue.put_nowait, error)
         for _, _, loop, future in calls:
             _call_soon(loop, settle, future, None, EngineDeadError(message))

@@ -101,6 +101,6 @@ def _add(engine, conn, add: AddRequest, added: int) -> None:
     except Exception as exc:  # report to its client instead of killing the loop
         log.exception("could not add request %s", add.request_id)
         engine.abort(add.request_id)
-        error = SeqOutput(add.request_id, 0, "", [], None, "error", len(add.prompt_ids), 0,
-                          f"engine error: {exc.__class__.__name__}: {exc}")
+        error = SeqOutput.failed(add.request_id, f"engine error: {exc.__class__.__name__}: {exc}",
+                                 len(add.prompt_ids))
         conn.send(("step", StepReport([error], None, *_counts(engine), num_added=added).to_wire()))

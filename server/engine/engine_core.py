@@ -298,6 +298,6 @@ class EngineCoreClient:
 
     def _fail_all(self, message: str) -> None:
         for rid, queue in list(self._queues.items()):
-            queue.put_nowait(SeqOutput(rid, 0, "", [], None, "error", 0, 0, message))
+            queue.put_nowait(SeqOutput.failed(rid, message))
         for future in self._calls.values():
             settle(future, None, EngineDeadError(message))

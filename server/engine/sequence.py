@@ -53,6 +53,11 @@ class SeqOutput:
     stop_reason: int | str | None = None  # with a "stop" finish: the stop token id or string (None: EOS)
     error_status: int = 500  # the HTTP status an error means (400: the request asked what cannot be done)
 
+    @classmethod
+    def failed(cls, request_id: str, message: str, num_prompt_tokens: int = 0) -> SeqOutput:
+        """The one output of a request the engine could not serve: an error that ends it (the API's 500)."""
+        return cls(request_id, 0, "", [], None, "error", num_prompt_tokens, 0, message)
+
     def followed_by(self, later: SeqOutput) -> SeqOutput:
         """This output and the same sequence's next one as one delta (the API's --stream-interval sends them so)."""
         logprobs = None if self.logprobs is None and later.logprobs is None else [*(self.logprobs or []),
