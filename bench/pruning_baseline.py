@@ -33,7 +33,7 @@ import torch
 
 from bench.harness import (REPO, check_out, int_at_least, keep_ratio, machine_facts, nonnegative_float, nonnegative_int,
                            positive_int, run_cli, save_report)
-from compression.calibration import calibration_windows
+from compression.calibration import compression_calibration
 from compression.evaluation.cli import parse_ppl_limits
 from compression.evaluation.corpora import CORPORA, corpus_text
 from compression.evaluation.model import count_parameters, load_eval_model
@@ -183,7 +183,8 @@ def run(args) -> dict:
               "model": cfg.model.name, "model_dir": str(model_dir),
               "eval": {"seqlen": args.seqlen, "ppl_windows": limits},
               "calibration": {"data": comp.calib_data, "samples": comp.calib_samples, "seqlen": comp.calib_seqlen,
-                              "seed": comp.seed, "fisher_windows": args.fisher_windows},
+                              "seed": comp.seed, "fisher_windows": args.fisher_windows,
+                              "draw": "without the C4 evaluation documents"},
               "keep_ratio": args.keep, "block": args.block, "min_keep_blocks": args.min_keep_blocks,
               "refit_damp": args.damp, "mlp_params_dense": mlp_dense, "svd_default_quoted": SVD_DEFAULT,
               "prepass_wall_s": {}, "rows": []}
@@ -199,8 +200,8 @@ def run(args) -> dict:
         rows.append({"label": SVD_DEFAULT["label"], "mlp_params": SVD_DEFAULT["mlp_params"], "ppl": SVD_DEFAULT["ppl"],
                      "params": count_parameters(model) - mlp_dense + SVD_DEFAULT["mlp_params"], "quoted": True})
 
-    calib = calibration_windows(data_path(comp.calib_data, "compression.calib_data"), tokenizer,
-                                comp.calib_samples, comp.calib_seqlen, comp.seed)
+    calib = compression_calibration(data_path(comp.calib_data, "compression.calib_data"), tokenizer,
+                                    comp.calib_samples, comp.calib_seqlen, comp.seed)
     windows = calib.windows
     bs = math.gcd(comp.calib_samples, args.batch_size)  # every calibration batch must have the same shape
     prepass = _prepass(args, model, windows, bs, variants, weights_sha256(model_dir), result)

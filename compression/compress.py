@@ -18,11 +18,10 @@ from tqdm import tqdm
 
 from compression import latency
 from compression.allocation import Spectrum, allocate, allocate_exact, truncation_loss
-from compression.calibration import Calibration, calibration_windows
+from compression.calibration import Calibration, calibration_windows, compression_calibration, evaluation_documents
 from compression.measured import allocate_measured
 from compression.rank import block_rank, saves_parameters
 from compression.sensitivity import dense_mlp_spectra, output_fisher
-from compression.recovery.recover import evaluation_documents
 from compression.refit import dense_output_rel_error, refit_b
 from compression.statistics import (MLP, batched_gram, capture_layer0_inputs, cross_gram, gram, input_grams,
                                     mlp_inputs, mlp_intermediate, single_threaded_lapack)
@@ -230,8 +229,9 @@ def _param_counts(model: nn.Module, modules: dict[str, ModuleRecord]) -> Paramet
 def _spectra_key(settings: CompressSettings, source_sha: str, calib_sha: str) -> dict:
     """Everything the dense pre-pass depends on: a cache file is reused only when all of it matches."""
     keys = ("method", "sensitivity", "fisher_windows", "calib_samples", "calib_seqlen", "seed", "batch_size")
-    # spectra 2: plain spectra measure the output error (2026-12-01); a cache of plain weight-error spectra is stale
-    return {"source_sha256": source_sha, "calib_sha256": calib_sha, "spectra": 2,
+    # spectra 2: plain spectra measure the output error (2026-12-01); a cache of plain weight-error spectra is stale.
+    # calibration 2: the windows leave out the C4 evaluation documents (2026-12-01), so older spectra are of others.
+    return {"source_sha256": source_sha, "calib_sha256": calib_sha, "spectra": 2, "calibration": 2,
             **{k: getattr(settings, k) for k in keys}}
 
 
@@ -288,6 +288,7 @@ def _measured_key(settings: CompressSettings, source_sha: str, calib_sha: str) -
     keys = ("method", "rank_multiple", "calib_samples", "calib_seqlen", "seed", "batch_size", "score_windows",
             "score_seqlen", "score_dtype")
     return {"measured_version": MEASURED_VERSION, "source_sha256": source_sha, "calib_sha256": calib_sha,
+            "calibration": 2,  # as in _spectra_key
             **{k: getattr(settings, k) for k in keys}}
 
 
@@ -427,7 +428,8 @@ def compress_model(model_dir: Path, settings: CompressSettings, out_dir: Path, m
     calib_path = data_path(settings.calib_data, "compression.calib_data")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
-    calib = calibration_windows(calib_path, tokenizer, settings.calib_samples, settings.calib_seqlen, settings.seed)
+    calib = compression_calibration(calib_path, tokenizer, settings.calib_samples, settings.calib_seqlen,
+                                    settings.seed)
     windows = calib.windows
     bs = calibration_batch_size(settings.calib_samples, settings.batch_size)
     damping = {}
@@ -466,7 +468,8 @@ def compress_model(model_dir: Path, settings: CompressSettings, out_dir: Path, m
         targets=settings.targets, allocation=allocation,
         calibration=CalibrationRecord(data=calib_path.name, sha256=calib_sha,
                                       samples=settings.calib_samples, seqlen=settings.calib_seqlen, seed=settings.seed,
-                                      statistics="float64 XᵀX", sequential=True, document_ids=calib.document_ids),
+                                      statistics="float64 XᵀX", sequential=True, document_ids=calib.document_ids,
+                                      excluded_documents=calib.excluded),
         seed=settings.seed, tool_version=tool_version(), settings=settings.model_dump(),
         parameters=counts, params_before=counts.model_before, params_after=counts.model_after,
         damping=damping, refit=_refit_record(settings, comp), compress_wall_s=round(time.perf_counter() - started, 1),

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compression.calibration import calibration_windows
+from compression.calibration import compression_calibration
 from compression.compress import CompressSettings, calibration_batch_size, tool_version
 from compression.evaluation.model import count_parameters
 from compression.prune import apply_plan, layer_stats, make_plan, removal_orders
@@ -98,7 +98,8 @@ def prune_compress_model(model_dir: Path, settings: CompressSettings, out_dir: P
     hidden, inter = model.config.hidden_size, model.config.intermediate_size
     check_prune_settings(settings, inter)
     block = settings.rank_multiple
-    calib = calibration_windows(calib_path, tokenizer, settings.calib_samples, settings.calib_seqlen, settings.seed)
+    calib = compression_calibration(calib_path, tokenizer, settings.calib_samples, settings.calib_seqlen,
+                                    settings.seed)
     windows, bs = calib.windows, calibration_batch_size(settings.calib_samples, settings.batch_size)
     params_before, dense_shapes = count_parameters(model), _mlp_shapes(model)
     mlp_before = sum(i * o for i, o in dense_shapes.values())
@@ -152,7 +153,8 @@ def prune_compress_model(model_dir: Path, settings: CompressSettings, out_dir: P
         calibration=CalibrationRecord(data=calib_path.name, sha256=file_sha256(calib_path),
                                       samples=settings.calib_samples, seqlen=settings.calib_seqlen, seed=settings.seed,
                                       statistics="float64 HᵀH of the MLP intermediate", sequential=True,
-                                      document_ids=calib.document_ids),
+                                      document_ids=calib.document_ids,
+                                      excluded_documents=calib.excluded),
         seed=settings.seed, tool_version=tool_version(), settings=settings.model_dump(),
         parameters=counts, params_before=counts.model_before, params_after=counts.model_after,
         refit=refit_record, compress_wall_s=round(time.perf_counter() - started, 1), modules=modules,

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import torch
 
-from compression.calibration import calibration_windows
-from compression.evaluation.corpora import C4_EVAL_DOCUMENTS
+from compression.calibration import DEFAULT_DATA, calibration_windows, evaluation_documents
 from compression.recovery.adapter import merge_adapters, prepare_training
 from compression.recovery.checkpoint import CHECKPOINT_NAME
 from compression.recovery.data import recovery_documents, token_windows
@@ -23,9 +22,6 @@ from server.models.compressed import artifact_tensors, swap_in_artifact
 from server.models.source import model_positions
 
 log = logging.getLogger(__name__)
-
-DEFAULT_DATA = Path("c4") / "c4-validation-sample.jsonl"
-
 
 def pick_device(name: str) -> torch.device:
     """The device recovery trains on: auto (CUDA where there is one), cpu, or cuda[:N] (ConfigError, one line, for
@@ -56,12 +52,6 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
-def evaluation_documents(path: Path) -> set[int]:
-    """Documents of `path` that `neuronmm eval` scores C4 perplexity on (none unless it is that file)."""
-    c4 = data_dir() / DEFAULT_DATA
-    return set(range(C4_EVAL_DOCUMENTS)) if c4.is_file() and path.resolve() == c4.resolve() else set()
-
-
 def calibration_document_ids(manifest: Manifest, path: Path, tokenizer) -> set[int]:
     """The documents (line indices of `path`) compression calibrated on, as its manifest records them.
 
@@ -74,6 +64,7 @@ def calibration_document_ids(manifest: Manifest, path: Path, tokenizer) -> set[i
     if calib.document_ids is not None:
         return set(calib.document_ids)
     log.warning("manifest records no calibration document ids; replaying the calibration selection")
+    # such artifacts predate the held-out draw (compression_calibration), so the replay draws from every document
     return set(calibration_windows(path, tokenizer, calib.samples, calib.seqlen, calib.seed).document_ids)
 
 

@@ -70,6 +70,7 @@ class CalibrationRecord(_Record):
     statistics: str | None = None
     sequential: bool | None = None
     document_ids: list[int] | None = None  # indices of the non-blank lines of `data`; absent in older artifacts
+    excluded_documents: int | None = None  # left out of the draw (the C4 evaluation split); absent before 2026-12-01
 
 
 class ParameterCounts(_Record):

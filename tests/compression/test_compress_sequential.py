@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compression.calibration import calibration_windows
+from compression.calibration import compression_calibration
 from compression.compress import CompressSettings, compress_model
 from server.config import data_path
 from server.models.compressed import apply_artifact_to_hf
@@ -20,9 +20,9 @@ def _own_activation_errors(model_dir, artifact, manifest) -> dict[str, float]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     apply_artifact_to_hf(model, artifact, model_dir)
     calib = manifest.calibration
-    windows = calibration_windows(data_path(manifest.settings["calib_data"], "calib_data"),
-                                  AutoTokenizer.from_pretrained(model_dir), calib.samples, calib.seqlen,
-                                  calib.seed).windows
+    windows = compression_calibration(data_path(manifest.settings["calib_data"], "calib_data"),
+                                      AutoTokenizer.from_pretrained(model_dir), calib.samples, calib.seqlen,
+                                      calib.seed).windows
     inputs: dict[str, list[torch.Tensor]] = {}
     hooks = [mod.register_forward_pre_hook(lambda _m, args, name=name: inputs.setdefault(name, []).append(args[0]))
              for name, mod in model.named_modules() if isinstance(mod, LowRankLinear)]

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from compression.cli import settings_from
 from compression.compress import CompressSettings
+from compression.evaluation.corpora import C4_EVAL_DOCUMENTS
 from compression.prune_artifact import prune_compress_model
 from server.backends.torch_runner import TorchRunner
 from server.cli import main as cli_main
@@ -68,6 +69,9 @@ def test_manifest_records_block_aligned_widths_within_budget(pruned, tiny_model_
     dense_params = sum(p.numel() for p in _hf(tiny_model_dir).parameters())
     assert dense_params == counts.model_before
     assert sum(p.numel() for p in _hf(tiny_model_dir, out).parameters()) == counts.model_after
+    # calibrated on none of the C4 documents `neuronmm eval` scores
+    assert manifest.calibration.excluded_documents == C4_EVAL_DOCUMENTS
+    assert min(manifest.calibration.document_ids) >= C4_EVAL_DOCUMENTS
 
 
 def _engine_greedy(model_dir, artifact, dtype: str, fused: bool, prompts: list[str], new_tokens: int):

@@ -175,17 +175,17 @@ def test_recovery_text_excludes_calibration_documents(tiny_model_dir):
     from compression.recovery.data import read_documents, recovery_documents
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    calib, document_ids = calibration_windows(C4, tok, 4, 64, 3)
-    rest, _, excluded = recovery_documents(C4, set(document_ids))
+    calib = calibration_windows(C4, tok, 4, 64, 3)
+    rest, _, excluded = recovery_documents(C4, set(calib.document_ids))
     everything, _ = read_documents(C4)
     assert excluded >= 1 and len(rest) == len(everything) - excluded
     used = [d for d in everything if d not in set(rest)]
     used_ids = torch.cat([torch.tensor(tok(d, add_special_tokens=False)["input_ids"]) for d in used])
     # every calibration token sequence starts inside an excluded document, none inside a kept one
-    first = calib[0, :16].tolist()
+    first = calib.windows[0, :16].tolist()
     assert any(first == used_ids[i:i + 16].tolist() for i in range(len(used_ids) - 15))
     for doc in rest[:200]:
-        assert doc[:40] not in tok.decode(calib.flatten().tolist())
+        assert doc[:40] not in tok.decode(calib.windows.flatten().tolist())
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -505,7 +505,7 @@ def test_artifact_without_low_rank_modules_is_a_one_line_error(tmp_path, tiny_mo
 
 def test_recovery_never_trains_on_the_c4_evaluation_split(tmp_path):
     from compression.evaluation.corpora import C4_EVAL_DOCUMENTS
-    from compression.recovery.recover import evaluation_documents
+    from compression.calibration import evaluation_documents
 
     assert evaluation_documents(C4) == set(range(C4_EVAL_DOCUMENTS))
     other = tmp_path / "other.jsonl"

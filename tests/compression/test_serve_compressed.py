@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from compression.compress import CompressSettings, compress_model
+from compression.evaluation.corpora import C4_EVAL_DOCUMENTS
 from server.errors import ConfigError
 from server.models.artifact import load_artifact
 from server.models.compressed import apply_artifact_to_hf
@@ -35,6 +36,9 @@ def test_manifest_records_ranks_errors_and_counts(artifact):
     assert len(manifest.calibration.sha256) == 64 and manifest.calibration.samples == 4
     ids = manifest.calibration.document_ids
     assert ids and ids == sorted(set(ids))  # the documents calibration read, recorded for recovery
+    # calibrated on none of the documents `neuronmm eval` scores C4 perplexity on
+    assert manifest.calibration.excluded_documents == C4_EVAL_DOCUMENTS
+    assert min(ids) >= C4_EVAL_DOCUMENTS
 
 
 def test_apply_to_hf_matches_serving_model(artifact, tiny_model_dir):
