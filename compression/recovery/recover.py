@@ -166,6 +166,8 @@ def recover_artifact(artifact_dir: Path, model_dir: Path, cfg: RecoveryConfig | 
         "evaluation_documents_excluded": len(held_out), "documents_excluded": num_excluded,
         "calibration": manifest.calibration.model_dump(include={"samples", "seqlen", "seed"})
         if manifest.calibration else None,
+        # the modules' rel_error stays compression's: the whitened error needs the calibration pass it was made in
+        "module_rel_error": "measured at compression, before this recovery changed the weights",
         "num_windows": len(windows), "epochs": round(rcfg.steps * rcfg.batch_size / len(windows), 3),
         "teacher_cache": run.get("teacher_cache"), "seed": rcfg.seed, "device": str(device),
         "wall_s": round(run["wall_s"], 2), "total_wall_s": round(time.perf_counter() - t0, 2),

@@ -41,7 +41,7 @@ class ModuleRecord(_Record):
     out_features: int = Field(alias="out")
     rank: int | None = None
     pruned_shape: tuple[int, int] | None = None
-    rel_error: float | None = None
+    rel_error: float | None = None  # at compression, on its calibration tokens (recovery does not update it)
     dense: bool = False
     reason: str | None = None
 

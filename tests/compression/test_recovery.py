@@ -146,7 +146,8 @@ def test_recovery_lowers_loss_and_records_manifest(artifact, tiny_model_dir):
     manifest = json.loads((artifact / "manifest.json").read_text())
     after = load_file(str(artifact / "factors.safetensors"))
     assert manifest["method"] == "plain" and manifest["recovery"] == block
-    for key in ("steps", "tokens", "lr", "schedule", "final_loss", "data_sha256", "adapter_rank", "wall_s"):
+    for key in ("steps", "tokens", "lr", "schedule", "final_loss", "data_sha256", "adapter_rank", "wall_s",
+                "module_rel_error"):
         assert key in block
     assert block["steps"] == 30 and block["tokens"] == 30 * 4 * 32 and len(block["data_sha256"]) == 64
     assert block["final_loss"] < block["initial_loss"] - 0.05  # random init: ~10.81 -> ~10.71 measured
