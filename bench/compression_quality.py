@@ -39,8 +39,13 @@ def manifest_facts(manifest: Manifest) -> dict:
             "param_ratio": (after / before) if before and after else None}
 
 
-def _same_rank_artifact(work: Path, method: str, keep: float, multiple: int) -> Path | None:
-    """An artifact already in work with this method whose every rank equals what (keep, multiple) gives."""
+def _same_rank_artifact(work: Path, method: str, keep: float, multiple: int, allocation: str) -> Path | None:
+    """An artifact already in work with this method whose every rank equals what (keep, multiple) gives.
+
+    Only the uniform allocation's ranks are known before compressing; the sensitivity allocation's come out of it.
+    """
+    if allocation != "uniform":
+        return None
     for manifest_path in sorted(work.glob(f"{method}-k*-m*/{MANIFEST}")):
         modules = read_manifest(manifest_path.parent).modules
         if modules and all(
@@ -95,17 +100,18 @@ def run(args) -> dict:
     rows = [dict(_evaluate(args, work, "dense", None), setting={"method": "dense"})]
     evaluated: dict[str, dict] = {}
     for multiple, method, keep in _settings(args):
-        label = f"{method}-k{keep}-m{multiple}"
+        label = f"{method}-k{keep}-m{multiple}" + ("" if args.allocation == "uniform" else f"-{args.allocation}")
         artifact = work / label
-        setting = {"method": method, "keep_ratio": keep, "rank_multiple": multiple}
-        twin = _same_rank_artifact(work, method, keep, multiple)
+        setting = {"method": method, "keep_ratio": keep, "rank_multiple": multiple, "allocation": args.allocation}
+        twin = _same_rank_artifact(work, method, keep, multiple, args.allocation)
         if twin is not None and not (artifact / MANIFEST).is_file():
             # Same method, calibration and ranks => identical factors: reuse instead of recompressing.
             print(f"  {label}: same ranks as {twin.name}, reusing it", flush=True)
             artifact = twin
         elif not (args.reuse and (artifact / MANIFEST).is_file()):
             cmd = NEURONMM + ["compress", "--config", args.config, "--keep-ratio", str(keep), "--method", method,
-                              "--targets", "mlp", "--rank-multiple", str(multiple), "--out", str(artifact)]
+                              "--targets", "mlp", "--rank-multiple", str(multiple), "--allocation", args.allocation,
+                              "--out", str(artifact)]
             wall, peak = run_logged(cmd, work / f"compress-{label}.log")
             (work / f"compress-{label}.time.json").write_text(json.dumps({"wall_s": wall, "peak_rss_mib": peak}))
         timing = json.loads((work / f"compress-{artifact.name}.time.json").read_text())
@@ -167,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", type=comma_list(one_of("whitened", "plain")), default=["whitened", "plain"],
                    help="comma-separated")
     p.add_argument("--multiples", type=comma_list(positive_int), default=[128, 32], help="comma-separated")
+    p.add_argument("--allocation", choices=("uniform", "sensitivity"), default="uniform",
+                   help="rank allocation of every compression (uniform: the published tables' protocol; sensitivity: "
+                        "the product's default)")
     p.add_argument("--seqlen", type=int_at_least(2), default=512)
     p.add_argument("--ppl", default="wikitext2,ptb,c4")
     p.add_argument("--ppl-limit", default="wikitext2=40,ptb=10,c4=10")
