@@ -226,12 +226,15 @@ def _param_counts(model: nn.Module, modules: dict[str, ModuleRecord]) -> Paramet
                            model_ratio=round(total / (total + saved), 6), mlp_ratio=round(mlp_after / mlp_before, 6))
 
 
-def _spectra_key(settings: CompressSettings, source_sha: str, calib_sha: str) -> dict:
-    """Everything the dense pre-pass depends on: a cache file is reused only when all of it matches."""
+def _spectra_key(settings: CompressSettings, source_sha: str, calib_sha: str, calib_documents: list[int]) -> dict:
+    """Everything the dense pre-pass depends on: a cache file is reused only when all of it matches.
+
+    calib_documents: the documents the windows were drawn from; the same file, samples and seed draw others when the
+    C4 evaluation split is left out (compression_calibration), as it is since 2026-12-01.
+    """
     keys = ("method", "sensitivity", "fisher_windows", "calib_samples", "calib_seqlen", "seed", "batch_size")
-    # spectra 2: plain spectra measure the output error (2026-12-01); a cache of plain weight-error spectra is stale.
-    # calibration 2: the windows leave out the C4 evaluation documents (2026-12-01), so older spectra are of others.
-    return {"source_sha256": source_sha, "calib_sha256": calib_sha, "spectra": 2, "calibration": 2,
+    # spectra 2: plain spectra measure the output error (2026-12-01); a cache of plain weight-error spectra is stale
+    return {"source_sha256": source_sha, "calib_sha256": calib_sha, "calib_documents": calib_documents, "spectra": 2,
             **{k: getattr(settings, k) for k in keys}}
 
 
@@ -283,12 +286,12 @@ MEASURED_VERSION = 1  # bump when the measured scoring changes meaning: older ca
 MEASURED_CACHE_ENTRIES = 32  # the cache keeps the newest entries of the measured allocation, each under its key
 
 
-def _measured_key(settings: CompressSettings, source_sha: str, calib_sha: str) -> dict:
+def _measured_key(settings: CompressSettings, source_sha: str, calib_sha: str, calib_documents: list[int]) -> dict:
     """Everything the measured scores of round 0 depend on (later rounds add keep_ratio and the round)."""
     keys = ("method", "rank_multiple", "calib_samples", "calib_seqlen", "seed", "batch_size", "score_windows",
             "score_seqlen", "score_dtype")
     return {"measured_version": MEASURED_VERSION, "source_sha256": source_sha, "calib_sha256": calib_sha,
-            "calibration": 2,  # as in _spectra_key
+            "calib_documents": calib_documents,  # as in _spectra_key
             **{k: getattr(settings, k) for k in keys}}
 
 
@@ -442,8 +445,8 @@ def compress_model(model_dir: Path, settings: CompressSettings, out_dir: Path, m
         score = calibration_windows(calib_path, tokenizer, settings.score_windows, settings.score_seqlen,
                                     settings.seed, exclude=held)
     allocation, ranks = _allocate(model, windows, hidden, kwargs, bs, settings, sensitivity_cache,
-                                  _spectra_key(settings, source_sha, calib_sha), score,
-                                  _measured_key(settings, source_sha, calib_sha))
+                                  _spectra_key(settings, source_sha, calib_sha, calib.document_ids), score,
+                                  _measured_key(settings, source_sha, calib_sha, calib.document_ids))
     comp = _Compressor(settings, ranks)
     hidden_dense = hidden  # the dense model's hidden states, advanced beside the compressed ones for the refit
     with torch.no_grad():

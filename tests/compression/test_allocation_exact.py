@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import shutil
 
 import numpy as np
 import pytest
 
 from compression.allocation import (Spectrum, allocate, allocate_exact, budget_for, params_used, rank_options,
                                     truncation_loss)
+from server.config import data_path
 
 
 def _random_spectra(seed: int, count: int, shapes=((16, 48), (48, 16), (24, 40))) -> list[Spectrum]:
@@ -86,8 +88,9 @@ def test_sensitivity_cache_is_reused_and_gives_the_same_ranks(tiny_model_dir, tm
     import compression.compress as cc
     from compression.compress import CompressSettings, compress_model
 
+    # seed 2 draws C4 document 456 first: an evaluation document, left out, so the draw differs from the copy's below
     s = CompressSettings(keep_ratio=0.5, rank_multiple=8, calib_samples=4, calib_seqlen=32, batch_size=2,
-                         fisher_windows=2, allocation="exact")
+                         fisher_windows=2, allocation="exact", seed=2)
     cache = tmp_path / "spectra.json"
     first = compress_model(tiny_model_dir, s, tmp_path / "a", model_id="tiny", sensitivity_cache=cache)
     assert cache.is_file() and first.allocation["total_loss"] <= first.allocation["greedy_total_loss"] + 1e-12
@@ -101,3 +104,10 @@ def test_sensitivity_cache_is_reused_and_gives_the_same_ranks(tiny_model_dir, tm
     other = s.model_copy(update={"calib_seqlen": 16})  # another key: the cache is not used
     with pytest.raises(AssertionError, match="cached pre-pass"):
         compress_model(tiny_model_dir, other, tmp_path / "c", model_id="tiny", sensitivity_cache=cache)
+    # the same bytes outside the data folder are not the C4 evaluation file: nothing is left out of the draw, so its
+    # windows come from other documents, and the spectra of the first draw must not stand in for them
+    copy = tmp_path / "c4-copy.jsonl"
+    shutil.copyfile(data_path(s.calib_data, "calib_data"), copy)
+    elsewhere = s.model_copy(update={"calib_data": str(copy)})
+    with pytest.raises(AssertionError, match="cached pre-pass"):
+        compress_model(tiny_model_dir, elsewhere, tmp_path / "d", model_id="tiny", sensitivity_cache=cache)
