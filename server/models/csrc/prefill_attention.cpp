@@ -284,9 +284,13 @@ void attend_prefill_tiles(const std::vector<PrefillTile>& tiles, const float* q_
   // contexts their last tokens see.
   std::vector<int64_t> spans;  // each item's first tile; a span ends at the next's, or where its run does
   for (int64_t i = 0; i < static_cast<int64_t>(tiles.size()); ++i) {
+    // Only tiles of one run: the batch's next rows, of the same sequence, at the next positions. attend_tiles sizes
+    // an item's scores by its last tile's context; two runs of one sequence side by side in a batch (positions 40..55,
+    // then 10..25: the op takes any order) made one item whose first tile wrote past them.
     const bool continues = i > 0 && i - spans.back() < kTilesAnItem &&
                            tiles[i].first == tiles[i - 1].first + tiles[i - 1].tokens &&
-                           seq_index[tiles[i].first] == seq_index[tiles[i - 1].first];
+                           seq_index[tiles[i].first] == seq_index[tiles[i - 1].first] &&
+                           context_lens[tiles[i].first] == context_lens[tiles[i].first - 1] + 1;
     if (!continues) spans.push_back(i);
   }
   spans.push_back(static_cast<int64_t>(tiles.size()));
