@@ -120,6 +120,9 @@ def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     vocab = logits.shape[-1]
     params = [s.params for s in seqs]
     uniform = torch.tensor([torch.rand(1, generator=s.generator).item() for s in seqs], device=logits.device)
+    # A draw of exactly 0 (torch.rand gives one in 2^24) would pick the first column of positive probability: the
+    # fused op's fast exp floors at ~1e-38 rather than 0, so that could be a token at -150 under the row's best.
+    uniform.clamp_(min=2.0**-25)
     # Plain temperature rows are told apart in Python, with one tensor built: right after a step the caches hold the
     # weights streamed, not the interpreter's data, and each small tensor op then costs ~20 us (the three tensors, the
     # filter test and the division here took ~250 us of a 6.6 ms batch-1 step under the AVX2 caps, 40 us alone).
