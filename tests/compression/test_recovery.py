@@ -287,6 +287,8 @@ def test_revisited_windows_read_the_teacher_from_the_cache_and_train_the_same(tm
     assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     for a, b in zip(adapter_parameters(cached), adapter_parameters(plain), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    if hidden_loss:
+        return  # resuming and the cache's limit do not depend on the loss: checked once, without the hidden term
     # interrupted in the second epoch and resumed with an empty cache: the same weights again
     part = _tiny_adapted(tiny_model_dir, train="factors")
     train_adapters(part, windows, cfg, tmp_path / "c.pt", teacher=teacher, stop_after=10)
