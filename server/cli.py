@@ -7,8 +7,10 @@ import importlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -363,6 +365,22 @@ def build_parser(plugins: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
+class _Terminated(Exception):
+    """SIGTERM, raised in the main thread so that cleanup runs (a staged artifact, a temp folder): the signal's
+    default action ends the process on the spot and leaves them behind."""
+
+
+def _raise_terminated(_signum, _frame):
+    raise _Terminated
+
+
+def _terminate_with_cleanup(command: str):
+    """Install _raise_terminated for an offline command (serve drains on SIGTERM itself); the handler it replaced."""
+    if command == "serve" or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_terminated)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; exit code 2 with one line for a bad config or input."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -371,14 +389,21 @@ def main(argv: list[str] | None = None) -> int:
         # Every plugin's module is imported to build its subcommand (torch and the compression stack: a second or
         # more); `serve` needs none of them, and each second before it spawns the engine core delays the server.
         args = build_parser(plugins=argv[:1] != ["serve"]).parse_args(argv)
+        previous = _terminate_with_cleanup(args.command)
         try:
             return int(args.func(args) or 0)
         except ConfigError as exc:
             print(f"neuronmm {args.command}: error: {exc}", file=sys.stderr)
             return 2
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
     except KeyboardInterrupt:  # Ctrl+C before a command handles SIGINT itself (serve: while importing): one line
         print("neuronmm: interrupted", file=sys.stderr)
         return 130
+    except _Terminated:
+        print("neuronmm: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
 
 
 if __name__ == "__main__":

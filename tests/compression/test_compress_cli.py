@@ -196,3 +196,25 @@ def test_bad_recover_flags_fail_before_compressing(argv, needle, tmp_path, capsy
     assert main(["compress", *argv, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0] and not out.exists()
+
+
+def test_sigterm_during_recovery_leaves_no_staged_artifact(tmp_path, tiny_model_dir):
+    """SIGTERM (a job's stop, `timeout`) ends an offline command with one line and exit code 143 after its cleanup:
+    its default action had ended the process at once and left the 140 MB staged artifact behind."""
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(f"model: {{name: tiny, source: safetensors, path: {tiny_model_dir}}}\n")
+    out = tmp_path / "outs" / "art"
+    argv = ["compress", "--config", str(cfg), "--keep-ratio", "0.5", "--rank-multiple", "8", "--allocation", "uniform",
+            "--calib-samples", "2", "--calib-seqlen", "32", "--recover", "lora", "--num-threads", "1", "--out", str(out)]
+    # the recovery is where the signal lands: the process sends it to itself, then works on as a recovery would
+    script = ("import os, signal, sys, time\nimport compression.cli\n"
+              "def recovering(*args, **kwargs):\n    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(60)\n"
+              "compression.cli.recover_artifact = recovering\n"
+              f"from server.cli import main\nsys.exit(main({argv!r}))\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 143, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1] == "neuronmm: terminated"
+    assert list((tmp_path / "outs").iterdir()) == []  # neither --out nor the staged artifact beside it
