@@ -95,39 +95,71 @@ def test_run_cli_says_interrupted_on_ctrl_c(capsys):
     assert capsys.readouterr().err == "bench.x: interrupted\n"
 
 
-def _python_m(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=PYTHON_TIMEOUT,
-                          cwd=harness.REPO)
+# Each child imports torch and the server (~5 s of CPU): they all start together, when the first test reads one,
+# so they share both cores instead of running one after another; each test reads its own child's result.
+PYTHON_M = {"config error": ("bench.engine_step", "--config", "/nonexistent.yaml", "--out", "{out}"),
+            "zero concurrency": ("bench.serve", "--concurrency", "0"),
+            "bench.cli": ("bench.cli", "engine_step", "--config", "/nonexistent.yaml", "--out", "{out}"),
+            "cpu_caps help": ("bench.cpu_caps", "--help"),
+            "cpu_caps missing": ("bench.cpu_caps", "avx2", "no-such-command-here"),
+            "core_latency help": ("bench.core_latency", "--help"),
+            "core_latency refused": ("bench.core_latency", "--rounds", "5")}
 
 
-def test_python_m_gives_a_config_error_as_one_line(tmp_path):
-    run = _python_m("bench.engine_step", "--config", "/nonexistent.yaml", "--out", str(tmp_path / "s.json"))
+@pytest.fixture(scope="module")
+def python_m(tmp_path_factory):
+    """`python -m` with each PYTHON_M entry's arguments ({out}: a path in a folder of its own), all started at once:
+    a function from the entry's name to its finished child."""
+    procs = {}
+    for name, args in PYTHON_M.items():
+        out = tmp_path_factory.mktemp("python-m") / "s.json"
+        argv = [sys.executable, "-m", *(arg.replace("{out}", str(out)) for arg in args)]
+        procs[name] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       cwd=harness.REPO)
+    done: dict[str, subprocess.CompletedProcess] = {}
+
+    def result(name: str) -> subprocess.CompletedProcess:
+        if name not in done:
+            proc = procs[name]
+            stdout, stderr = proc.communicate(timeout=PYTHON_TIMEOUT)
+            done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        return done[name]
+
+    yield result
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def test_python_m_gives_a_config_error_as_one_line(python_m):
+    run = python_m("config error")
     assert run.returncode == 2
     assert run.stderr == "bench.engine_step: error: config file not found: /nonexistent.yaml\n"
 
 
-def test_python_m_refuses_a_zero_concurrency_in_argparse_style():
-    run = _python_m("bench.serve", "--concurrency", "0")
+def test_python_m_refuses_a_zero_concurrency_in_argparse_style(python_m):
+    run = python_m("zero concurrency")
     assert run.returncode == 2
     assert run.stderr.splitlines()[-1] == "bench.serve: error: argument --concurrency: expected a positive integer, got '0'"
 
 
-def test_bench_cli_runs_as_a_module_as_neuronmm_bench_does(tmp_path):
-    run = _python_m("bench.cli", "engine_step", "--config", "/nonexistent.yaml", "--out", str(tmp_path / "s.json"))
+def test_bench_cli_runs_as_a_module_as_neuronmm_bench_does(python_m):
+    run = python_m("bench.cli")
     assert run.returncode == 2 and run.stderr == "neuronmm bench: error: config file not found: /nonexistent.yaml\n"
 
 
-def test_cpu_caps_help_and_a_missing_command():
-    helped = _python_m("bench.cpu_caps", "--help")
+def test_cpu_caps_help_and_a_missing_command(python_m):
+    helped = python_m("cpu_caps help")
     assert helped.returncode == 0 and helped.stdout.startswith("usage: python -m bench.cpu_caps")
-    missing = _python_m("bench.cpu_caps", "avx2", "no-such-command-here")
+    missing = python_m("cpu_caps missing")
     assert missing.returncode == 127
     assert missing.stderr == "bench.cpu_caps: error: no-such-command-here: command not found\n"
 
 
-def test_core_latency_has_a_help_and_refuses_other_arguments():
-    assert _python_m("bench.core_latency", "--help").returncode == 0
-    refused = _python_m("bench.core_latency", "--rounds", "5")
+def test_core_latency_has_a_help_and_refuses_other_arguments(python_m):
+    assert python_m("core_latency help").returncode == 0
+    refused = python_m("core_latency refused")
     assert refused.returncode == 2 and "unrecognized arguments" in refused.stderr
 
 

@@ -9,6 +9,7 @@ the compression artifact write is not covered here.)
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import signal
@@ -37,17 +38,27 @@ def _string_array(field) -> list[str]:
     return [bytes(field.parts[i]).decode("utf-8", "surrogateescape") for i in field.data]
 
 
-def write_small_gguf(path: Path, seed: int) -> Path:
-    """SmolLM2's tokenizer metadata (first VOCAB tokens, merges among them) and a random 2-layer Llama."""
+@functools.cache
+def _small_tokenizer() -> tuple[list[str], list[str], list[int], str]:
+    """SmolLM2's first VOCAB tokens, the merges among them, their types and the chat template (read once: parsing the
+    94 MB GGUF takes seconds)."""
     import gguf
 
-    reader = gguf.GGUFReader(gguf_path(load_config().model))
-    fields = reader.fields
+    fields = gguf.GGUFReader(gguf_path(load_config().model)).fields
     tokens = _string_array(fields["tokenizer.ggml.tokens"])[:VOCAB]
     kept = set(tokens)
     merges = [m for m in _string_array(fields["tokenizer.ggml.merges"])
               if all(p in kept for p in m.split(" ")) and m.replace(" ", "") in kept]
     types = [int(fields["tokenizer.ggml.token_type"].parts[i][0]) for i in fields["tokenizer.ggml.token_type"].data]
+    template = bytes(fields["tokenizer.chat_template"].parts[fields["tokenizer.chat_template"].data[0]]).decode()
+    return tokens, merges, types[:VOCAB], template
+
+
+def write_small_gguf(path: Path, seed: int) -> Path:
+    """SmolLM2's tokenizer metadata (first VOCAB tokens, merges among them) and a random 2-layer Llama."""
+    import gguf
+
+    tokens, merges, types, template = _small_tokenizer()
     w = gguf.GGUFWriter(path, "llama")
     w.add_context_length(512)
     w.add_embedding_length(64)
@@ -60,11 +71,11 @@ def write_small_gguf(path: Path, seed: int) -> Path:
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_token_list(tokens)
-    w.add_token_types(types[:VOCAB])
+    w.add_token_types(types)
     w.add_token_merges(merges)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    w.add_chat_template(bytes(fields["tokenizer.chat_template"].parts[fields["tokenizer.chat_template"].data[0]]).decode())
+    w.add_chat_template(template)
     rng = np.random.default_rng(seed)
 
     def tensor(name: str, *shape: int) -> None:

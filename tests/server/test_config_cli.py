@@ -106,12 +106,42 @@ def test_a_file_that_is_no_gguf_exits_2_with_one_line(tmp_path, capsys, content)
     assert "Traceback" not in "\n".join(err)
 
 
-def test_neuron_backend_without_sdk_is_one_line(tmp_path, tiny_model_dir):
-    path = tmp_path / "neuron.yaml"
-    path.write_text(f"model: {{name: x, source: safetensors, path: {tiny_model_dir}}}\nbackend: neuron\n")
-    proc = subprocess.run([sys.executable, "-c", "from server.cli import main; import sys; "
-                           f"sys.exit(main(['serve', '--config', '{path}', '--port', '0']))"],
-                          capture_output=True, text=True, timeout=120)
+def _serve_child(config: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "from server.cli import main; import sys; "
+                             f"sys.exit(main(['serve', '--config', '{config}', '--port', '0']))"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def serve_children(tmp_path_factory, tiny_model_dir):
+    """`neuronmm serve` in a child for each config these tests start with (each ends in a config error), all started
+    at once, when the first test reads one: the second's model load (seconds) runs beside the tests between them.
+    A function from the config's name to its finished child."""
+    from support import tiny_config_file
+
+    folder = tmp_path_factory.mktemp("serve")
+    neuron = folder / "neuron.yaml"
+    neuron.write_text(f"model: {{name: x, source: safetensors, path: {tiny_model_dir}}}\nbackend: neuron\n")
+    kv = tiny_config_file(tiny_model_dir, tmp_path_factory.mktemp("kv"), kv_cache_gib=1e-6)
+    procs = {"neuron": _serve_child(neuron), "tiny kv pool": _serve_child(kv)}
+    done: dict[str, subprocess.CompletedProcess] = {}
+
+    def result(name: str) -> subprocess.CompletedProcess:
+        if name not in done:
+            proc = procs[name]
+            stdout, stderr = proc.communicate(timeout=120)
+            done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        return done[name]
+
+    yield result
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def test_neuron_backend_without_sdk_is_one_line(serve_children):
+    proc = serve_children("neuron")
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert "Neuron SDK" in last and "Traceback" not in proc.stderr
@@ -453,16 +483,11 @@ def test_vllm_flags_without_effect_here_are_accepted_and_named():
     assert _serve_config([]).server.access_log is True
 
 
-def test_a_config_error_the_engine_core_finds_ends_the_server_with_one_line(tiny_model_dir, tmp_path):
+def test_a_config_error_the_engine_core_finds_ends_the_server_with_one_line(serve_children):
     """A limit only the loaded model can check (here a KV pool too small for one sequence) stops `neuronmm serve`
     with the one-line error and exit 2, as vLLM exits when its engine cannot start: not a server that stays up
     answering 503 (in a child process with a timeout, so a regression fails rather than serves)."""
-    from support import tiny_config_file
-
-    config = tiny_config_file(tiny_model_dir, tmp_path, kv_cache_gib=1e-6)
-    proc = subprocess.run([sys.executable, "-c", "from server.cli import main; import sys; "
-                           f"sys.exit(main(['serve', '--config', '{config}', '--port', '0']))"],
-                          capture_output=True, text=True, timeout=120)
+    proc = serve_children("tiny kv pool")
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("neuronmm serve: error: engine.kv_cache_gib:") and "cannot hold one sequence" in last, last

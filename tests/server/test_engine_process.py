@@ -27,8 +27,9 @@ from support import live_server, tiny_config
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    """An app serving from a core spawned before it, as `neuronmm serve` starts them (the core loads meanwhile)."""
-    cfg = tiny_config(tiny_model_dir, max_model_len=256)
+    """An app serving from a core spawned before it, as `neuronmm serve` starts them (the core loads meanwhile); 1,024
+    positions, for the pipe buffer test's prompt."""
+    cfg = tiny_config(tiny_model_dir, max_model_len=1024)
     core = EngineCoreClient(cfg)
     core.spawn()
     with live_server(cfg, engine_process=True, engine_core=core, ready_timeout=120) as live:
@@ -236,18 +237,14 @@ def test_stopping_a_core_that_is_still_loading_kills_it_at_once(tiny_model_dir):
 
 
 
-def test_a_report_larger_than_the_pipe_buffer_reaches_its_request(tiny_model_dir):
+def test_a_report_larger_than_the_pipe_buffer_reaches_its_request(server):
     """A step report past the socket's buffer (prompt logprobs over a 1,000-token prompt: ~0.3 MB) arrives whole,
     and the core serves on: under uvloop, whose reader makes the socket non-blocking, Connection.recv once read such
     a report as the core's death and failed every request after it."""
-    cfg = tiny_config(tiny_model_dir, max_model_len=1024)
-    core = EngineCoreClient(cfg)
-    core.spawn()
-    with live_server(cfg, engine_process=True, engine_core=core, ready_timeout=120) as live:
-        prompt = [1000 + 37 * i % 40000 for i in range(1000)]
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 20, "temperature": 0}
-        resp = httpx.post(f"{live.url}/v1/completions", json=body, timeout=120)
-        assert resp.status_code == 200, resp.text
-        assert len(resp.json()["choices"][0]["prompt_logprobs"]) == 1000
-        assert core.is_alive
-        assert _complete(live.url)["choices"][0]["finish_reason"] == "length"
+    prompt = [1000 + 37 * i % 40000 for i in range(1000)]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 20, "temperature": 0}
+    resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert len(resp.json()["choices"][0]["prompt_logprobs"]) == 1000
+    assert server.core.is_alive
+    assert _complete(server.url)["choices"][0]["finish_reason"] == "length"
