@@ -1,6 +1,6 @@
 """Test helpers shared by several folders: a Config for the tiny model (and its YAML file), a live in-process uvicorn
-server, pytest in a fresh process, waiting for a condition, a runtime whose logits write a scripted reply, an engine
-that refuses to add some prompts."""
+server, pytest in a fresh process, children read when first asked, waiting for a condition, a runtime whose logits
+write a scripted reply, an engine that refuses to add some prompts, paged-attention batches of runs."""
 
 from __future__ import annotations
 
@@ -142,3 +142,36 @@ def refuse_prompts_starting(monkeypatch, prefix: list[int]) -> None:
         return real(self, request_id, prompt_ids, params, n)
 
     monkeypatch.setattr(LLMEngine, "add_request", add_request)
+
+
+def finished_children(procs: dict[str, subprocess.Popen],
+                      timeout: float) -> Iterator[Callable[[str], subprocess.CompletedProcess]]:
+    """For a generator fixture (`yield from`): a function from a child's name to its finished CompletedProcess, each
+    waited for when first asked, so children started together run beside the tests; any left are killed after."""
+    done: dict[str, subprocess.CompletedProcess] = {}
+
+    def result(name: str) -> subprocess.CompletedProcess:
+        if name not in done:
+            proc = procs[name]
+            stdout, stderr = proc.communicate(timeout=timeout)
+            done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        return done[name]
+
+    yield result
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def scattered_runs(runs: list[tuple[int, int]], block_size: int, generator: torch.Generator) -> SimpleNamespace:
+    """A paged-attention batch's layout for runs (prefix, tokens), each its own sequence with its blocks scattered over
+    the pool: num_blocks, block tables, each token's sequence index, position and cache slot."""
+    max_blocks = max(-(-(p + n) // block_size) for p, n in runs)
+    num_blocks = len(runs) * max_blocks + 2
+    tables = torch.randperm(num_blocks, generator=generator)[:len(runs) * max_blocks].view(len(runs), max_blocks).int()
+    seq_index = torch.cat([torch.full((n,), s, dtype=torch.int32) for s, (_, n) in enumerate(runs)])
+    positions = torch.cat([torch.arange(p, p + n) for p, n in runs])
+    slot_mapping = tables[seq_index.long(), positions // block_size].long() * block_size + positions % block_size
+    return SimpleNamespace(num_blocks=num_blocks, tables=tables, seq_index=seq_index, positions=positions,
+                           slot_mapping=slot_mapping)

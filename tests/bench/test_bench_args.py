@@ -17,6 +17,7 @@ from bench import (compression_quality, cpu_ops, engine_step, engine_workload, g
                    kv_cache_quality, load, lora_step, multiturn, peak_rate, position_nll, pruning_baseline,
                    read_bandwidth, recovery, serve, speculative, structured_output)
 from server.errors import ConfigError
+from support import finished_children
 
 PYTHON_TIMEOUT = 120  # a child imports torch: seconds, not minutes
 
@@ -116,20 +117,7 @@ def python_m(tmp_path_factory):
         argv = [sys.executable, "-m", *(arg.replace("{out}", str(out)) for arg in args)]
         procs[name] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                        cwd=harness.REPO)
-    done: dict[str, subprocess.CompletedProcess] = {}
-
-    def result(name: str) -> subprocess.CompletedProcess:
-        if name not in done:
-            proc = procs[name]
-            stdout, stderr = proc.communicate(timeout=PYTHON_TIMEOUT)
-            done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-        return done[name]
-
-    yield result
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()
+    yield from finished_children(procs, PYTHON_TIMEOUT)
 
 
 def test_python_m_gives_a_config_error_as_one_line(python_m):

@@ -14,6 +14,7 @@ from server import cli
 from server.backends import check_backend_available
 from server.cli import main
 from server.config import DEFAULT_CONFIG, ConfigError, load_config
+from support import finished_children
 
 
 def test_default_config_loads():
@@ -124,20 +125,7 @@ def serve_children(tmp_path_factory, tiny_model_dir):
     neuron.write_text(f"model: {{name: x, source: safetensors, path: {tiny_model_dir}}}\nbackend: neuron\n")
     kv = tiny_config_file(tiny_model_dir, tmp_path_factory.mktemp("kv"), kv_cache_gib=1e-6)
     procs = {"neuron": _serve_child(neuron), "tiny kv pool": _serve_child(kv)}
-    done: dict[str, subprocess.CompletedProcess] = {}
-
-    def result(name: str) -> subprocess.CompletedProcess:
-        if name not in done:
-            proc = procs[name]
-            stdout, stderr = proc.communicate(timeout=120)
-            done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-        return done[name]
-
-    yield result
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()
+    yield from finished_children(procs, 120)
 
 
 def test_neuron_backend_without_sdk_is_one_line(serve_children):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from server.models import fused_ops
-from support import pytest_in_subprocess
+from support import pytest_in_subprocess, scattered_runs
 
 pytestmark = pytest.mark.skipif(not fused_ops.load(), reason="no C++ compiler: the fused ops cannot be built")
 
@@ -263,12 +263,9 @@ def _prefill_case(head_dim: int, num_kv_heads: int, group: int, block_size: int,
     ones (a prefill chunk; one token is a decode), its blocks scattered over the pool."""
     g = torch.Generator().manual_seed(4)
     num_heads = num_kv_heads * group
-    max_blocks = max(-(-(p + n) // block_size) for p, n in runs)
-    num_blocks = len(runs) * max_blocks + 2
-    tables = torch.randperm(num_blocks, generator=g)[:len(runs) * max_blocks].view(len(runs), max_blocks).int()
-    seq_index = torch.cat([torch.full((n,), s, dtype=torch.int32) for s, (_, n) in enumerate(runs)])
-    positions = torch.cat([torch.arange(p, p + n) for p, n in runs])
-    slot_mapping = tables[seq_index.long(), positions // block_size].long() * block_size + positions % block_size
+    layout = scattered_runs(runs, block_size, g)
+    num_blocks, tables, positions = layout.num_blocks, layout.tables, layout.positions
+    seq_index, slot_mapping = layout.seq_index, layout.slot_mapping
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
     angles = positions.float().unsqueeze(1) * torch.linspace(0.1, 1.0, head_dim // 2).repeat(2)
     qkv = torch.randn(len(positions), (num_heads + 2 * num_kv_heads) * head_dim, generator=g)

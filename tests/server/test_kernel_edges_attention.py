@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from server.models import fused_ops
+from support import scattered_runs
 
 pytestmark = pytest.mark.skipif(not fused_ops.load(), reason="no C++ compiler: the fused ops cannot be built")
 
@@ -22,12 +23,9 @@ def _case(dtype, cache_dtype, head_dim: int, num_kv_heads: int, group: int, bloc
     reorders the batch's tokens. Every slot no token's context covers holds NaN, as a never-written pool may."""
     g = torch.Generator().manual_seed(seed)
     num_heads = num_kv_heads * group
-    max_blocks = max(-(-(p + n) // block_size) for p, n in runs)
-    num_blocks = len(runs) * max_blocks + 2
-    tables = torch.randperm(num_blocks, generator=g)[:len(runs) * max_blocks].view(len(runs), max_blocks).int()
-    seq_index = torch.cat([torch.full((n,), s, dtype=torch.int32) for s, (_, n) in enumerate(runs)])
-    positions = torch.cat([torch.arange(p, p + n) for p, n in runs])
-    slot_mapping = tables[seq_index.long(), positions // block_size].long() * block_size + positions % block_size
+    layout = scattered_runs(runs, block_size, g)
+    num_blocks, tables, positions = layout.num_blocks, layout.tables, layout.positions
+    seq_index, slot_mapping = layout.seq_index, layout.slot_mapping
     written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
     for s, (p, n) in enumerate(runs):
         seen = torch.arange(p + n)
